@@ -1,0 +1,269 @@
+"""The sparse attention backend: equivalences a wrong implementation cannot pass."""
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+import toptheta
+from toptheta.calibration import Thresholds
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+def tiny(arch: str, layers: int = 2) -> torch.nn.Module:
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+def batch(left_pad: int = 3):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :left_pad] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("reference", ["sdpa", "eager"])
+def test_dense_backend_equals_transformers(arch, reference):
+    model, inputs = tiny(arch), batch()
+    model.set_attn_implementation(reference)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        with toptheta.sparsify(model, toptheta.Dense()):
+            got = model(**inputs).logits
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(got[real], expected[real], atol=2e-5, rtol=1e-5)
+    assert model.config._attn_implementation == reference  # restored
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sparsifier,comp", [
+    (toptheta.Dense(), []),
+    (toptheta.TopK(5, "post"), [toptheta.VMC()]),
+    (toptheta.TopK(5, "pre"), [toptheta.SDC("exact"), toptheta.VMC()]),
+])
+def test_cached_decode_equals_full_forward(arch, sparsifier, comp):
+    """Prefill row of length n and the decode step with KV length n see the same keys and rule."""
+    model, inputs = tiny(arch), batch()
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp):
+        full = model(**inputs).logits
+        out = model(input_ids=ids[:, :-4], attention_mask=mask[:, :-4], use_cache=True)
+        cache, steps = out.cache, []
+        for t in range(ids.shape[1] - 4, ids.shape[1]):
+            out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+            cache = out.cache
+            steps.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, -4:], atol=5e-5, rtol=1e-4)
+
+
+def test_topk_with_k_at_least_n_equals_dense():
+    model, inputs = tiny("llama"), batch()
+    with torch.no_grad():
+        with toptheta.sparsify(model):
+            dense = model(**inputs).logits
+        with toptheta.sparsify(model, toptheta.TopK(24, "pre"), []) as stats:
+            sparse = model(**inputs).logits
+    torch.testing.assert_close(sparse, dense)
+    assert stats.kept_attention_fraction == 1.0
+
+
+def test_generate_with_every_sparsifier_and_compensation():
+    model, inputs = tiny("qwen2"), batch()
+    v = torch.zeros(2, 4, 64)  # a threshold sparsifier with fixed θ per layer/head/n
+    thresholds = Thresholds(v, [4, 4], "post")
+    for sparsifier, comp in [(toptheta.TopK(4, "post"), [toptheta.VMC()]),
+                             (toptheta.TopK(4, "pre"), [toptheta.SDC("exact")]),
+                             (toptheta.TopTheta(Thresholds(v + 0.05, [4, 4], "post")), [toptheta.VMC()]),
+                             (toptheta.TopTheta(Thresholds(v - 1.0, [4, 4], "pre")), [toptheta.SDC("exp-threshold"), toptheta.VMC()])]:
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
+            out = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert out.shape == (2, 30)
+        assert 0 < stats.kept_vrow_fraction <= 1 and 0 < stats.kept_attention_fraction <= 1
+    assert thresholds.max_n == 63
+
+
+# ---- kernel-level properties on random tensors ------------------------------------------------------
+
+def qkv(B=2, H=4, Hkv=2, Q=12, K=12, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Q, D, generator=g) * 2
+    k = torch.randn(B, Hkv, K, D, generator=g) * 2
+    v = torch.randn(B, Hkv, K, D, generator=g)
+    valid = torch.ones(Q, K, dtype=torch.bool).tril(K - Q)[None, None].repeat(B, 1, 1, 1)
+    if B > 1:
+        valid[1, :, :, :3] = False  # left padding of 3 in the second sequence
+    return q, k, v, valid
+
+
+def reference_probs(q, k, valid, scale):
+    """Dense probabilities in float64, the brute-force reference. (B, H, Q, K)"""
+    G = q.shape[1] // k.shape[1]
+    s = (q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2)) * scale
+    s = s.masked_fill(~valid, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0), s
+
+
+def run(sparsifier, comp=(), chunk=None, observer=None, stats=None, data=None):
+    q, k, v, valid = data or qkv()
+    return toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=sparsifier,
+                                     compensations=comp, chunk_size=chunk, observer=observer, stats=stats)
+
+
+def collect_keep(sparsifier, comp=(), data=None):
+    seen = []
+    run(sparsifier, comp, observer=lambda rows: seen.append(rows), data=data)
+    return seen[0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_topk_keeps_min_k_n_and_never_a_masked_key(k):
+    rows = collect_keep(toptheta.TopK(k, "post"))
+    kept = rows.keep.sum(-1)  # (B, H, Q)
+    assert torch.equal(kept, rows.n.expand_as(kept).clamp(max=k))
+    assert not (rows.keep & ~rows.valid).any()
+
+
+def test_threshold_at_k_plus_1th_largest_keeps_exactly_k():
+    k, data = 4, qkv(B=1)
+    rows = collect_keep(toptheta.Dense(), data=data)
+    for placement in ("pre", "post"):
+        tau = rows.kth_largest(k + 1, placement)[0]  # (H, Q): row i has n = i + 1
+        values = torch.full((1, 4, 13), float("nan"))
+        values[0, :, 1:] = tau
+        thresholds = Thresholds(values, [k], placement)
+        got = collect_keep(toptheta.TopTheta(thresholds), data=data).keep.sum(-1)[0]  # (H, Q)
+        expected = torch.arange(1, 13).clamp(max=k).expand_as(got)
+        assert torch.equal(got, expected), placement
+
+
+def test_exact_sdc_gives_kept_elements_their_dense_probabilities():
+    q, k, v, valid = data = qkv()
+    p, _ = reference_probs(q, k, valid, 0.5)
+    rows = collect_keep(toptheta.TopK(3, "pre"), data=data)
+    expected = torch.einsum("bhqk,bhkd->bqhd", p * rows.keep, v.double().repeat_interleave(2, 1))
+    got = run(toptheta.TopK(3, "pre"), [toptheta.SDC("exact")], data=data)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_vmc_beta_is_the_dropped_mass_times_the_mean_v_row():
+    q, k, v, valid = data = qkv()
+    p, _ = reference_probs(q, k, valid, 0.5)
+    keep = collect_keep(toptheta.TopK(3, "post"), data=data).keep
+    vr = v.double().repeat_interleave(2, 1)  # (B, H, K, D)
+    beta = (p * ~keep).sum(-1, keepdim=True)  # (B, H, Q, 1)
+    v_mean = (valid.double() @ vr) / valid.sum(-1, keepdim=True).clamp(min=1)
+    expected = ((p * keep) @ vr + beta * v_mean).transpose(1, 2)
+    got = run(toptheta.TopK(3, "post"), [toptheta.VMC()], data=data)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_topk_post_vmc_equals_topk_pre_exact_sdc_vmc():
+    a = run(toptheta.TopK(4, "post"), [toptheta.VMC()])
+    b = run(toptheta.TopK(4, "pre"), [toptheta.SDC("exact"), toptheta.VMC()])
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_pre_without_sdc_renormalises_over_the_kept_set():
+    q, k, v, valid = data = qkv()
+    p, _ = reference_probs(q, k, valid, 0.5)
+    keep = collect_keep(toptheta.TopK(2, "pre"), data=data).keep
+    renorm = (p * keep) / (p * keep).sum(-1, keepdim=True).clamp_min(1e-30)
+    expected = (renorm @ v.double().repeat_interleave(2, 1)).transpose(1, 2)
+    torch.testing.assert_close(run(toptheta.TopK(2, "pre"), data=data).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 7])
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_chunked_equals_unchunked(chunk, placement):
+    thresholds = Thresholds(torch.full((1, 4, 1), -0.5 if placement == "pre" else 0.08), [2], placement)
+    comp = [toptheta.SDC("exact"), toptheta.VMC()] if placement == "pre" else [toptheta.VMC()]
+    for sparsifier in (toptheta.TopK(3, placement), toptheta.TopTheta(thresholds)):
+        torch.testing.assert_close(run(sparsifier, comp, chunk=chunk), run(sparsifier, comp, chunk=100))
+
+
+def test_statistics_equal_brute_force_counts():
+    data = qkv()
+    stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
+    run(toptheta.TopK(3, "post"), stats=stats, data=data)
+    n = data[3].sum(-1)  # (B, 1, Q)
+    kept = n.clamp(max=3).sum() * 4
+    assert stats.prefill_kept.sum() == kept and stats.prefill_valid.sum() == n.sum() * 4
+    assert stats.kept_attention_fraction == pytest.approx(float(kept / (n.sum() * 4)))
+    # decode: one query row over all 12 keys; V rows kept = union over the 2 heads of each group
+    q, k, v, valid = data
+    decode = (q[:, :, -1:], k, v, valid[:, :, -1:])
+    rows = collect_keep(toptheta.TopK(3, "post"), data=decode)
+    union = rows.keep.view(2, 2, 2, 1, 12).any(2).sum()
+    run(toptheta.TopK(3, "post"), stats=stats, data=decode)
+    assert stats.vrow_kept.sum() == union and stats.vrow_valid.sum() == valid[:, :, -1].sum() * 2
+    p, _ = reference_probs(*decode[:2], decode[3], 0.5)
+    assert float(stats.decode_kept.sum()) == 2 * 4 * 3
+    stats.reset()
+    assert stats.kept_attention_fraction is None and stats.kept_vrow_fraction is None
+
+
+def test_rows_with_everything_below_threshold_keep_their_max_and_stay_finite():
+    for placement in ("pre", "post"):
+        thresholds = Thresholds(torch.full((1, 4, 1), 1e9), [1], placement)
+        rows = collect_keep(toptheta.TopTheta(thresholds))
+        assert torch.equal(rows.keep.sum(-1), rows.n.expand(2, 4, 12).clamp(max=1))
+        comp = [toptheta.SDC("exp-threshold"), toptheta.VMC()] if placement == "pre" else [toptheta.VMC()]
+        assert torch.isfinite(run(toptheta.TopTheta(thresholds), comp)).all()
+
+
+def test_bfloat16_model_runs_with_float32_statistics():
+    model = tiny("llama").to(torch.bfloat16)
+    with torch.no_grad(), toptheta.sparsify(model, toptheta.TopK(4, "pre"), [toptheta.SDC(), toptheta.VMC()]) as stats:
+        logits = model(**batch()).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    assert 0 < stats.kept_attention_fraction < 1
+
+
+# ---- integration contract -----------------------------------------------------------------------------
+
+def test_context_manager_restores_on_exception_and_refuses_nesting():
+    model = tiny("llama")
+    with pytest.raises(ZeroDivisionError), toptheta.sparsify(model):
+        1 / 0
+    assert model.config._attn_implementation == "sdpa"
+    with toptheta.sparsify(model), pytest.raises(RuntimeError, match="already inside"):
+        with toptheta.sparsify(model):
+            pass
+
+
+def test_model_outside_the_block_with_our_implementation_fails_clearly():
+    model = tiny("llama")
+    with toptheta.sparsify(model):
+        pass
+    model.set_attn_implementation("toptheta")
+    with pytest.raises(RuntimeError, match="outside a toptheta.sparsify"):
+        model(**batch())
+
+
+@pytest.mark.parametrize("sparsifier,comp,message", [
+    (toptheta.TopK(4, "post"), [toptheta.SDC()], "needs pre-softmax"),
+    (toptheta.TopK(4, "pre"), [toptheta.VMC()], "β is always 0"),
+    (toptheta.TopK(4, "pre"), [toptheta.SDC("exp-threshold")], "threshold sparsifier"),
+    (toptheta.Dense(), [toptheta.VMC()], "drops nothing"),
+])
+def test_meaningless_combinations_are_refused(sparsifier, comp, message):
+    with pytest.raises(ValueError, match=message):
+        with toptheta.sparsify(tiny("llama", 1), sparsifier, comp):
+            pass
+
+
+def test_thresholds_for_another_model_shape_are_refused():
+    thresholds = Thresholds(torch.zeros(3, 4, 1), [2, 2, 2], "post", {"fingerprint": {"layers": 3, "heads": 4, "kv_heads": 2, "head_dim": 16}})
+    with pytest.raises(ValueError, match="calibrated for a model with"):
+        with toptheta.sparsify(tiny("llama"), toptheta.TopTheta(thresholds), []):
+            pass

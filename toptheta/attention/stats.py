@@ -1,0 +1,128 @@
+"""Sparsity statistics, accumulated in memory as tensors (method.md §5).
+
+Every counter is a (layers, heads) or (layers, KV heads) tensor of sums, so recording costs a few
+reductions per chunk and reading is free. The paper's headline ratios are ratios of means over all
+(layer, head, forward) lines, which for sums is simply Σ kept / Σ valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sparsifiers.base import RowBlock
+
+
+class SparsityStats:
+    """Counters of one ``toptheta.sparsify`` session.
+
+    Prefill rows (calls with more than one query) count attention elements per (layer, head);
+    decode steps (one query) count V rows per (layer, KV head), a V row being kept when any query
+    head of the group keeps it (the union the paper reports), plus attention elements per head.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, enabled: bool = True):
+        self.num_layers, self.num_heads, self.num_kv_heads = num_layers, num_heads, num_kv_heads
+        self.enabled = enabled
+        self.reset()
+
+    def reset(self) -> None:
+        L, H, Hkv = self.num_layers, self.num_heads, self.num_kv_heads
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
+        self.prefill_kept, self.prefill_valid = zeros(L, H), zeros(L, H)
+        self.decode_kept, self.decode_valid = zeros(L, H), zeros(L, H)
+        self.vrow_kept, self.vrow_valid = zeros(L, Hkv), zeros(L, Hkv)
+        self.dropped_mass, self.rows = zeros(L, H), zeros(L, H)  # Σ dropped dense probability, Σ rows
+        self.decode_steps = zeros(L)
+        self.clamped_rows = 0
+
+    def update(self, rows: RowBlock) -> None:
+        """Add one chunk of rows. Called by the kernel after selection."""
+        if not self.enabled:
+            return
+        layer, keep = rows.layer, rows.keep
+        B, H, Q, K = rows.logits.shape
+        valid_elems = rows.n.sum().double().cpu()
+        kept = rows.n.sum().double().expand(H) if keep is None else keep.sum((0, 2, 3)).double()  # (H,)
+        if rows.phase == "prefill":
+            self.prefill_kept[layer] += kept.cpu()
+            self.prefill_valid[layer] += valid_elems
+        else:
+            self.decode_kept[layer] += kept.cpu()
+            self.decode_valid[layer] += valid_elems
+            Hkv = self.num_kv_heads
+            if keep is None:
+                vrows = valid_elems.expand(Hkv)
+            else:
+                vrows = keep.view(B, Hkv, H // Hkv, Q, K).any(2).sum((0, 2, 3)).double()  # (Hkv,)
+            self.vrow_kept[layer] += vrows.cpu()
+            self.vrow_valid[layer] += valid_elems
+            self.decode_steps[layer] += 1
+        live_rows = (rows.n > 0).sum().double().cpu()
+        self.rows[layer] += live_rows
+        if keep is not None:
+            dropped = rows.probs.masked_fill(keep, 0.0).sum((0, 2, 3)).double()  # (H,)
+            self.dropped_mass[layer] += dropped.cpu()
+        self.clamped_rows += rows.clamped_rows
+
+    # --- the paper's ratios -------------------------------------------------------------------
+    @property
+    def kept_attention_fraction(self) -> float | None:
+        """Σ kept / Σ valid attention elements over prefill rows; None when no prefill ran."""
+        return _ratio(self.prefill_kept, self.prefill_valid)
+
+    @property
+    def kept_vrow_fraction(self) -> float | None:
+        """Σ kept / Σ valid V rows over decode steps (union over each KV group); None without decoding."""
+        return _ratio(self.vrow_kept, self.vrow_valid)
+
+    @property
+    def decode_kept_attention_fraction(self) -> float | None:
+        return _ratio(self.decode_kept, self.decode_valid)
+
+    @property
+    def mean_dropped_mass(self) -> float | None:
+        """Mean dense probability mass dropped per row (what VMC's β puts back)."""
+        return _ratio(self.dropped_mass, self.rows)
+
+    # --- breakdowns for plots -----------------------------------------------------------------
+    def per_layer(self) -> dict[str, list]:
+        """Per-layer kept fractions (NaN where a layer saw no rows of that kind)."""
+        frac = lambda a, b: (a.sum(1) / b.sum(1)).tolist()  # noqa: E731
+        return {
+            "layer": list(range(self.num_layers)),
+            "kept_attention_fraction": frac(self.prefill_kept, self.prefill_valid),
+            "kept_vrow_fraction": frac(self.vrow_kept, self.vrow_valid),
+            "mean_dropped_mass": frac(self.dropped_mass, self.rows),
+        }
+
+    def per_head(self) -> dict[str, list]:
+        """Per (layer, head) prefill kept fraction, long format."""
+        L, H = self.prefill_kept.shape
+        frac = self.prefill_kept / self.prefill_valid
+        return {
+            "layer": [l for l in range(L) for _ in range(H)],
+            "head": [h for _ in range(L) for h in range(H)],
+            "kept_attention_fraction": frac.flatten().tolist(),
+        }
+
+    def summary(self) -> dict:
+        """The scalar statistics, for logs and the results store."""
+        return {
+            "kept_attention_fraction": self.kept_attention_fraction,
+            "kept_vrow_fraction": self.kept_vrow_fraction,
+            "decode_kept_attention_fraction": self.decode_kept_attention_fraction,
+            "mean_dropped_mass": self.mean_dropped_mass,
+            "prefill_attention_elements": float(self.prefill_valid.sum()),
+            "decode_steps": float(self.decode_steps.max()) if self.num_layers else 0.0,
+            "clamped_rows": int(self.clamped_rows),
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        names = ["prefill_kept", "prefill_valid", "decode_kept", "decode_valid", "vrow_kept", "vrow_valid",
+                 "dropped_mass", "rows", "decode_steps"]
+        return {name: getattr(self, name).clone() for name in names}
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> float | None:
+    total = float(den.sum())
+    return None if total == 0 else float(num.sum()) / total

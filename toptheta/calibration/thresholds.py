@@ -1,0 +1,255 @@
+"""The thresholds artefact: θ per (layer, head, row length), saved as safetensors + JSON metadata.
+
+A ``Thresholds`` holds the calibrated values at their granularity (one per layer; per layer and row
+length; per layer and head; per layer, head and row length) as a tensor of shape
+(L, H or 1, N or 1), NaN where a row length was never calibrated. At run time it expands them once
+into a dense lookup table (L, H, N_max + 1) indexed by row length, filling uncalibrated lengths by
+the nearest calibrated one (the paper's rule; ties go to the shorter) or by linear interpolation,
+optionally smoothed along n with a Gaussian. Rows longer than the longest calibrated length use the
+last value (clamped), and every clamp is counted so a run can report it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = 1
+GRANULARITIES = {  # name -> which of (head, row length) the values resolve
+    "layer": (False, False),
+    "layer-n": (False, True),
+    "layer-head": (True, False),
+    "layer-head-n": (True, True),
+}
+LOOKUPS = ("nearest", "linear")
+
+
+def model_fingerprint(model_or_config) -> dict:
+    """Shape identity of a model: what thresholds must match to be applied to it."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = config.num_attention_heads
+    return {
+        "layers": int(config.num_hidden_layers),
+        "heads": int(heads),
+        "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+    }
+
+
+class Thresholds:
+    """Calibrated thresholds for one model, k schedule and placement.
+
+    Args:
+        values: (L, H, N) tensor indexed by row length n (so N = max_n + 1), or a coarser
+            (L, 1, N), (L, H, 1), (L, 1, 1) for the other granularities. NaN = not calibrated.
+        k: the per-layer budget, a list of L ints (rows with n ≤ k[layer] are kept whole).
+        placement: "pre" (logit thresholds) or "post" (probability thresholds).
+        metadata: free-form provenance (model identity, calibration settings, ...).
+        counts: calibration samples behind each value, same shape as ``values`` (optional).
+        sdc_mass: mean dropped exponent mass per entry, for calibrated SDC (optional).
+        lookup: "nearest" (the paper) or "linear" for row lengths that were not calibrated.
+        smooth_sigma: Gaussian smoothing along n, in row lengths (0 = off).
+    """
+
+    def __init__(self, values: torch.Tensor, k: list[int], placement: str, metadata: dict | None = None,
+                 counts: torch.Tensor | None = None, sdc_mass: torch.Tensor | None = None,
+                 lookup: str = "nearest", smooth_sigma: float = 0.0):
+        values = torch.as_tensor(values, dtype=torch.float32)
+        if values.ndim != 3:
+            raise ValueError(f"threshold values must be (layers, heads or 1, row lengths or 1), got {tuple(values.shape)}")
+        if len(k) != values.shape[0]:
+            raise ValueError(f"k must list one budget per layer ({values.shape[0]}), got {len(k)}")
+        if placement not in ("pre", "post"):
+            raise ValueError(f"placement must be 'pre' or 'post', got {placement!r}")
+        if lookup not in LOOKUPS:
+            raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
+        for name, t in (("counts", counts), ("sdc_mass", sdc_mass)):
+            if t is not None and tuple(t.shape) != tuple(values.shape):
+                raise ValueError(f"{name} must have the shape of values {tuple(values.shape)}, got {tuple(t.shape)}")
+        self.values, self.counts, self.sdc_mass = values, counts, sdc_mass
+        self.k = [int(x) for x in k]
+        self.placement = placement
+        self.lookup_rule, self.smooth_sigma = lookup, float(smooth_sigma)
+        self.metadata = dict(metadata or {})
+        self.metadata.setdefault("granularity", _granularity_of(values))
+        self._tables: dict = {}
+        self._max_n = self.max_n
+
+    # --- run-time lookup ------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def max_n(self) -> int:
+        """Longest calibrated row length (0 when the values do not depend on n)."""
+        calibrated = (~torch.isnan(self.values)).any(0).any(0).nonzero()
+        return int(calibrated[-1]) if self.values.shape[-1] > 1 and calibrated.numel() else 0
+
+    def k_for(self, layer: int) -> int:
+        return self.k[layer]
+
+    def table(self, which: str = "values", device=None) -> torch.Tensor:
+        """Dense (L, H|1, N) table with every row length filled; cached per device."""
+        key = (which, str(device))
+        if key not in self._tables:
+            if which == "values":
+                table = _fill(self.values, self.lookup_rule, self.smooth_sigma)
+            else:  # an uncalibrated dropped mass is 0: compensate nothing rather than guess
+                table = torch.nan_to_num(_fill(self.sdc_mass, self.lookup_rule, 0.0), nan=0.0, posinf=0.0)
+            self._tables[key] = table.to(device)
+        return self._tables[key]
+
+    def lookup(self, layer: int, n: torch.Tensor, which: str = "values") -> tuple[torch.Tensor, int]:
+        """θ for rows of lengths ``n`` (B, 1, Q) -> ((B, H, Q) float32, rows clamped at max_n)."""
+        table = self.table(which, n.device)[layer]  # (H|1, N)
+        last = table.shape[-1] - 1
+        idx = n.clamp(max=last)  # (B, 1, Q)
+        clamped = int((n > self._max_n).sum()) if last > 0 else 0
+        theta = table[:, idx.flatten()].view(table.shape[0], *n.shape).squeeze(2)  # (H|1, B, Q)
+        return theta.permute(1, 0, 2), clamped  # (B, H|1, Q)
+
+    def lookup_sdc(self, layer: int, n: torch.Tensor) -> torch.Tensor:
+        return self.lookup(layer, n, which="sdc_mass")[0]
+
+    # --- checks ---------------------------------------------------------------------------------
+    def check_model(self, model) -> None:
+        """Refuse to apply thresholds to a model of another shape, naming both."""
+        expected = self.metadata.get("fingerprint")
+        actual = model_fingerprint(model)
+        if expected is not None and {k: expected.get(k) for k in actual} != actual:
+            raise ValueError(
+                f"these thresholds were calibrated for a model with {expected}, but this model has {actual} "
+                f"(calibrated on {self.metadata.get('model', 'an unknown model')}); calibrate for this model"
+            )
+        if self.num_layers != actual["layers"]:
+            raise ValueError(f"thresholds have {self.num_layers} layers, the model has {actual['layers']}")
+        if self.values.shape[1] not in (1, actual["heads"]):
+            raise ValueError(f"thresholds have {self.values.shape[1]} heads, the model has {actual['heads']}")
+
+    # --- storage --------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.counts, self.sdc_mass) if t is not None)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``path`` (safetensors with the metadata as JSON in its header), atomically."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"values": self.values.contiguous()}
+        if self.counts is not None:
+            tensors["counts"] = self.counts.float().contiguous()
+        if self.sdc_mass is not None:
+            tensors["sdc_mass"] = self.sdc_mass.float().contiguous()
+        header = {"format": FORMAT_VERSION, "k": self.k, "placement": self.placement, "lookup": self.lookup_rule,
+                  "smooth_sigma": self.smooth_sigma, "metadata": self.metadata}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"toptheta": json.dumps(header, default=str)})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model=None, **overrides) -> "Thresholds":
+        """Read a file written by :meth:`save`; with ``model``, check it fits that model."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no thresholds file at {path}; calibrate first (toptheta.calibrate or run.py)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = json.loads((f.metadata() or {})["toptheta"])
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as err:  # safetensors raises several error types for damaged files
+            raise ValueError(f"{path} is not a readable toptheta thresholds file ({err}); delete it and calibrate again") from err
+        if header.get("format") != FORMAT_VERSION:
+            raise ValueError(f"{path} has thresholds format {header.get('format')}, this toptheta reads {FORMAT_VERSION}")
+        options = {"lookup": header.get("lookup", "nearest"), "smooth_sigma": header.get("smooth_sigma", 0.0), **overrides}
+        thresholds = cls(tensors["values"], header["k"], header["placement"], header.get("metadata"),
+                         counts=tensors.get("counts"), sdc_mass=tensors.get("sdc_mass"), **options)
+        if model is not None:
+            thresholds.check_model(model)
+        return thresholds
+
+    def __repr__(self) -> str:
+        return (f"Thresholds(shape={tuple(self.values.shape)}, granularity={self.metadata.get('granularity')!r}, "
+                f"placement={self.placement!r}, max_n={self.max_n}, k={sorted(set(self.k))})")
+
+
+def stamp(metadata: dict) -> dict:
+    """Add the package version and the date to calibration metadata."""
+    from .. import __version__
+
+    return {**metadata, "toptheta_version": __version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def storage_bytes(layers: int, heads: int, max_n: int, bytes_per_value: int = 2) -> int:
+    """Bytes of one θ per (layer, head, row length), e.g. LLaMA-3-70B: storage_bytes(80, 64, 1200)."""
+    return layers * heads * max_n * bytes_per_value
+
+
+def _granularity_of(values: torch.Tensor) -> str:
+    per_head, per_n = values.shape[1] > 1, values.shape[2] > 1
+    return {v: k for k, v in GRANULARITIES.items()}[(per_head, per_n)]
+
+
+def _fill(values: torch.Tensor, rule: str, sigma: float) -> torch.Tensor:
+    """Fill NaN row lengths per (layer, head) by the nearest or linear rule, then smooth along n."""
+    L, H, N = values.shape
+    out = values.clone()
+    if N == 1:
+        return torch.nan_to_num(out, nan=float("inf"))
+    n_axis = torch.arange(N, dtype=torch.float32)
+    for layer in range(L):
+        for head in range(H):
+            row = values[layer, head]
+            known = (~torch.isnan(row)).nonzero().flatten()
+            if known.numel() == 0:  # nothing calibrated: never drop (θ = +inf keeps only the row max)
+                out[layer, head] = float("inf")
+                continue
+            out[layer, head] = _fill_row(row[known], known.float(), n_axis, rule)
+            if sigma > 0:
+                lo, hi = int(known[0]), int(known[-1]) + 1
+                out[layer, head, lo:hi] = _gaussian_smooth(out[layer, head, lo:hi], sigma)
+                out[layer, head, hi:] = out[layer, head, hi - 1]
+                out[layer, head, :lo] = out[layer, head, lo]
+    return out
+
+
+def _fill_row(known_values: torch.Tensor, known_n: torch.Tensor, n_axis: torch.Tensor, rule: str) -> torch.Tensor:
+    if rule == "nearest":
+        distance = (n_axis[:, None] - known_n[None, :]).abs()  # (N, known); argmin picks the shorter on ties
+        return known_values[distance.argmin(1)]
+    # linear inside the calibrated range, clamped to the end values outside it
+    idx = torch.searchsorted(known_n, n_axis.clamp(known_n[0], known_n[-1]), right=True).clamp(1, len(known_n) - 1)
+    if len(known_n) == 1:
+        return known_values[0].expand_as(n_axis).clone()
+    x0, x1 = known_n[idx - 1], known_n[idx]
+    y0, y1 = known_values[idx - 1], known_values[idx]
+    t = ((n_axis.clamp(known_n[0], known_n[-1]) - x0) / (x1 - x0)).clamp(0, 1)
+    return y0 + t * (y1 - y0)
+
+
+def _gaussian_smooth(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """1-D Gaussian filter with reflected edges (the reference's offline smoothing, method.md §2.5)."""
+    radius = max(1, int(math.ceil(4 * sigma)))
+    offsets = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    kernel = torch.exp(-0.5 * (offsets / sigma) ** 2)
+    kernel /= kernel.sum()
+    padded = torch.nn.functional.pad(x[None, None], (radius, radius), mode="reflect" if len(x) > radius else "replicate")
+    return torch.nn.functional.conv1d(padded, kernel[None, None]).flatten()

@@ -1,0 +1,76 @@
+"""SDC, softmax denominator compensation (method.md §3.1).
+
+Pre-softmax selection renormalises the kept probabilities over the kept set. SDC puts an estimate
+E of the dropped exponent mass Σ_{j dropped} exp(s_j − m) back into the denominator, so the kept
+weights become exp(s_j − m) / (R + λ·E), with R the kept mass. With ``"exact"`` and λ = 1 the kept
+elements get exactly their dense probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sparsifiers.base import RowBlock
+
+ESTIMATORS = ("exact", "exp-threshold", "calibrated")
+
+
+@dataclass
+class SDC:
+    """Softmax denominator compensation.
+
+    Args:
+        estimator: ``"exact"`` (the dropped logits' own mass), ``"exp-threshold"`` (an upper bound:
+            every dropped logit is below θ, so E ≤ (n − |S|)·exp(θ − m); top-θ pre-softmax only), or
+            ``"calibrated"`` (the mean dropped mass per layer, head and row length measured during
+            calibration and stored in the thresholds).
+        scale: λ, multiplying E (1.0 in every paper run).
+        thresholds: the source of calibrated masses when the sparsifier is not Top-θ (e.g. top-k
+            with offline-calibrated SDC); defaults to the Top-θ sparsifier's own thresholds.
+    """
+
+    estimator: str = "exact"
+    scale: float = 1.0
+    thresholds: object | None = None
+
+    def __post_init__(self):
+        self.estimator = {"offline-calibrated": "calibrated"}.get(self.estimator, self.estimator)
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"SDC estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if self.scale < 0:
+            raise ValueError(f"SDC scale λ must be ≥ 0, got {self.scale}")
+
+    def check(self, sparsifier) -> None:
+        """Refuse combinations that cannot mean anything, naming the fix."""
+        if sparsifier.placement != "pre":
+            raise ValueError(
+                "SDC compensates the softmax denominator, so it needs pre-softmax selection; "
+                "post-softmax selection does not renormalise (use VMC alone with placement='post')"
+            )
+        if self.estimator == "exp-threshold" and not hasattr(sparsifier, "thresholds"):
+            raise ValueError("SDC('exp-threshold') needs a threshold sparsifier (TopTheta); use SDC('exact')")
+        if self.estimator == "calibrated":
+            source = self.thresholds or getattr(sparsifier, "thresholds", None)
+            if source is None or getattr(source, "sdc_mass", None) is None:
+                raise ValueError(
+                    "SDC('calibrated') needs thresholds calibrated with the dropped-mass statistic "
+                    "(toptheta.calibrate collects it by default); pass SDC('calibrated', thresholds=...)"
+                )
+
+    def dropped_mass(self, rows: RowBlock, exp_scores: torch.Tensor, keep: torch.Tensor, sparsifier) -> torch.Tensor:
+        """λ·E for each row, (B, H, Q, 1) float32. ``exp_scores`` is exp(s − m), 0 where invalid."""
+        if self.estimator == "exact":
+            mass = exp_scores.masked_fill(keep, 0.0).sum(-1, keepdim=True)
+        elif self.estimator == "exp-threshold":
+            # Only valid dropped keys count (the reference code also counted masked future slots).
+            n_dropped = rows.n.unsqueeze(-1) - keep.sum(-1, keepdim=True)  # (B, H, Q, 1)
+            # θ is a logit (pre-softmax only); the exponent is capped so a huge θ stays finite.
+            bound = torch.exp((rows.theta - rows.row_max).clamp(max=80.0))
+            mass = torch.where(n_dropped > 0, n_dropped * bound, torch.zeros_like(bound))
+        else:
+            source = self.thresholds or sparsifier.thresholds
+            mass = source.lookup_sdc(rows.layer, rows.n).unsqueeze(-1)  # (B, H, Q, 1)
+            mass = torch.where(keep.sum(-1, keepdim=True) < rows.n.unsqueeze(-1), mass, torch.zeros_like(mass))
+        return self.scale * mass

@@ -1,0 +1,46 @@
+"""Top-k attention (method.md §1): each row keeps its k largest valid scores."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import RowBlock, Sparsifier, check_placement, keep_whole_short_rows
+
+
+class TopK(Sparsifier):
+    """Exact per-row, per-head top-k.
+
+    Args:
+        k: keys kept per row in every layer not listed in ``layer_k``.
+        placement: ``"pre"`` selects on scaled logits, ``"post"`` on probabilities. Both keep the
+            same set (softmax is monotone); they differ in how the kept weights are normalised.
+        layer_k: per-layer overrides, e.g. ``{0: 512, 1: 512}`` as in every paper QA run.
+    """
+
+    def __init__(self, k: int, placement: str = "post", layer_k: dict[int, int] | None = None):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"TopK needs an integer k ≥ 1, got {k!r}")
+        layer_k = {int(layer): int(v) for layer, v in (layer_k or {}).items()}
+        if any(v < 1 for v in layer_k.values()):
+            raise ValueError(f"every layer_k value must be ≥ 1, got {layer_k}")
+        self.k = k
+        self.layer_k = layer_k
+        self.placement = check_placement(placement)
+
+    def k_for(self, layer: int) -> int:
+        return self.layer_k.get(layer, self.k)
+
+    def select(self, rows: RowBlock) -> torch.Tensor | None:
+        k = self.k_for(rows.layer)
+        if rows.logits.shape[-1] <= k:  # every row has n ≤ K ≤ k: nothing to drop
+            return None
+        # Logits and probabilities order the keys identically; logits avoid ties at underflowed 0.
+        idx = torch.topk(rows.logits, k, dim=-1).indices  # (B, H, Q, k)
+        keep = torch.zeros_like(rows.logits, dtype=torch.bool).scatter_(-1, idx, True)
+        return keep_whole_short_rows(keep & rows.valid, rows, k)
+
+    def describe(self) -> dict:
+        return {"name": "topk", "placement": self.placement, "k": self.k, "layer_k": dict(self.layer_k)}
+
+    def __repr__(self) -> str:
+        return f"TopK(k={self.k}, placement={self.placement!r}, layer_k={self.layer_k})"
