@@ -33,8 +33,9 @@ def batch(left_pad: int = 3):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("reference", ["sdpa", "eager"])
-def test_dense_backend_equals_transformers(arch, reference):
-    model, inputs = tiny(arch), batch()
+@pytest.mark.parametrize("left_pad", [0, 3])
+def test_dense_backend_equals_transformers(arch, reference, left_pad):
+    model, inputs = tiny(arch), batch(left_pad)
     model.set_attn_implementation(reference)
     with torch.no_grad():
         expected = model(**inputs).logits
@@ -230,6 +231,15 @@ def test_bfloat16_model_runs_with_float32_statistics():
 
 
 # ---- integration contract -----------------------------------------------------------------------------
+
+def test_a_mask_function_is_registered_with_the_attention_function():
+    """Without a mask function of the same name transformers silently passes no causal mask."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    with toptheta.sparsify(tiny("llama", 1)):
+        assert "toptheta" in ALL_ATTENTION_FUNCTIONS and "toptheta" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+
 
 def test_context_manager_restores_on_exception_and_refuses_nesting():
     model = tiny("llama")

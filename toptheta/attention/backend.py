@@ -80,8 +80,9 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(IMPLEMENTATION, _attention_forward)
-    # Always a full boolean mask: the kernel needs each row's valid keys, so no "is_causal" skip.
-    AttentionMaskInterface.register(IMPLEMENTATION, functools.partial(sdpa_mask, allow_is_causal_skip=False))
+    # sdpa's boolean mask, including its "None when purely causal" shortcut: the kernel then builds the
+    # causal mask chunk by chunk, so a 32k-token prefill never holds a 32k × 32k mask.
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -29,7 +29,7 @@ def sparse_attention(
     query: torch.Tensor,  # (B, H, Q, D)
     key: torch.Tensor,  # (B, Hkv, K, D)
     value: torch.Tensor,  # (B, Hkv, K, Dv)
-    valid: torch.Tensor | None,  # (B or 1, 1, Q, K) bool; None = causal, queries are the last Q keys
+    valid: torch.Tensor | None,  # (B or 1, 1, Q, K) bool; None = causal, the queries being the last Q keys
     *,
     scaling: float,
     layer: int,
@@ -47,9 +47,8 @@ def sparse_attention(
     if H % Hkv:
         raise ValueError(f"{H} query heads are not a multiple of {Hkv} KV heads")
     G = H // Hkv
-    if valid is None:
-        valid = torch.ones(Q, K, dtype=torch.bool, device=query.device).tril(K - Q)[None, None]
-    valid = valid.expand(B, 1, Q, K)
+    if valid is not None:
+        valid = valid.expand(B, 1, Q, K)
     sdc = next((c for c in compensations if isinstance(c, SDC)), None)
     vmc = any(isinstance(c, VMC) for c in compensations)
     phase = "prefill" if Q > 1 else "decode"
@@ -59,7 +58,7 @@ def sparse_attention(
     rows_per_chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // (B * H * K))
     for q0 in range(0, Q, rows_per_chunk):
         q1 = min(Q, q0 + rows_per_chunk)
-        vm = valid[:, :, q0:q1]  # (B, 1, Qc, K)
+        vm = _chunk_mask(valid, q0, q1, B, Q, K, query.device)  # (B, 1, Qc, K)
         cols = vm.any(dim=(0, 1, 2)).nonzero()
         if cols.numel() == 0:  # only fully masked rows (e.g. queries on padding): output 0
             continue
@@ -106,3 +105,12 @@ def sparse_attention(
         if stats is not None:
             stats.update(rows)
     return out
+
+
+def _chunk_mask(valid, q0: int, q1: int, B: int, Q: int, K: int, device) -> torch.Tensor:
+    """Rows q0:q1 of the mask; with no mask, causal with the queries as the last Q keys (built per chunk,
+    so a long prefill never holds a Q×K mask)."""
+    if valid is not None:
+        return valid[:, :, q0:q1]
+    rows = torch.arange(q0, q1, device=device)[:, None] + (K - Q)  # absolute position of each query
+    return (torch.arange(K, device=device)[None, :] <= rows)[None, None].expand(B, 1, q1 - q0, K)
