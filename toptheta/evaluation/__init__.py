@@ -1,0 +1,1 @@
+"""Evaluation: lm-eval tasks and adapter, generation tasks, the HumanEval sandbox."""

@@ -1,0 +1,1 @@
+"""The results store, tables and loggers."""
