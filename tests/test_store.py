@@ -1,0 +1,189 @@
+"""The results store: run ids, run dir layout, exists(), summary rows, atomicity, concurrency."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toptheta.results import store as store_mod
+from toptheta.results.store import SUMMARY_COLUMNS, RunStore, comp_label, git_commit, load_summary, summary_rows
+
+REPO = Path(__file__).resolve().parents[1]
+
+CONFIG = {
+    "model": {"name": "tiny-llama", "dtype": "float32"},
+    "sparsifier": {"name": "toptheta", "placement": "pre", "k": 64, "layer_k": {}},
+    "comp": {"sdc": "exact", "sdc_scale": 1.0, "vmc": True},
+    "calib": {"task": "arc_challenge", "granularity": "layer-head-n"},
+    "task": {"kind": "lm_eval", "lm_eval_task": "arc_easy", "num_fewshot": 0, "limit": 5},
+    "phase": "eval",
+    "logger": "wandb",
+    "force": False,
+    "results_dir": "results",
+}
+
+# The shape of lm-eval 0.4.13's results dict, trimmed.
+LM_EVAL = {
+    "results": {
+        "arc_easy": {
+            "alias": "arc_easy",
+            "acc,none": 0.4,
+            "acc_stderr,none": 0.24,
+            "acc_norm,none": 0.6,
+            "acc_norm_stderr,none": "N/A",
+        },
+        "smoke": {"alias": "smoke", "acc,none": 1.0, "acc_stderr,none": 0.0},
+    },
+    "n-shot": {"arc_easy": 0, "smoke": 0},
+    "config": {"limit": 5},
+    "samples": {"arc_easy": [{"doc_id": 0, "acc": 1.0}]},
+}
+STATS = {"kept_attention_fraction": 0.25, "arc_easy": {"kept_vrow_fraction": 0.5}}
+
+
+def test_run_id_is_stable_and_ignores_only_result_neutral_keys():
+    store = RunStore("unused")
+    rid = store.run_id_for(CONFIG)
+    assert len(rid) == 16 and int(rid, 16) >= 0
+    reordered = dict(reversed(list(CONFIG.items())))
+    assert store.run_id_for(reordered) == rid
+    assert store.run_id_for(CONFIG | {"logger": None, "force": True, "results_dir": "/elsewhere"}) == rid
+    assert store.run_id_for(CONFIG | {"sparsifier": CONFIG["sparsifier"] | {"k": 32}}) != rid
+    assert store.run_id_for(CONFIG | {"calib": {"task": "arc_challenge", "granularity": "layer-head-n"}}) == rid
+    assert RunStore("x", ignored_keys=("logger", "force", "results_dir", "sparsifier.k")).run_id_for(
+        CONFIG | {"sparsifier": CONFIG["sparsifier"] | {"k": 32}}
+    ) == RunStore("x", ignored_keys=("logger", "force", "results_dir", "sparsifier.k")).run_id_for(CONFIG)
+    with pytest.raises(TypeError, match="OmegaConf.to_container"):
+        store.run_id_for({"model": object()})
+
+
+def test_write_run_layout_and_exists(tmp_path):
+    store = RunStore(tmp_path / "results")
+    rid = store.run_id_for(CONFIG)
+    assert not store.exists(rid)
+    run_dir = store.write_run(
+        rid, config=CONFIG, lm_eval_results=LM_EVAL, stats=STATS, thresholds_ref="thr/abc.pt", extra={"wall_s": 1.5}
+    )
+    assert run_dir == tmp_path / "results" / "runs" / rid
+    assert store.exists(rid)
+    names = sorted(p.name for p in run_dir.iterdir())
+    assert names == ["DONE", "config.json", "lm_eval.json", "meta.json", "samples.json", "stats.json"]
+    assert json.loads((run_dir / "config.json").read_text()) == CONFIG
+    lm = json.loads((run_dir / "lm_eval.json").read_text())
+    assert "samples" not in lm and lm["results"] == LM_EVAL["results"]
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["thresholds_ref"] == "thr/abc.pt" and meta["extra"] == {"wall_s": 1.5} and meta["run_id"] == rid
+    assert [p.name for p in (tmp_path / "results" / "runs").iterdir()] == [rid]  # no temp dirs left
+
+    # A directory without DONE is not a complete run.
+    (tmp_path / "results" / "runs" / "partial").mkdir()
+    assert not store.exists("partial")
+    with pytest.raises(ValueError, match="invalid run id"):
+        store.exists("../escape")
+
+    # Rewriting replaces the run as a whole.
+    store.write_run(rid, config=CONFIG, lm_eval_results={"results": {}}, stats={}, thresholds_ref=None)
+    assert not (run_dir / "samples.json").exists() and store.exists(rid)
+
+
+def test_write_run_leaves_nothing_on_error(tmp_path, monkeypatch):
+    store = RunStore(tmp_path)
+    real_write = store_mod._write_text_atomic
+    calls = []
+
+    def failing_write(path, text):
+        calls.append(path.name)
+        if len(calls) == 3:
+            raise OSError("disk full (simulated)")
+        real_write(path, text)
+
+    monkeypatch.setattr(store_mod, "_write_text_atomic", failing_write)
+    with pytest.raises(OSError, match="simulated"):
+        store.write_run("r1", config=CONFIG, lm_eval_results=LM_EVAL, stats=STATS, thresholds_ref=None)
+    assert not store.exists("r1")
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_summary_rows_one_per_task_metric():
+    rows = summary_rows("rid", CONFIG, LM_EVAL, STATS, commit="abc", timestamp="t0")
+    pairs = [(r["task"], r["metric"]) for r in rows]
+    assert pairs == [("arc_easy", "acc,none"), ("arc_easy", "acc_norm,none"), ("smoke", "acc,none")]
+    first = rows[0]
+    assert set(SUMMARY_COLUMNS) <= set(first)
+    assert {k: first[k] for k in ("run_id", "model", "sparsifier", "placement", "k", "comp", "granularity")} == {
+        "run_id": "rid", "model": "tiny-llama", "sparsifier": "toptheta", "placement": "pre", "k": 64,
+        "comp": "sdc=exact+vmc", "granularity": "layer-head-n",
+    }
+    assert (first["value"], first["stderr"], first["num_fewshot"], first["limit"]) == (0.4, 0.24, 0, 5)
+    assert rows[1]["stderr"] is None  # lm-eval's "N/A"
+    assert (first["kept_attention_fraction"], first["kept_vrow_fraction"]) == (0.25, 0.5)  # global, per task
+    assert rows[2]["kept_vrow_fraction"] is None
+    assert (first["git_commit"], first["timestamp"], first["phase"]) == ("abc", "t0", "eval")
+
+
+def test_summary_rows_for_a_dense_baseline_and_overrides():
+    dense = CONFIG | {"sparsifier": {"name": "dense", "placement": None, "k": None}, "calib": None,
+                      "comp": {"sdc": None, "sdc_scale": 1.0, "vmc": False}}
+    row = summary_rows("rid", dense, LM_EVAL, {}, commit="abc")[0]
+    labels = (row["sparsifier"], row["placement"], row["k"], row["comp"], row["granularity"])
+    assert labels == ("dense", None, None, "none", None)
+    assert row["kept_attention_fraction"] is None
+    assert summary_rows("rid", dense, LM_EVAL, {}, commit="abc", overrides={"phase": "baseline"})[0]["phase"] == "baseline"
+    assert comp_label({"sdc": "calibrated", "sdc_scale": 0.9, "vmc": False}) == "sdc=calibrated*0.9"
+
+
+def test_append_summary_and_load(tmp_path):
+    store = RunStore(tmp_path)
+    assert list(load_summary(tmp_path).columns) == list(SUMMARY_COLUMNS)
+    store.append_summary(summary_rows("0123456789e12345", CONFIG, LM_EVAL, STATS, commit="abc"))
+    store.append_summary([{"run_id": "r2", "task": "smoke", "metric": "acc,none", "value": 0.5, "new_col": "x"}])
+    df = load_summary(tmp_path)
+    assert len(df) == 4 and list(df.columns) == [*SUMMARY_COLUMNS, "new_col"]
+    assert df["run_id"].tolist()[0] == "0123456789e12345"  # not parsed as a float
+    assert df["value"].tolist() == [0.4, 0.6, 1.0, 0.5]
+
+
+def test_append_summary_is_atomic_on_error(tmp_path):
+    store = RunStore(tmp_path)
+    store.append_summary([{"run_id": "r1", "value": 1.0}])
+    before = (tmp_path / "summary.csv").read_text()
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("cannot format (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        store.append_summary([{"run_id": "r2", "value": Unprintable()}])
+    assert (tmp_path / "summary.csv").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv", "summary.csv.lock"]
+
+
+def test_concurrent_appends_from_two_processes_keep_every_row(tmp_path):
+    n = 40
+    # The children load store.py by path: importing the toptheta package would pull in torch
+    # (seconds per process), and the store itself needs only the standard library.
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('store', {str(Path(store_mod.__file__))!r})\n"
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "store = mod.RunStore(sys.argv[1])\n"
+        f"for i in range({n}):\n"
+        "    store.append_summary([{'run_id': f'{sys.argv[2]}-{i}', 'value': i}])\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path), tag], cwd=REPO) for tag in ("a", "b")
+    ]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    df = load_summary(tmp_path)
+    assert sorted(df["run_id"]) == sorted(f"{t}-{i}" for t in ("a", "b") for i in range(n))
+
+
+def test_git_commit(tmp_path):
+    commit = git_commit(REPO)
+    if commit is not None:  # the tests may run from an exported tree
+        assert len(commit.removesuffix("-dirty")) == 40
+    assert git_commit(tmp_path) is None

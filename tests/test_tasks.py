@@ -1,0 +1,264 @@
+"""toptheta's lm-eval tasks and adapter: smoke task, offline YAMLs, checks, calibration requests.
+
+Runs fully offline. Tests on the real offline data skip when ../shared/data is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from helpers_lm import tiny_model, tiny_tokenizer
+from toptheta.evaluation import lm_eval_adapter as adapter
+from toptheta.evaluation.tasks import check_tasks, fewshot_source, task_include_paths, task_names
+from toptheta.evaluation.tasks.static.smoke_data import smoke_docs
+
+DATA_DIR = (Path(__file__).resolve().parents[1] / ".." / "shared" / "data").resolve()
+needs_data = pytest.mark.skipif(
+    not DATA_DIR.is_dir(), reason=f"offline data dir {DATA_DIR} absent (it is not part of the repo)"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _no_env_data_dir(monkeypatch):
+    """A TOPTHETA_DATA_DIR in the caller's shell must not change what these tests see."""
+    monkeypatch.delenv(adapter.DATA_DIR_ENV, raising=False)
+
+
+def _load(tasks: list[str], data_dir: Path | None):
+    """Build lm-eval Task objects the way the adapter does (datasets load, no model)."""
+    check_tasks(tasks, data_dir, None)
+    with task_include_paths(tasks, data_dir) as include_paths:
+        return adapter._load_tasks(adapter._task_manager(include_paths), tasks, data_dir)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- smoke task
+
+
+def test_smoke_docs_are_deterministic_well_formed_and_disjoint():
+    docs = smoke_docs()
+    assert docs == smoke_docs()
+    assert {split: len(d) for split, d in docs.items()} == {"test": 40, "train": 40}
+    for doc in docs["test"] + docs["train"]:
+        assert len(doc["choices"]) == len(set(doc["choices"])) == 4
+        assert 0 <= doc["label"] < 4
+    assert not {d["question"] for d in docs["test"]} & {d["question"] for d in docs["train"]}
+    # Pinned so an accidental change of the generator (and so of smoke scores) is noticed.
+    assert docs["test"][0] == {"question": "What is 1 plus 11?", "choices": ["22", "14", "12", "10"], "label": 2}
+
+
+def test_evaluate_end_to_end_offline_through_a_custom_attention_function(tokenizer):
+    """smoke (and arc_easy from the shared data, when present) through lm-eval on a tiny model.
+
+    HFLM takes our model object as is, including a registered custom attention function. One
+    evaluate call covers both tasks: each call costs lm-eval ~4 s of environment reporting.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def counting_sdpa(*args, **kwargs):
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    tasks = ["smoke", "arc_easy"] if DATA_DIR.is_dir() else ["smoke"]
+    name = "tests_counting_sdpa"
+    AttentionInterface.register(name, counting_sdpa)
+    try:
+        model = tiny_model(tokenizer)
+        model.set_attn_implementation(name)
+        data_dir = DATA_DIR if DATA_DIR.is_dir() else None
+        res = adapter.evaluate_tasks(model, tokenizer, tasks, data_dir=data_dir, num_fewshot=None, limit=5)
+    finally:
+        AttentionInterface._global_mapping.pop(name, None)
+    assert calls, "the custom attention function was never called"
+    for task in tasks:
+        row = res["results"][task]
+        assert 0.0 <= row["acc,none"] <= 1.0 and 0.0 <= row["acc_norm,none"] <= 1.0
+        assert "acc_stderr,none" in row and res["n-shot"][task] == 0
+    assert res["n-samples"]["smoke"] == {"original": 40, "effective": 5}
+    assert res["toptheta"]["data_sources"]["smoke"] == "toptheta (generated in code)"
+    if "arc_easy" in tasks:
+        assert res["n-samples"]["arc_easy"] == {"original": 2376, "effective": 5}
+        assert res["toptheta"]["data_sources"]["arc_easy"] == str(DATA_DIR)
+        assert res["configs"]["arc_easy"]["dataset_path"] == "json"
+
+
+# ---------------------------------------------------------------- checks before model work
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tasks": ["arc_eazy"]}, "valid tasks: .*arc_easy"),
+        ({"tasks": "smoke"}, "non-empty list"),
+        ({"tasks": ["smoke", "smoke"]}, "more than once"),
+        ({"limit": 1.0}, "use an int for a document count"),
+        ({"limit": 0}, ">= 1"),
+        ({"num_fewshot": -1}, "num_fewshot"),
+        ({"batch_size": 0}, "batch_size"),
+    ],
+)
+def test_bad_arguments_fail_before_the_model_is_touched(kwargs, match):
+    args = {"tasks": ["smoke"], "data_dir": None, "num_fewshot": None, "limit": 2} | kwargs
+    tasks = args.pop("tasks")
+    with pytest.raises(ValueError, match=match):
+        adapter.evaluate_tasks(None, None, tasks, **args)  # model=None: never reached
+
+
+def test_data_dir_errors_name_the_missing_path(tmp_path, monkeypatch):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"{missing}.*not a directory"):
+        adapter.resolve_data_dir(missing)
+    monkeypatch.setenv(adapter.DATA_DIR_ENV, str(missing))
+    with pytest.raises(FileNotFoundError, match=r"\$TOPTHETA_DATA_DIR"):
+        adapter.resolve_data_dir(None)
+
+    (tmp_path / "arc_easy").mkdir()
+    (tmp_path / "arc_easy" / "test.jsonl").write_text("{}\n")
+    monkeypatch.setenv(adapter.DATA_DIR_ENV, str(tmp_path))
+    assert adapter.resolve_data_dir(None) == tmp_path.resolve()
+    with pytest.raises(FileNotFoundError) as err:
+        adapter.evaluate_tasks(None, None, ["arc_easy"], data_dir=None, num_fewshot=0, limit=2)
+    assert "arc_easy/train.jsonl" in str(err.value) and str(tmp_path / "arc_easy" / "train.jsonl") in str(err.value)
+
+
+def test_offline_tasks_without_train_split_explain_the_alternatives(tmp_path):
+    (tmp_path / "hellaswag").mkdir()
+    (tmp_path / "hellaswag" / "validation.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="cross-dataset calibration, e.g. calibration task 'arc_challenge'"):
+        adapter.calibration_requests(
+            None, "hellaswag", data_dir=tmp_path, num_fewshot=0, limit=2, max_length=None
+        )
+    check_tasks(["hellaswag_calibration"], None, 5)  # online it uses the hub's train split
+    # Few-shot offline: allowed, drawn from validation without the evaluated doc, and reported.
+    check_tasks(["hellaswag"], tmp_path, 5)
+    assert "validation" in fewshot_source("hellaswag", tmp_path, 5)
+    assert fewshot_source("hellaswag", tmp_path, 0) is None
+    assert fewshot_source("hellaswag", None, 5) is None
+    assert fewshot_source("arc_easy", tmp_path, 5) is None
+
+
+def test_every_base_task_has_a_calibration_variant():
+    names = task_names()
+    for base in ("smoke", "arc_challenge", "arc_easy", "hellaswag", "medmcqa"):
+        assert base in names and f"{base}_calibration" in names
+
+
+def test_rendered_yamls_change_only_the_data_source(tmp_path):
+    """Prompts, choices and metrics stay lm-eval's own: offline YAMLs differ from the stock ones
+    only in where the documents come from, hub YAMLs not at all, calibration only in splits."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from toptheta.evaluation.tasks.catalog import BASE_TASKS, stock_tasks_dir
+    from toptheta.evaluation.tasks.render import write_task_dir
+
+    data_keys = {"dataset_path", "dataset_name", "dataset_kwargs", "training_split"}
+    # Without an offline train split, few-shot examples come from the evaluated split.
+    no_train_keys = {"test_split", "fewshot_split"}
+    names = ["arc_challenge", "arc_easy", "hellaswag", "medmcqa", "arc_easy_calibration"]
+    for data_dir, sub in ((tmp_path / "some data", "offline"), (None, "hub")):
+        out = tmp_path / sub
+        out.mkdir()
+        write_task_dir(out, names, data_dir)
+        for name in names[:4]:
+            stock = load_yaml(stock_tasks_dir() / BASE_TASKS[name].stock_yaml, resolve_func=False)
+            ours = load_yaml(out / f"{name}.yaml", resolve_func=False)
+            changed = {k for k in stock.keys() | ours.keys() if stock.get(k) != ours.get(k)}
+            allowed = (data_keys | (no_train_keys if name in ("hellaswag", "medmcqa") else set())) if data_dir else set()
+            assert changed <= allowed, (name, changed)
+        calib = load_yaml(out / "arc_easy_calibration.yaml", resolve_func=False)
+        base = load_yaml(out / "arc_easy.yaml", resolve_func=False)
+        changed = {k for k in calib.keys() | base.keys() if calib.get(k) != base.get(k)}
+        assert changed == {"task", "tag", "test_split", "fewshot_split"}
+        assert (calib["test_split"], calib["fewshot_split"]) == ("train", "train")
+    offline = load_yaml(tmp_path / "offline" / "arc_easy.yaml", resolve_func=False)
+    assert offline["dataset_kwargs"]["data_files"]["test"] == str(tmp_path / "some data" / "arc_easy" / "test.jsonl")
+
+
+# ---------------------------------------------------------------- offline YAMLs on real data
+
+# task -> (file whose records are the evaluated docs, relative to the data dir)
+OFFLINE_EVAL_FILES = {
+    "arc_challenge": "arc_challenge/test.jsonl",
+    "arc_easy": "arc_easy/test.jsonl",
+    "hellaswag": "hellaswag/validation.jsonl",
+    "medmcqa": "medmcqa/validation.jsonl",
+    "arc_challenge_calibration": "arc_challenge/train.jsonl",
+    "arc_easy_calibration": "arc_easy/train.jsonl",
+}
+
+
+@needs_data
+def test_offline_yamls_resolve_against_the_shared_data():
+    loaded = _load(list(OFFLINE_EVAL_FILES), DATA_DIR)
+    for name, rel in OFFLINE_EVAL_FILES.items():
+        task = loaded[name]
+        records = _jsonl(DATA_DIR / rel)
+        assert len(task.eval_docs) == len(records), name
+        assert len(list(task.doc_iterator(limit=3))) == 3, name
+        first = task.eval_docs[0]
+        if "question" in records[0]:  # ARC, MedMCQA: lm-eval keeps the raw fields
+            assert first["question"] == records[0]["question"], name
+        else:  # HellaSwag: lm-eval's process_docs ran on our rows
+            assert first["query"].startswith(records[0]["activity_label"] + ":")
+    assert loaded["arc_easy"].config.dataset_path == "json"
+    # No offline train split: few-shot examples come from the evaluated split, and lm-eval leaves
+    # the evaluated document out exactly when fewshot split == test split.
+    for name in ("hellaswag", "medmcqa"):
+        task = loaded[name]
+        assert task.fewshot_cfg.split == task.config.test_split == "validation", name
+        task.set_fewshot_seed(seed=1)
+        doc = task.eval_docs[0]
+        assert task.fewshot_context(doc, num_fewshot=2).count(task.doc_to_text(doc)) == 1
+
+
+# ---------------------------------------------------------------- calibration requests
+
+
+def test_calibration_requests_on_smoke_are_deterministic(tokenizer):
+    kwargs = {"data_dir": None, "num_fewshot": 1, "limit": 4, "max_length": None, "seed": 7}
+    first = adapter.calibration_requests(tokenizer, "smoke", **kwargs)
+    assert first == adapter.calibration_requests(tokenizer, "smoke_calibration", **kwargs)
+    assert first and all(isinstance(seq, list) and all(isinstance(t, int) for t in seq) for seq in first)
+    # 4 train docs x 4 choices, minus inputs HFLM would share (single-token choices).
+    assert len(first) <= 16 and len(set(map(tuple, first))) == len(first)
+    assert all(seq[0] == tokenizer.bos_token_id for seq in first)
+    # Docs come from the train split, in document order.
+    assert tokenizer.decode(first[0]).startswith("<s>Question: ")
+    assert smoke_docs()["train"][0]["question"] in tokenizer.decode(first[0])
+    clipped = adapter.calibration_requests(tokenizer, "smoke", **(kwargs | {"max_length": 12}))
+    assert all(len(seq) <= 12 for seq in clipped)
+
+
+def test_encode_request_matches_hflm(tokenizer):
+    """Our tokenization of a request is exactly HFLM's, empty and BOS-prefixed contexts included."""
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, batch_size=1)
+    captured = []
+    lm._loglikelihood_tokens = lambda reqs, disable_tqdm=False: captured.extend(reqs) or [(0.0, True)] * len(reqs)
+    pairs = [
+        ("Question: What is 1 plus 11?\nAnswer:", " 12"),
+        ("Trailing spaces  ", "x"),
+        ("", "only a continuation"),
+        ("<s>Already has BOS", " yes"),
+        ("Ünïcödé ", "ok"),
+    ]
+    lm.loglikelihood([SimpleNamespace(args=p) for p in pairs], disable_tqdm=True)
+    for (context, continuation), (_, ctx_ids, cont_ids) in zip(pairs, captured, strict=True):
+        assert adapter.encode_request(tokenizer, context, continuation) == (ctx_ids, cont_ids)

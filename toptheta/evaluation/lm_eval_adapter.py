@@ -1,0 +1,296 @@
+"""Run lm-eval on an already-loaded (possibly sparsified) transformers model, and get the token
+sequences a task's calibration split would feed it.
+
+Tasks come from toptheta.evaluation.tasks (stock lm-eval tasks with a local or hub data source,
+their `_calibration` variants, and `smoke`). The data source is resolved once per call:
+the `data_dir` argument, else the TOPTHETA_DATA_DIR environment variable, else None (hub).
+All argument, task-name and data-file checks run before lm-eval builds anything and before the
+model is touched, so a typo fails in milliseconds rather than after model loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from toptheta.evaluation.tasks import (
+    BASE_TASKS,
+    base_name,
+    calibration_name,
+    check_tasks,
+    fewshot_source,
+    task_include_paths,
+)
+
+if TYPE_CHECKING:
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DATA_DIR_ENV = "TOPTHETA_DATA_DIR"
+
+log = logging.getLogger(__name__)
+
+
+def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The data dir to use: `data_dir`, else $TOPTHETA_DATA_DIR, else None (Hugging Face hub).
+
+    Returned absolute, so rendered YAMLs and recorded configs do not depend on the working
+    directory. An empty environment variable counts as unset.
+    """
+    source = "data_dir"
+    if data_dir is None:
+        data_dir = os.environ.get(DATA_DIR_ENV) or None
+        source = f"${DATA_DIR_ENV}"
+    if data_dir is None:
+        return None
+    path = Path(data_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"data dir {path} (from {source}) is not a directory. Pass the directory holding "
+            f"arc_easy/, hellaswag/, ... (e.g. ../shared/data), or data_dir=None with "
+            f"{DATA_DIR_ENV} unset to use the Hugging Face hub."
+        )
+    return path
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _check_run_args(num_fewshot: Any, limit: Any, batch_size: Any, max_length: Any) -> None:
+    """Argument checks shared by evaluate_tasks and calibration_requests."""
+    if num_fewshot is not None and not _is_int(num_fewshot, 0):
+        raise ValueError(f"num_fewshot must be None (task default) or an int >= 0, got {num_fewshot!r}")
+    if limit is not None:
+        # lm-eval reads a float < 1 as a fraction of the docs but int(limit) otherwise, so 1.0
+        # would silently mean "1 document": accept only unambiguous values.
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise ValueError(f"limit must be None, an int >= 1 or a float in (0, 1), got {limit!r}")
+        if isinstance(limit, int) and limit < 1:
+            raise ValueError(f"limit must be >= 1 documents, got {limit}; use None for all documents")
+        if isinstance(limit, float) and not 0.0 < limit < 1.0:
+            raise ValueError(
+                f"a float limit is a fraction of the documents and must be in (0, 1), got {limit}; "
+                f"use an int for a document count"
+            )
+    if not _is_int(batch_size, 1):
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if max_length is not None and not _is_int(max_length, 2):
+        raise ValueError(f"max_length must be None (model default) or an int >= 2, got {max_length!r}")
+
+
+def _task_manager(include_paths: list[str]) -> TaskManager:
+    """A TaskManager that indexes only our task dirs.
+
+    include_defaults=False: indexing lm-eval's ~15k stock YAMLs costs ~20 s per call, and our
+    YAMLs reach the stock ones through absolute `include:` paths anyway.
+    """
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_paths, include_defaults=False)
+
+
+def _load_tasks(manager: TaskManager, tasks: list[str], data_dir: Path | None) -> dict[str, Task]:
+    """Build the lm-eval Task objects (this loads the datasets), with a hint on hub failures."""
+    try:
+        return manager.load(tasks)["tasks"]
+    except Exception as err:
+        if data_dir is not None or all(not BASE_TASKS[base_name(t)].needs_data for t in tasks):
+            raise
+        raise RuntimeError(
+            f"loading {tasks} from the Hugging Face hub failed ({type(err).__name__}: {err}). "
+            f"Offline, pass data_dir (e.g. ../shared/data) or set {DATA_DIR_ENV}."
+        ) from err
+
+
+def _data_sources(tasks: list[str], data_dir: Path | None) -> dict[str, str]:
+    """Where each task's documents came from, for the results record."""
+    out = {}
+    for task in tasks:
+        spec = BASE_TASKS[base_name(task)]
+        if not spec.needs_data:
+            out[task] = "toptheta (generated in code)"
+        elif data_dir is None:
+            out[task] = "huggingface hub"
+        else:
+            out[task] = str(data_dir)
+    return out
+
+
+def evaluate_tasks(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: list[str],
+    *,
+    data_dir: str | os.PathLike[str] | None,
+    num_fewshot: int | None,
+    limit: int | float | None,
+    batch_size: int = 1,
+    max_length: int | None = None,
+    log_samples: bool = False,
+    seed: int = 1234,
+    bootstrap_iters: int = 100_000,
+) -> dict[str, Any]:
+    """Evaluate `model` on `tasks` with lm-eval and return lm-eval's results dict.
+
+    The model is used as given (no copy, no device move, whatever attention implementation it
+    has), wrapped in lm-eval's HFLM. `num_fewshot=None` keeps each task's default (0 for ours);
+    `limit` is a document count (int) or fraction (float < 1) per task; `max_length=None` lets
+    HFLM take the model's context length (see hflm_max_length). `seed` seeds Python, NumPy,
+    torch and the few-shot sampler. `bootstrap_iters` only matters for non-mean metrics.
+
+    The returned dict is lm-eval's (`results`, `configs`, `n-shot`, `n-samples`, `config`, ...
+    plus `samples` when log_samples) with one extra key, `toptheta`: the resolved data dir,
+    each task's data source, and `fewshot_deviations` (task -> where its few-shot examples came
+    from, for offline tasks without a train split; empty otherwise).
+    """
+    _check_run_args(num_fewshot, limit, batch_size, max_length)
+    resolved = resolve_data_dir(data_dir)
+    tasks = list(tasks) if isinstance(tasks, tuple) else tasks
+    check_tasks(tasks, resolved, num_fewshot)
+    deviations = {t: s for t in tasks if (s := fewshot_source(t, resolved, num_fewshot))}
+    for task, source in deviations.items():
+        log.warning("%s: %d-shot examples come from %s, not train as in stock lm-eval", task, num_fewshot, source)
+
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    with task_include_paths(tasks, resolved) as include_paths:
+        manager = _task_manager(include_paths)
+        # Datasets load here, still before the model is wrapped: data errors surface first.
+        loaded = _load_tasks(manager, tasks, resolved)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        results = simple_evaluate(
+            model=lm,
+            tasks=list(loaded.values()),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            log_samples=log_samples,
+            task_manager=manager,
+            bootstrap_iters=bootstrap_iters,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    if results is None:  # only non-zero ranks get None; we never run distributed
+        raise RuntimeError("lm-eval returned no results (not rank 0?)")
+    results["toptheta"] = {
+        "data_dir": None if resolved is None else str(resolved),
+        "data_sources": _data_sources(tasks, resolved),
+        "fewshot_deviations": deviations,
+    }
+    return results
+
+
+def hflm_max_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
+    """The context length HFLM uses for `model` when max_length is None (lm-eval's own rule)."""
+    from lm_eval.models.utils import resolve_max_length
+
+    return resolve_max_length(model.config, tokenizer)
+
+
+def encode_request(
+    tokenizer: PreTrainedTokenizerBase, context: str, continuation: str
+) -> tuple[list[int], list[int]]:
+    """Token ids of one loglikelihood request, split as HFLM splits them (causal models).
+
+    Mirrors lm-eval 0.4.x `LM.loglikelihood` + `TemplateLM._encode_pair` + `HFLM.tok_encode`
+    with HFLM's defaults (add_bos_token=None, no custom prefix token):
+    - trailing spaces of the context move to the continuation;
+    - the whole string and the context are encoded with the tokenizer's default special tokens
+      (unless the text already starts with the BOS string), and the continuation ids are the
+      whole encoding minus the context's length;
+    - an empty context becomes the BOS token (EOS if there is no BOS).
+    tests/test_tasks.py checks this against a real HFLM.
+    """
+    prefix_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if context == "":
+        cont = tokenizer.encode(continuation, add_special_tokens=False)
+        return ([prefix_id], cont) if prefix_id != cont[0] else (cont[:1], cont[1:])
+
+    bos_text = tokenizer.decode(prefix_id)
+
+    def encode(text: str) -> list[int]:
+        if text.startswith(bos_text):
+            return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text)
+
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole = encode(context + continuation)
+    context_ids = encode(context)
+    return context_ids, whole[len(context_ids) :]
+
+
+def calibration_requests(
+    tokenizer: PreTrainedTokenizerBase,
+    task: str,
+    *,
+    data_dir: str | os.PathLike[str] | None,
+    num_fewshot: int | None,
+    limit: int | float | None,
+    max_length: int | None,
+    seed: int = 1234,
+) -> list[list[int]]:
+    """The token id sequences HFLM would feed the model for `task`'s calibration (train) split.
+
+    `task` is a base name (`arc_challenge`) or its calibration name (`arc_challenge_calibration`).
+    The task is built through lm-eval (same prompts, few-shot sampling with `seed`, `limit`
+    semantics), and each loglikelihood request becomes the model input HFLM builds for it:
+    ``(context_ids + continuation_ids)[-(max_length + 1):][:-1]``; the last token is dropped
+    because its logits are never needed. `max_length=None` means no truncation; pass
+    hflm_max_length(model, tokenizer) to match an evaluation run exactly.
+
+    Order: document order, then each document's requests (choices) in order. lm-eval's own
+    execution order (its Collator sorts by descending length and batches) is NOT used: it is an
+    efficiency detail, and document order is deterministic and independent of batch size.
+    Identical inputs are kept once (first occurrence): with logits_cache (on by default) HFLM
+    runs one forward pass for requests whose inputs coincide, e.g. single-token choices.
+    """
+    _check_run_args(num_fewshot, limit, 1, max_length)
+    resolved = resolve_data_dir(data_dir)
+    calib = calibration_name(task) if isinstance(task, str) else task
+    check_tasks([calib], resolved, num_fewshot)
+
+    with task_include_paths([calib], resolved) as include_paths:
+        lm_task = _load_tasks(_task_manager(include_paths), [calib], resolved)[calib]
+        _build_requests(lm_task, num_fewshot, limit, seed)
+
+    sequences: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for instance in lm_task.instances:
+        if instance.request_type != "loglikelihood":
+            raise ValueError(
+                f"{calib!r} makes {instance.request_type!r} requests; calibration_requests "
+                f"supports loglikelihood (multiple-choice) tasks only"
+            )
+        context_ids, continuation_ids = encode_request(tokenizer, *instance.args)
+        ids = context_ids + continuation_ids
+        if max_length is not None:
+            ids = ids[-(max_length + 1) :]
+        ids = ids[:-1]
+        key = tuple(ids)
+        if key not in seen:
+            seen.add(key)
+            sequences.append(ids)
+    return sequences
+
+
+def _build_requests(lm_task: Task, num_fewshot: int | None, limit: int | float | None, seed: int) -> None:
+    """Build `lm_task.instances` with the settings simple_evaluate would apply."""
+    if num_fewshot is not None:
+        lm_task.set_config(key="num_fewshot", value=num_fewshot)
+    elif lm_task.get_config("num_fewshot") is None:
+        lm_task.set_config(key="num_fewshot", value=0)
+    lm_task.set_fewshot_seed(seed=seed)
+    n_docs = None
+    if limit is not None:  # lm-eval's get_sample_size rule
+        n_docs = math.ceil(len(lm_task.eval_docs) * limit) if limit < 1.0 else int(limit)
+    lm_task.build_all_requests(limit=n_docs, rank=0, world_size=1)
+

@@ -1,0 +1,26 @@
+"""toptheta's lm-eval tasks: offline variants of stock tasks, calibration variants, and `smoke`.
+
+See catalog.py for the task list and checks, render.py for how the YAMLs reach lm-eval.
+"""
+
+from toptheta.evaluation.tasks.catalog import (
+    BASE_TASKS,
+    base_name,
+    calibration_name,
+    check_tasks,
+    fewshot_source,
+    is_calibration,
+    task_names,
+)
+from toptheta.evaluation.tasks.render import task_include_paths
+
+__all__ = [
+    "BASE_TASKS",
+    "base_name",
+    "calibration_name",
+    "check_tasks",
+    "fewshot_source",
+    "is_calibration",
+    "task_include_paths",
+    "task_names",
+]

@@ -1,0 +1,148 @@
+"""Which tasks toptheta evaluates, where their data comes from, and the checks made before any
+model work.
+
+Every task is lm-eval's own stock task (prompt, choices, metrics) with only its data source
+swapped, except `smoke`, which is ours. Each task `T` has a calibration variant
+`T_calibration` that evaluates the train split instead (see templates/calibration.yaml).
+
+Data source per run:
+- a data dir (e.g. ../shared/data): local JSON Lines files in the Hugging Face schemas;
+- no data dir: the Hugging Face hub (or its local cache), exactly as lm-eval defines the task.
+`smoke` never needs either.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+CALIBRATION_SUFFIX = "_calibration"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One base task.
+
+    Attributes:
+        name: lm-eval task name, also our task name.
+        stock_yaml: lm-eval's YAML for it, relative to lm-eval's tasks dir; None for our own.
+        data_files: the files it reads from a data dir, relative to that dir, split -> path.
+    """
+
+    name: str
+    stock_yaml: str | None
+    data_files: dict[str, str]
+
+    @property
+    def has_offline_train(self) -> bool:
+        """Whether a data dir provides the train split (few-shot examples, calibration)."""
+        return "train" in self.data_files
+
+    @property
+    def needs_data(self) -> bool:
+        """Whether this task reads a data dir or the hub (False only for our own tasks)."""
+        return self.stock_yaml is not None
+
+
+def _arc(subset: str) -> dict[str, str]:
+    return {split: f"{subset}/{split}.jsonl" for split in ("train", "validation", "test")}
+
+
+BASE_TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in (
+        TaskSpec("smoke", None, {}),
+        TaskSpec("arc_challenge", "arc/arc_challenge.yaml", _arc("arc_challenge")),
+        TaskSpec("arc_easy", "arc/arc_easy.yaml", _arc("arc_easy")),
+        # Only validation exists offline for these two (see ../shared/data/PROVENANCE.md).
+        TaskSpec("hellaswag", "hellaswag/hellaswag.yaml", {"validation": "hellaswag/validation.jsonl"}),
+        TaskSpec("medmcqa", "medmcqa/medmcqa.yaml", {"validation": "medmcqa/validation.jsonl"}),
+    )
+}
+
+
+def stock_tasks_dir() -> Path:
+    """lm-eval's installed tasks dir, found without importing lm-eval (its import takes seconds)."""
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("lm-eval is not installed: pip install 'lm-eval>=0.4.8,<0.5'")
+    return Path(next(iter(spec.submodule_search_locations))) / "tasks"
+
+
+def calibration_name(task: str) -> str:
+    """`arc_easy` -> `arc_easy_calibration` (idempotent)."""
+    return task if is_calibration(task) else task + CALIBRATION_SUFFIX
+
+
+def is_calibration(task: str) -> bool:
+    return task.endswith(CALIBRATION_SUFFIX)
+
+
+def base_name(task: str) -> str:
+    """`arc_easy_calibration` -> `arc_easy`; a base name is returned as is."""
+    return task[: -len(CALIBRATION_SUFFIX)] if is_calibration(task) else task
+
+
+def task_names() -> list[str]:
+    """Every task name toptheta accepts, sorted."""
+    return sorted([*BASE_TASKS, *(calibration_name(t) for t in BASE_TASKS)])
+
+
+def check_tasks(tasks: list[str], data_dir: Path | None, num_fewshot: int | None) -> None:
+    """Raise a clear error if `tasks` cannot run with this data dir and few-shot count.
+
+    Checks only names, files and split availability; it is cheap and runs before any model
+    or dataset work. `data_dir` must already be resolved (absolute) or None for the hub.
+    `num_fewshot` (None = task default, or an int >= 0) is checked here too so planners fail
+    early; any count is allowed (see fewshot_source for offline tasks without a train split).
+    """
+    if num_fewshot is not None and (
+        isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0
+    ):
+        raise ValueError(f"num_fewshot must be None (task default) or an int >= 0, got {num_fewshot!r}")
+    if isinstance(tasks, str) or not isinstance(tasks, (list, tuple)) or not tasks:
+        raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
+    unknown = [t for t in tasks if not isinstance(t, str) or base_name(t) not in BASE_TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; valid tasks: {', '.join(task_names())}")
+    duplicates = sorted({t for t in tasks if tasks.count(t) > 1})
+    if duplicates:
+        raise ValueError(f"task(s) {duplicates} listed more than once; list each task once")
+    for task in tasks:
+        spec = BASE_TASKS[base_name(task)]
+        if data_dir is None or not spec.needs_data:
+            continue
+        _check_offline_splits(task, spec)
+        for split, rel in spec.data_files.items():
+            path = data_dir / rel
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"task {task!r} needs its {split} split file {rel!r} in the data dir, but "
+                    f"{path} does not exist. Point data_dir (or TOPTHETA_DATA_DIR) at a "
+                    f"directory holding {rel}, or use data_dir=None for the Hugging Face hub."
+                )
+
+
+def _check_offline_splits(task: str, spec: TaskSpec) -> None:
+    """Offline, a task without a train split cannot calibrate (its few-shot source: see below)."""
+    if spec.has_offline_train or not is_calibration(task):
+        return
+    raise ValueError(
+        f"{task!r} cannot run offline: the data dir has no train split for {spec.name} "
+        f"(only {', '.join(spec.data_files)}). Calibrate on another task's train split "
+        f"instead (cross-dataset calibration, e.g. calibration task 'arc_challenge'), or run "
+        f"with data_dir=None and hub access to use {spec.name}'s own train split."
+    )
+
+
+def fewshot_source(task: str, data_dir: Path | None, num_fewshot: int | None) -> str | None:
+    """Where `task` draws few-shot examples from when it differs from stock lm-eval, else None.
+
+    Offline tasks without a train split (hellaswag, medmcqa) draw them from the evaluated
+    validation split, leaving out the evaluated document (see their templates).
+    """
+    spec = BASE_TASKS[base_name(task)]
+    if not num_fewshot or data_dir is None or not spec.needs_data or spec.has_offline_train:
+        return None
+    return "validation (the offline data has no train split; the evaluated document is left out)"

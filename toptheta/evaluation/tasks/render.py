@@ -1,0 +1,78 @@
+"""Write the lm-eval include dir for one run: our task YAMLs with this run's paths filled in.
+
+lm-eval YAML cannot read environment variables, and `include:` only takes paths (relative to
+the including file, or absolute), never task names. So the templates in ./templates name the
+stock YAML and the data dir by placeholders, and this module renders the ones a run needs into
+a fresh temporary directory. ./static holds our own tasks, which need no rendering; it is
+passed to lm-eval's TaskManager as a second include path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from string import Template
+
+from toptheta.evaluation.tasks.catalog import BASE_TASKS, base_name, is_calibration, stock_tasks_dir
+
+TASKS_DIR = Path(__file__).resolve().parent
+TEMPLATES_DIR = TASKS_DIR / "templates"
+STATIC_DIR = TASKS_DIR / "static"
+
+
+def _quoted(value: str | Path) -> str:
+    """`value` escaped for the inside of a YAML double-quoted scalar (JSON's rules are valid YAML)."""
+    return json.dumps(str(value))[1:-1]
+
+
+def _render(template: str, **values: str | Path) -> str:
+    text = (TEMPLATES_DIR / template).read_text(encoding="utf-8")
+    return Template(text).substitute({k: _quoted(v) for k, v in values.items()})
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Temp file then os.replace, so a reader never sees half a YAML."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_task_dir(target: Path, tasks: list[str], data_dir: Path | None) -> None:
+    """Render the YAMLs `tasks` need into the existing directory `target`.
+
+    A calibration task includes its rendered base task, so both are written. Our own tasks
+    (static/) are skipped. `tasks` must have passed catalog.check_tasks.
+    """
+    stock_dir = stock_tasks_dir()
+    bases = {base_name(t) for t in tasks if BASE_TASKS[base_name(t)].needs_data}
+    for base in sorted(bases):
+        stock = stock_dir / BASE_TASKS[base].stock_yaml
+        if data_dir is None:
+            text = _render("hub.yaml", stock=stock, task=base)
+        else:
+            text = _render(f"{base}.yaml", stock=stock, data=data_dir)
+        _write_atomic(target / f"{base}.yaml", text)
+    for task in sorted(t for t in tasks if is_calibration(t) and base_name(t) in bases):
+        text = _render("calibration.yaml", base=target / f"{base_name(task)}.yaml", task=task)
+        _write_atomic(target / f"{task}.yaml", text)
+
+
+@contextlib.contextmanager
+def task_include_paths(tasks: list[str], data_dir: Path | None) -> Iterator[list[str]]:
+    """Yield the `include_path` list for lm-eval's TaskManager; the rendered dir is removed after.
+
+    Keep the context open until evaluation ends: lm-eval re-reads a task's YAML when it builds it.
+    """
+    with tempfile.TemporaryDirectory(prefix="toptheta-lm-eval-tasks-") as tmp:
+        write_task_dir(Path(tmp), tasks, data_dir)
+        yield [str(STATIC_DIR), tmp]

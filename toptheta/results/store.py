@@ -1,0 +1,444 @@
+"""The results store: one directory per run plus one summary CSV for all runs.
+
+Layout under `results_dir`:
+
+    runs/<run_id>/config.json     the resolved run config (as given, ignored keys included)
+    runs/<run_id>/lm_eval.json    lm-eval's results dict, without per-sample logs
+    runs/<run_id>/samples.json    lm-eval's per-sample logs (only when it produced them)
+    runs/<run_id>/stats.json      sparsity statistics (kept fractions, ...)
+    runs/<run_id>/meta.json       run_id, thresholds_ref, extra, git_commit, timestamp
+    runs/<run_id>/DONE            written last: a run counts as complete only with it
+    summary.csv                   one row per (run, task, metric); appended under a lock
+
+A run directory is assembled in a temporary sibling and renamed into place, so readers never
+see half a run, and a crash leaves no partial files behind. summary.csv is rewritten whole to a
+temporary file and os.replace'd while holding an fcntl lock on summary.csv.lock, so parallel
+jobs (e.g. a Hydra multirun) never lose or interleave rows.
+
+The run id is a hash of the resolved config minus IGNORED_CONFIG_KEYS (settings that cannot
+change results), so rerunning an identical experiment finds the existing run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime as dt
+import fcntl
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# Top-level or dotted config keys left out of the run id: where results go, logging, whether to
+# overwrite, Hydra's own bookkeeping. Everything else (model, sparsifier, tasks, data_dir,
+# limit, seed, ...) is part of it: when in doubt a key stays in, since a spurious new run id
+# only costs a rerun while a missing key would silently reuse a different experiment's result.
+IGNORED_CONFIG_KEYS: tuple[str, ...] = ("logger", "force", "results_dir", "hydra", "wandb")
+
+SUMMARY_COLUMNS: tuple[str, ...] = (
+    "run_id",
+    "model",
+    "sparsifier",
+    "placement",
+    "k",
+    "comp",
+    "granularity",
+    "task",
+    "num_fewshot",
+    "limit",
+    "metric",
+    "value",
+    "stderr",
+    "kept_attention_fraction",
+    "kept_vrow_fraction",
+    "git_commit",
+    "phase",
+    "timestamp",
+)
+
+# Where summary_rows finds each config-derived column: candidate dotted paths, the first one
+# present wins (a mapping becomes a short label, see _cell). Pass `field_paths=` to summary_rows
+# to adapt to another config layout, or `overrides=` to set a column outright.
+SUMMARY_FIELD_PATHS: dict[str, tuple[str, ...]] = {
+    "model": ("model.name", "model.id", "model"),
+    "sparsifier": ("sparsifier.name", "sparsifier"),
+    "placement": ("sparsifier.placement", "placement"),
+    "k": ("sparsifier.k", "k"),
+    "comp": ("comp.label", "comp.name", "comp", "sparsifier.comp"),
+    "granularity": ("calib.granularity", "sparsifier.granularity", "granularity"),
+    "num_fewshot": ("task.num_fewshot", "eval.num_fewshot", "num_fewshot"),
+    "limit": ("task.limit", "eval.limit", "limit"),
+    "phase": ("phase",),
+}
+
+STAT_COLUMNS: tuple[str, ...] = ("kept_attention_fraction", "kept_vrow_fraction")
+
+DONE_MARKER = "DONE"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _jsonable(obj: Any) -> Any:
+    """json.dump's fallback: NumPy/torch scalars and arrays, paths, sets; anything else as str.
+
+    lm-eval's results hold a few non-JSON values (NumPy numbers, callables in task configs);
+    like lm-eval's own writer we keep them readable rather than fail a finished run.
+    """
+    if hasattr(obj, "tolist"):  # NumPy scalars/arrays, torch tensors
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=str)
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
+def _dumps(obj: Any) -> str:
+    # Key order kept as given: sort_keys would fail on dicts mixing int and str keys.
+    return json.dumps(obj, indent=2, default=_jsonable) + "\n"
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same directory, fsync, then os.replace."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _to_plain(obj: Any) -> Any:
+    """Mappings -> dicts, tuples -> lists, Paths -> str, recursively (for hashing configs)."""
+    if isinstance(obj, Mapping):
+        return {str(k): _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(
+        f"config value {obj!r} of type {type(obj).__name__} cannot be hashed stably; convert the "
+        f"config to plain dicts/lists/scalars first (e.g. OmegaConf.to_container(cfg, resolve=True))"
+    )
+
+
+def _drop_keys(config: dict[str, Any], dotted_keys: Sequence[str]) -> dict[str, Any]:
+    """A copy of `config` without the given top-level or dotted keys."""
+    out = json.loads(json.dumps(config))  # deep copy of plain data
+    for dotted in dotted_keys:
+        *parents, leaf = dotted.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def comp_label(comp: Mapping[str, Any]) -> str:
+    """A compensation config as a short label: `none`, `sdc=exact`, `vmc`, `sdc=exact*0.9+vmc`.
+
+    Reads the keys `sdc` (estimator or None), `sdc_scale` (shown when not 1) and `vmc` (bool).
+    """
+    parts = []
+    if comp.get("sdc"):
+        scale = comp.get("sdc_scale", 1.0)
+        parts.append(f"sdc={comp['sdc']}" + ("" if scale in (None, 1, 1.0) else f"*{scale}"))
+    if comp.get("vmc"):
+        parts.append("vmc")
+    return "+".join(parts) or "none"
+
+
+def _cell(value: Any) -> Any:
+    """A config value as one CSV cell: scalars as they are, lists joined, mappings labelled.
+
+    A mapping with `sdc`/`vmc` keys gets comp_label; any other mapping lists its set entries
+    (`key=value`, a bare `key` for True, None/False left out), or `none` when nothing is set.
+    """
+    if isinstance(value, Mapping):
+        if {"sdc", "vmc"} & set(value):
+            return comp_label(value)
+        parts = [
+            str(k) if v is True else f"{k}={_cell(v)}" for k, v in value.items() if v not in (None, False)
+        ]
+        return ",".join(parts) or "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(_cell(v)) for v in value)
+    return value
+
+
+def _first_present(config: Mapping[str, Any], paths: Sequence[str]) -> Any:
+    for path in paths:
+        value = _lookup(config, path)
+        if value is not None:
+            return _cell(value)
+    return None
+
+
+def _number_or_none(value: Any) -> float | None:
+    """lm-eval reports missing stderrs as "N/A"; NaN also means no value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return None if math.isnan(value) else value
+
+
+def git_commit(path: str | os.PathLike[str] | None = None) -> str | None:
+    """HEAD's commit hash of the checkout holding `path` (default: this code), or None.
+
+    "-dirty" is appended when tracked files have uncommitted changes, since the hash alone
+    would then not identify the code that ran. None when git or the checkout is missing.
+    """
+    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if dirty else head
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------- summary rows
+
+
+def summary_rows(
+    run_id: str,
+    config: Mapping[str, Any],
+    lm_eval_results: Mapping[str, Any],
+    stats: Mapping[str, Any] | None,
+    *,
+    field_paths: Mapping[str, Sequence[str]] = SUMMARY_FIELD_PATHS,
+    overrides: Mapping[str, Any] | None = None,
+    commit: str | None = None,
+    timestamp: str | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (task, metric) in lm-eval's `results` section.
+
+    metric is lm-eval's key, e.g. `acc,none` or `acc_norm,none`; stderr is the matching
+    `acc_stderr,none` (None when lm-eval gives "N/A"). num_fewshot and limit come from what
+    lm-eval actually used (`n-shot`, `config.limit`), falling back to the config. The kept
+    fractions come from `stats[task][name]`, else `stats[name]`. Other columns: see
+    SUMMARY_FIELD_PATHS; `overrides` sets columns outright (applied last). `commit` defaults
+    to git_commit(), `timestamp` to now (UTC).
+    """
+    stats = stats or {}
+    base = {column: _first_present(config, paths) for column, paths in field_paths.items()}
+    base["run_id"] = run_id
+    base["git_commit"] = commit if commit is not None else git_commit()
+    base["timestamp"] = timestamp or _now()
+    used_limit = (lm_eval_results.get("config") or {}).get("limit")
+    if used_limit is not None:
+        base["limit"] = used_limit
+
+    rows = []
+    for task, metrics in (lm_eval_results.get("results") or {}).items():
+        task_stats = stats.get(task) if isinstance(stats.get(task), Mapping) else {}
+        fewshot = (lm_eval_results.get("n-shot") or {}).get(task)
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key:
+                continue  # alias/name/sample_len, or a stderr (reported with its metric)
+            name, _, filt = key.partition(",")
+            row = dict(base, task=task, metric=key)
+            if fewshot is not None:
+                row["num_fewshot"] = fewshot
+            row["value"] = _number_or_none(value)
+            row["stderr"] = _number_or_none(metrics.get(f"{name}_stderr,{filt}"))
+            for stat in STAT_COLUMNS:
+                row[stat] = task_stats.get(stat, stats.get(stat))
+            rows.append(row | dict(overrides or {}))
+    return rows
+
+
+# ---------------------------------------------------------------- the store
+
+
+class RunStore:
+    """Run directories and the summary CSV under `results_dir` (created on first write)."""
+
+    def __init__(
+        self,
+        results_dir: str | os.PathLike[str] = "results",
+        *,
+        ignored_keys: Sequence[str] = IGNORED_CONFIG_KEYS,
+    ):
+        self.results_dir = Path(results_dir)
+        self.runs_dir = self.results_dir / "runs"
+        self.summary_path = self.results_dir / "summary.csv"
+        self.ignored_keys = tuple(ignored_keys)
+
+    # -- identity
+
+    def run_id_for(self, config: Mapping[str, Any]) -> str:
+        """A stable 16-hex-digit id: sha256 of the canonical JSON of `config` minus ignored keys.
+
+        Canonical: keys sorted, tuples as lists, Paths as strings. Key order and ignored keys
+        (see IGNORED_CONFIG_KEYS) do not change the id; any other value change does, and so do
+        int vs float (1 vs 1.0). Non-plain values raise TypeError naming the fix.
+        """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config must be a mapping, got {type(config).__name__}")
+        plain = _drop_keys(_to_plain(config), self.ignored_keys)
+        canonical = json.dumps(plain, sort_keys=True, separators=(",", ":"), allow_nan=True)
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+    def run_dir(self, run_id: str) -> Path:
+        if not run_id or "/" in run_id or run_id.startswith("."):
+            raise ValueError(f"invalid run id {run_id!r}: use RunStore.run_id_for(config)")
+        return self.runs_dir / run_id
+
+    def exists(self, run_id: str) -> bool:
+        """Whether a complete run (its DONE marker present) is stored under `run_id`."""
+        return (self.run_dir(run_id) / DONE_MARKER).is_file()
+
+    # -- writing
+
+    def write_run(
+        self,
+        run_id: str,
+        *,
+        config: Mapping[str, Any],
+        lm_eval_results: Mapping[str, Any],
+        stats: Mapping[str, Any],
+        thresholds_ref: str | None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Store one run atomically and return its directory; an existing run is replaced.
+
+        Files are written into a temporary directory next to the final one, DONE last, then
+        the directory is renamed into place. Replacing an existing run moves the old directory
+        aside first, so exists() is briefly False during a replace, never true for a mix of
+        old and new files. On any error the temporary directory is removed.
+        """
+        final = self.run_dir(run_id)
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        results = dict(lm_eval_results)
+        samples = results.pop("samples", None)
+        files = {
+            "config.json": _dumps(dict(config)),
+            "lm_eval.json": _dumps(results),
+            "stats.json": _dumps(dict(stats)),
+            "meta.json": _dumps(
+                {
+                    "run_id": run_id,
+                    "thresholds_ref": thresholds_ref,
+                    "extra": dict(extra or {}),
+                    "git_commit": git_commit(),
+                    "timestamp": _now(),
+                }
+            ),
+        }
+        if samples:
+            files["samples.json"] = _dumps(samples)
+
+        staging = Path(tempfile.mkdtemp(dir=self.runs_dir, prefix=f".tmp-{run_id}-"))
+        try:
+            for name, text in files.items():
+                _write_text_atomic(staging / name, text)
+            _write_text_atomic(staging / DONE_MARKER, _now() + "\n")
+            self._swap_into_place(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return final
+
+    def _swap_into_place(self, staging: Path, final: Path) -> None:
+        old = None
+        if final.exists():
+            old = Path(tempfile.mkdtemp(dir=self.runs_dir, prefix=f".old-{final.name}-"))
+            os.replace(final, old / "run")
+        try:
+            os.replace(staging, final)
+        except BaseException:
+            if old is not None:  # put the previous run back rather than lose it
+                os.replace(old / "run", final)
+            raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _summary_lock(self) -> Iterator[None]:
+        """Exclusive fcntl lock on a separate lock file (summary.csv itself gets replaced)."""
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.results_dir / "summary.csv.lock", "a", encoding="utf-8") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def append_summary(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Append `rows` to summary.csv atomically, under a lock shared by all processes.
+
+        Columns: SUMMARY_COLUMNS first, then any other keys in sorted order; a new key adds a
+        column (earlier rows get empty cells). None is written as an empty cell.
+        """
+        rows = [dict(r) for r in rows]
+        if not rows:
+            return
+        with self._summary_lock():
+            old_columns: list[str] = []
+            old_rows: list[dict[str, str]] = []
+            if self.summary_path.exists():
+                with open(self.summary_path, newline="", encoding="utf-8") as fh:
+                    reader = csv.DictReader(fh)
+                    old_columns = list(reader.fieldnames or [])
+                    old_rows = list(reader)
+            known = set(SUMMARY_COLUMNS)
+            extra = sorted(({k for r in rows for k in r} | set(old_columns)) - known)
+            columns = [*SUMMARY_COLUMNS, *extra]
+            buffer = io.StringIO()
+            writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(old_rows)
+            writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+            _write_text_atomic(self.summary_path, buffer.getvalue())
+
+
+def load_summary(results_dir: str | os.PathLike[str] = "results") -> pd.DataFrame:
+    """summary.csv as a DataFrame (empty, with SUMMARY_COLUMNS, when there is none yet)."""
+    import pandas as pd
+
+    path = Path(results_dir) / "summary.csv"
+    if not path.exists():
+        return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+    # Text columns pinned to str: a hex run id such as "1234e567..." would otherwise parse as a float.
+    text = ("run_id", "model", "sparsifier", "placement", "comp", "granularity", "task", "metric",
+            "git_commit", "phase", "timestamp")
+    return pd.read_csv(path, dtype={c: str for c in text})
