@@ -1,0 +1,228 @@
+"""Figures and tables from the results store: a synthetic store written through RunStore, then make_figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from toptheta.results import figures
+from toptheta.results.store import RunStore, load_summary, summary_rows
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK = REPO / "notebooks" / "ablations.ipynb"
+COMP = {"none": {"sdc": None, "sdc_scale": 1.0, "vmc": False}, "vmc": {"sdc": None, "sdc_scale": 1.0, "vmc": True},
+        "sdc+vmc": {"sdc": "exact", "sdc_scale": 1.0, "vmc": True}}
+QA = "tradeoff-tiny-llama-arc_easy-0shot-limit5-acc_norm"
+HE = "tradeoff-tiny-llama-humaneval-0shot-full-pass_1"
+
+# (sparsifier, placement, k, comp, granularity, acc_norm, stderr, kept attention) on arc_easy, 0-shot, limit 5.
+QA_RUNS = [
+    ("dense", None, None, "none", None, 0.60, 0.05, 1.0),
+    ("toptheta", "pre", 16, "sdc+vmc", "layer-head-n", 0.58, 0.05, 0.125),
+    ("toptheta", "pre", 32, "sdc+vmc", "layer-head-n", 0.59, 0.05, 0.25),
+    ("toptheta", "post", 16, "vmc", "layer-head-n", 0.55, 0.05, 0.1),
+    ("toptheta", "post", 32, "vmc", "layer-head-n", 0.57, 0.05, 0.2),
+    ("topk", "pre", 16, "sdc+vmc", None, 0.56, 0.04, 0.16),
+    ("topk", "post", 16, "vmc", None, 0.40, 0.04, 0.5),  # rerun below with the value that must win
+    ("toptheta", "post", 16, "vmc", "layer", 0.50, 0.05, 0.4),  # granularity ablation
+]
+
+
+def _config(sparsifier, placement, k, comp, granularity, task, limit=5):
+    return {
+        "model": {"name": "tiny-llama", "dtype": "float32"},
+        "task": {"name": task, "kind": "lm_eval" if task != "humaneval" else "humaneval", "limit": limit},
+        "sparsifier": {"name": sparsifier, "placement": placement, "k": k, "layer_k": {}},
+        "comp": COMP[comp],
+        "calib": {"granularity": granularity, "task": "arc_easy"} if granularity else None,
+    }
+
+
+def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, per_layer=None, stamp=0):
+    sparsifier, placement, k, comp, granularity, value, stderr, attn = run
+    config = _config(sparsifier, placement, k, comp, granularity, task, limit)
+    run_id = store.run_id_for(config)
+    lm_eval = {"results": {task: {f"{metric},none": value, f"{metric}_stderr,none": stderr,
+                                  "acc,none": value - 0.1, "acc_stderr,none": stderr}},
+               "n-shot": {task: 0}, "config": {"limit": limit}}
+    stats = {"kept_attention_fraction": attn, "kept_vrow_fraction": vrow}
+    if per_layer is not None:  # as the pipeline does: stats.json holds the scalars, then the per-layer lists
+        store.write_run(run_id, config=config, lm_eval_results=lm_eval, stats=stats | per_layer, thresholds_ref=None)
+    store.append_summary(summary_rows(run_id, config, lm_eval, stats, commit="abc123",
+                                      timestamp=f"2025-01-01T00:00:{stamp:02d}+00:00"))
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """A store with a QA trade-off (+ a rerun and a granularity ablation), HumanEval, and two per-layer runs."""
+    root = tmp_path_factory.mktemp("store") / "results"
+    store = RunStore(root)
+    layers = {"layer": [0, 1, 2], "kept_attention_fraction": [1.0, 0.3, 0.1],
+              "kept_vrow_fraction": [float("nan")] * 3, "mean_dropped_mass": [0.0, 0.02, 0.05]}
+    for i, run in enumerate(QA_RUNS):
+        per_layer = None
+        if run[:4] == ("toptheta", "post", 16, "vmc") and run[4] == "layer-head-n":
+            per_layer = layers
+        if run[:4] == ("toptheta", "post", 32, "vmc"):
+            per_layer = layers | {"kept_attention_fraction": [1.0, 0.5, 0.2]}
+        _add(store, run, per_layer=per_layer, stamp=i)
+    _add(store, ("topk", "post", 16, "vmc", None, 0.52, 0.04, 0.16), stamp=30)  # force=true rerun: latest wins
+    for i, run in enumerate([("dense", None, None, "none", None, 0.30, 0.0, 1.0),
+                             ("toptheta", "post", 64, "vmc", "layer-head-n", 0.25, 0.0, 0.3)]):
+        _add(store, run, task="humaneval", metric="pass@1", limit=None, vrow=1.0 if i == 0 else 0.2, stamp=40 + i)
+    return root
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("make_figures", REPO / "scripts" / "make_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def made(results):
+    out = results / "figures"
+    assert _load_script().main(["--results", str(results), "--out", str(out)]) == 0
+    return out
+
+
+def test_series_labels():
+    label = figures.series_label
+    assert label({"sparsifier": "dense"}) == "Baseline"
+    assert label({"sparsifier": "toptheta", "placement": "pre", "comp": "sdc=exact+vmc"}) == "Top-θ pre (+SDC +VMC)"
+    assert label({"sparsifier": "toptheta", "placement": "post", "comp": "vmc"}) == "Top-θ post (+VMC)"
+    assert label({"sparsifier": "topk", "placement": "pre", "comp": "sdc=exact+vmc"}) == "Top-k pre (+SDC +VMC)"
+    assert label({"sparsifier": "topk", "placement": "post", "comp": "vmc"}) == "Top-k post (+VMC)"
+    assert label({"sparsifier": "topk", "placement": "post", "comp": "none"}) == "Top-k post"
+    assert label({"sparsifier": "toptheta", "placement": "pre", "comp": "sdc=calibrated*0.9"}) == \
+        "Top-θ pre (+SDC[calibrated×0.9])"
+    row = {"sparsifier": "toptheta", "placement": "post", "comp": "vmc", "granularity": "layer"}
+    assert label(row) == "Top-θ post (+VMC) [θ per layer]"
+    assert label(row, granularity=False) == "Top-θ post (+VMC)"
+
+
+def test_metric_of_interest():
+    summary = pd.DataFrame({"task": ["arc_easy", "arc_easy", "humaneval", "longbench_qmsum", "passkey"],
+                            "metric": ["acc,none", "acc_norm,none", "pass@1,none", "rouge_l,none", "accuracy,none"]})
+    assert [figures.metric_of_interest(summary, t) for t in ("arc_easy", "humaneval", "longbench_qmsum", "passkey")] \
+        == ["acc_norm,none", "pass@1,none", "rouge_l,none", "accuracy,none"]
+
+
+def test_expected_files_and_commands(made):
+    names = {p.name for p in made.iterdir()}
+    for stem in (QA, HE):
+        assert {f"{stem}.csv", f"{stem}.md", f"{stem}-kept_attn.png", f"{stem}-kept_attn.md"} <= names
+    assert f"{HE}-kept_vrow.png" in names  # generation: V rows measured
+    assert f"{QA}-kept_vrow.png" not in names  # QA prefill only: no V-row figure
+    assert {"granularity-tiny-llama-arc_easy-0shot-limit5-acc_norm-bars.png", "index.md", "manifest.txt"} <= names
+    assert "per_layer-tiny-llama-arc_easy-Top-theta_post_VMC-kept_attn.png" in names
+    for md in made.glob("*.md"):
+        assert "python scripts/make_figures.py --results" in md.read_text(), md.name
+    assert all((made / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
+
+
+def test_tradeoff_table_numbers(made):
+    table = pd.read_csv(made / f"{QA}.csv")
+    assert list(table["series"]) == ["Baseline", "Top-θ pre (+SDC +VMC)", "Top-θ pre (+SDC +VMC)", "Top-θ post (+VMC)",
+                                     "Top-θ post (+VMC)", "Top-k pre (+SDC +VMC)", "Top-k post (+VMC)",
+                                     "Top-θ post (+VMC) [θ per layer]"]
+    assert table["metric"].eq("acc_norm,none").all() and table["limit"].eq(5).all()
+    expected = {(r[0], r[1] or "", r[4] or "", r[2]): (r[5], r[6], r[7]) for r in QA_RUNS}
+    expected[("topk", "post", "", 16)] = (0.52, 0.04, 0.16)  # the rerun's row
+    for row in table.fillna({"placement": "", "granularity": ""}).itertuples():
+        k = None if pd.isna(row.k) else int(row.k)
+        value, stderr, attn = expected[(row.sparsifier, row.placement, row.granularity, k)]
+        assert (row.value, row.stderr, row.kept_attention_fraction) == pytest.approx((value, stderr, attn))
+        assert row.attention_reduction == pytest.approx(1 / attn)
+    assert table.loc[1, "value_pm_stderr"] == "0.5800 ± 0.0500"
+    humaneval = pd.read_csv(made / f"{HE}.csv")
+    assert humaneval["vrow_reduction"].tolist() == pytest.approx([1.0, 5.0])
+
+
+def test_figure_and_granularity(results):
+    summary = load_summary(results)
+    fig = figures.tradeoff_figure(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
+    ax = fig.axes[0]
+    assert ax.get_xlim() == pytest.approx((0, 1.05))
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels[0] == "Baseline" and "Top-k post (+VMC)" in labels and len(labels) == 6
+    assert sorted(t.get_text() for t in ax.texts) == sorted(["16", "32", "16", "32", "16", "16", "16"])
+    gran = figures.granularity_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
+    assert list(gran["granularity"].fillna("")) == ["", "layer", "layer-head-n", "layer-head-n"]
+    assert list(gran["series"]) == ["Baseline"] + ["Top-θ post (+VMC)"] * 3 and list(gran["k"][1:]) == [16, 16, 32]
+
+
+def test_ambiguous_setting_is_refused(results, tmp_path):
+    store = RunStore(tmp_path)
+    store.append_summary(load_summary(results).to_dict("records"))
+    _add(store, ("dense", None, None, "none", None, 0.7, 0.01, 1.0), limit=200, stamp=50)
+    summary = load_summary(tmp_path)
+    with pytest.raises(ValueError, match="pass num_fewshot= and limit="):
+        figures.tradeoff_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
+    assert len(figures.tradeoff_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm",
+                                      num_fewshot=0, limit=5)) == 8
+
+
+def test_per_layer(results):
+    groups = figures.per_layer_groups(results)
+    assert [g["series"] for g in groups] == ["Top-θ post (+VMC)"]
+    table = figures.per_layer_table(groups[0]["run_dirs"])
+    assert list(table["label"].unique()) == ["Top-θ post (+VMC), k=16", "Top-θ post (+VMC), k=32"]
+    assert table["kept_attention_fraction"].tolist() == [1.0, 0.3, 0.1, 1.0, 0.5, 0.2]
+    fig = figures.per_layer_figure(groups[0]["run_dirs"])
+    assert len(fig.axes[0].lines) == 2
+
+
+def test_empty_results_say_so(tmp_path, capsys):
+    script = _load_script()
+    assert script.main(["--results", str(tmp_path / "none"), "--out", str(tmp_path / "out")]) == 0
+    assert "nothing to plot" in capsys.readouterr().out and not (tmp_path / "out").exists()
+    RunStore(tmp_path / "dense_only").append_summary(
+        summary_rows("r1", _config("dense", None, None, "none", None, "arc_easy"),
+                     {"results": {"arc_easy": {"acc_norm,none": 0.5}}}, {}, commit="x"))
+    assert script.main(["--results", str(tmp_path / "dense_only")]) == 0
+    assert "no (model, task) has both a dense baseline and a sparse run" in capsys.readouterr().out
+
+
+def test_stale_outputs_are_removed(results, tmp_path):
+    out = tmp_path / "figs"
+    out.mkdir()
+    (out / "manifest.txt").write_text("old.png\nkeep.txt\n")
+    (out / "old.png").write_bytes(b"x")
+    (out / "mine.txt").write_text("not listed: left alone")
+    assert _load_script().main(["--results", str(results), "--out", str(out)]) == 0
+    assert not (out / "old.png").exists() and (out / "mine.txt").exists()
+
+
+def test_notebook_is_committed_without_outputs():
+    nb = json.loads(NOTEBOOK.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(not c["outputs"] and c["execution_count"] is None for c in code)
+    assert "TOPTHETA_RESULTS_DIR" in "".join("".join(c["source"]) for c in nb["cells"]) or \
+        "results_dir_from_env" in "".join("".join(c["source"]) for c in code)
+
+
+@pytest.mark.slow
+def test_notebook_executes_headless(results, tmp_path):
+    pytest.importorskip("nbconvert")
+    pytest.importorskip("ipykernel")
+    out = tmp_path / "out.ipynb"
+    env = dict(os.environ, TOPTHETA_RESULTS_DIR=str(results))
+    proc = subprocess.run([sys.executable, "-m", "nbconvert", "--to", "notebook", "--execute", str(NOTEBOOK),
+                           "--output", str(out), "--ExecutePreprocessor.timeout=300"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cells = json.loads(out.read_text())["cells"]
+    outputs = [o for c in cells if c["cell_type"] == "code" for o in c["outputs"]]
+    assert not [o for o in outputs if o["output_type"] == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # QA + HumanEval x2 + granularity + per-layer
+    assert any("Top-θ pre (+SDC +VMC)" in json.dumps(o.get("data", {}), ensure_ascii=False) for o in outputs)

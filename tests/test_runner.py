@@ -1,0 +1,132 @@
+"""The experiment runner: every config composes, bad input fails fast, a run is stored and resumable."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from toptheta import pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_every_option_of_every_group_composes():
+    for group in ("model", "sparsifier", "comp", "calib", "task", "logger", "experiment"):
+        for option in options(group):
+            c = cfg(f"{group}={option}")
+            assert c is not None, (group, option)
+
+
+@pytest.mark.parametrize("sparsifier", options("sparsifier"))
+@pytest.mark.parametrize("comp", options("comp"))
+@pytest.mark.parametrize("calib", options("calib"))
+def test_sparsifier_comp_calib_grid_plans_or_explains(sparsifier, comp, calib, tmp_path):
+    """Each combination either plans runs whose objects build, or is refused with a reason."""
+    c = cfg("model=tiny-llama", "task=smoke", f"sparsifier={sparsifier}", f"comp={comp}", f"calib={calib}",
+            f"results_dir={tmp_path}")
+    try:
+        specs = pipeline.plan(c)
+    except ValueError as err:
+        assert "needs pre-softmax" in str(err) or "β is always 0" in str(err), err
+        return
+    for spec in specs:
+        assert spec.run_id
+        comps = pipeline._compensation(spec.config["comp"], thresholds=None)
+        if spec.config["sparsifier"]["name"] != "toptheta":
+            pipeline.build_sparsifier(spec.config["sparsifier"])
+        assert len(comps) == bool(spec.config["comp"]["sdc"]) + bool(spec.config["comp"]["vmc"])
+
+
+@pytest.mark.parametrize("task", options("task"))
+def test_every_task_plans(task, tmp_path):
+    c = cfg("model=tiny-llama", f"task={task}", f"results_dir={tmp_path}", "data_dir=null",
+            "calib.task=smoke")
+    if task == "longbench_multi_news" or task == "hellaswag":
+        c = cfg("model=tiny-llama", f"task={task}", f"results_dir={tmp_path}", "calib.task=smoke")
+    specs = pipeline.plan(c)
+    assert specs[-1].config["task"]["name"] == task
+
+
+def test_placement_auto_follows_sdc():
+    assert pipeline.plan(cfg("model=tiny-llama", "task=smoke", "comp=sdc+vmc"))[-1].config["sparsifier"]["placement"] == "pre"
+    assert pipeline.plan(cfg("model=tiny-llama", "task=smoke", "comp=vmc"))[-1].config["sparsifier"]["placement"] == "post"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["sparsifier.placement=post", "comp=sdc"], "needs pre-softmax"),
+    (["sparsifier.placement=pre", "comp=vmc"], "β is always 0"),
+    (["sparsifier=topk", "comp.sdc=exp-threshold", "sparsifier.placement=pre"], "threshold sparsifier"),
+    (["sparsifier.k=0"], "positive integer"),
+    (["sparsifier.placement=middle"], "use pre, post or auto"),
+    (["comp.sdc=magic"], "valid: null, exact"),
+    (["data_dir=/nonexistent/dir"], "not a directory"),
+])
+def test_bad_configurations_fail_before_any_model_loads(overrides, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", *overrides))
+
+
+def run_cli(*args: str, cwd=ROOT, timeout=600):
+    return subprocess.run([sys.executable, "run.py", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["sparsifier=nonesuch"], "Available options in 'sparsifier'"),
+    (["comp=sdc", "sparsifier.placement=post"], "needs pre-softmax"),
+    (["sparsifier.kk=3"], "kk"),
+])
+def test_cli_errors_are_fast_and_name_the_fix(args, message, tmp_path):
+    result = run_cli("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", *args, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr + result.stdout
+
+
+def test_end_to_end_tiny_run_writes_store_and_skips_repeat(tmp_path):
+    args = ["model=tiny-llama", "task=smoke", "task.limit=8", "sparsifier.k=4", "sparsifier.layer_k=null",
+            "calib.num_samples=4", f"results_dir={tmp_path}", "hydra.run.dir=" + str(tmp_path / "hydra")]
+    env_cache = {"TOPTHETA_CACHE": str(tmp_path / "cache")}
+    import os
+
+    first = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600, env={**os.environ, **env_cache})
+    assert first.returncode == 0, first.stderr[-3000:]
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2  # dense baseline + top-θ
+    import pandas as pd
+
+    summary = pd.read_csv(tmp_path / "summary.csv")
+    for column in ["run_id", "model", "sparsifier", "placement", "k", "comp", "granularity", "task", "num_fewshot",
+                   "limit", "metric", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction", "git_commit"]:
+        assert column in summary.columns, column
+    assert set(summary["sparsifier"]) == {"dense", "toptheta"}
+    sparse = summary[summary["sparsifier"] == "toptheta"].iloc[0]
+    assert 0 < sparse["kept_attention_fraction"] < 1
+    assert (tmp_path / "cache" / "thresholds").is_dir()
+    second = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, **env_cache})
+    assert second.returncode == 0 and "already finished" in second.stdout + second.stderr
+    assert len(pd.read_csv(tmp_path / "summary.csv")) == len(summary)
+
+
+def test_readme_quickstart_commands_are_what_ci_runs():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"## Quickstart\n(.*?)\n## ", readme, re.S).group(1)
+    commands = [l.strip() for b in re.findall(r"```bash\n(.*?)```", section, re.S) for l in b.splitlines() if l.strip()]
+    assert len(commands) == 2
+    assert commands[0].endswith("python run.py")
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()

@@ -1,0 +1,133 @@
+"""Generation tasks (HumanEval, LongBench, passkey retrieval): greedy decoding through the KV cache.
+
+Each task returns a dict shaped like lm-eval's results (``{"results": {task: {"metric,none": v,
+"metric_stderr,none": s}}, "samples": [...]}``) so the results store treats every task alike.
+Decoding happens inside the caller's ``toptheta.sparsify`` block, so prefill rows count kept
+attention elements and every decode step counts kept V rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+log = logging.getLogger("toptheta")
+
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function in one "
+                         "```python code block, without tests or explanations.\n\n```python\n{prompt}```")
+
+
+def greedy_generate(model, tokenizer, prompt: str, *, max_new_tokens: int, chat_template: bool = False) -> tuple[str, int]:
+    """Greedy continuation of ``prompt`` (chat-wrapped if asked); returns (text, prompt tokens)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = ids.to(model.device)
+    if max_new_tokens < 1:
+        return "", ids.shape[1]
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, num_beams=1, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), ids.shape[1]
+
+
+def _result(task: str, metric: str, values: list[float], samples: list[dict], scale: float = 1.0) -> dict:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return {"results": {task: {f"{metric},none": mean * scale, f"{metric}_stderr,none": math.sqrt(var / n) * scale}},
+            "samples": samples}
+
+
+def run_humaneval(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
+    """Pass@1 with greedy decoding; prompt + completion ≤ max_length tokens (2048 in the paper)."""
+    from .humaneval import evaluate_completions, extract_code, load_problems, truncate_at_stop
+
+    problems = load_problems(limit=task.get("limit"))
+    max_length = int(task.get("max_length") or 2048)
+    completions, samples = {}, []
+    for task_id, problem in tqdm(problems.items(), desc="humaneval", unit="problem"):
+        prompt = HUMANEVAL_INSTRUCTION.format(prompt=problem.prompt) if chat_template else problem.prompt
+        prompt_len = len(tokenizer(prompt).input_ids)
+        t0 = time.time()
+        text, _ = greedy_generate(model, tokenizer, prompt, max_new_tokens=max_length - prompt_len,
+                                  chat_template=chat_template)
+        # A chat answer restates the function: prompt + code redefines it, and the redefinition wins.
+        completion = extract_code(text, problem.entry_point) if chat_template else truncate_at_stop(text)
+        completions[task_id] = [completion]
+        samples.append({"task_id": task_id, "generation": text, "completion": completion,
+                        "seconds": round(time.time() - t0, 2)})
+    report = evaluate_completions(problems, completions, ks=(1,), limits=_sandbox_limits(task))
+    verdicts = {r.task_id: r for r in report.results}
+    for s in samples:
+        s.update(passed=verdicts[s["task_id"]].passed, status=verdicts[s["task_id"]].status)
+    return _result("humaneval", "pass@1", [float(s["passed"]) for s in samples], samples)
+
+
+def _sandbox_limits(task: dict):
+    from .sandbox import SandboxLimits
+
+    return SandboxLimits(timeout_s=float(task.get("timeout_s", 3.0)))
+
+
+def run_longbench(task: dict, model, tokenizer, *, data_dir: str | None, chat_template: bool) -> dict:
+    """LongBench subset: head+tail truncation to the prompt budget, greedy summary/answer, metric."""
+    from pathlib import Path
+
+    from . import longbench
+
+    if data_dir is None:
+        raise FileNotFoundError("LongBench reads local JSONL files: set data_dir (or TOPTHETA_DATA_DIR) to a folder "
+                                "with longbench/<subset>.jsonl")
+    subset = task["subset"]
+    records = longbench.read_longbench(Path(data_dir) / "longbench", subset, limit=task.get("limit"))
+    budget = longbench.prompt_budget(int(task.get("max_length") or 8192) + longbench.max_new_tokens(subset), subset)
+    use_chat = chat_template and subset not in longbench.NO_CHAT_TEMPLATE
+    scores, samples = [], []
+    for record in tqdm(records, desc=f"longbench {subset}", unit="doc"):
+        prompt = longbench.truncate_middle(longbench.build_prompt(record, subset), tokenizer, budget)
+        text, n_prompt = greedy_generate(model, tokenizer, prompt, max_new_tokens=longbench.max_new_tokens(subset),
+                                         chat_template=use_chat)
+        score = longbench.score_prediction(subset, text, record["answers"])
+        scores.append(score)
+        samples.append({"id": record.get("_id"), "prompt_tokens": n_prompt, "prediction": text, "score": score})
+    return _result(f"longbench_{subset}", longbench.METRICS[subset], scores, samples, scale=100.0)
+
+
+def run_passkey(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
+    """Passkey retrieval at each length and depth: accuracy overall and per length."""
+    from .passkey import build_passkey_records, score_passkey
+
+    records = build_passkey_records(tokenizer, lengths=task.get("lengths") or (1024, 2048, 4096, 8192, 16384),
+                                    depths=task.get("depths") or (0.1, 0.5, 0.9), seed=int(task.get("seed", 0)))
+    if task.get("limit"):
+        records = records[: int(task["limit"])]
+    hits, samples = [], []
+    for record in tqdm(records, desc="passkey", unit="prompt"):
+        text, n_prompt = greedy_generate(model, tokenizer, record["prompt"], max_new_tokens=12, chat_template=chat_template)
+        hit = float(score_passkey(text, record["answer"]))
+        hits.append(hit)
+        samples.append({"id": record["id"], "length_tokens": n_prompt, "depth": record["depth"], "generation": text,
+                        "correct": bool(hit)})
+    out = _result("passkey", "accuracy", hits, samples, scale=100.0)
+    for length in sorted({r["target_tokens"] for r in records}):
+        sub = [s["correct"] for s, r in zip(samples, records) if r["target_tokens"] == length]
+        out["results"][f"passkey_{length}"] = {"accuracy,none": 100.0 * sum(sub) / len(sub)}
+    return out
+
+
+def evaluate_generation(task: dict, model, tokenizer, *, data_dir: str | None, chat_template: bool) -> dict:
+    kind = task["kind"]
+    if kind == "humaneval":
+        return run_humaneval(task, model, tokenizer, chat_template=chat_template)
+    if kind == "longbench":
+        return run_longbench(task, model, tokenizer, data_dir=data_dir, chat_template=chat_template)
+    if kind == "passkey":
+        return run_passkey(task, model, tokenizer, chat_template=chat_template)
+    raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, longbench, passkey")
