@@ -23,7 +23,7 @@ log = logging.getLogger("toptheta")
 
 SPARSIFIERS = ("dense", "topk", "toptheta")
 SDC_ESTIMATORS = (None, "exact", "exp-threshold", "calibrated")
-TASK_KINDS = ("lm_eval", "humaneval", "longbench", "passkey")
+TASK_KINDS = ("lm_eval", "humaneval", "passkey")
 
 
 @dataclass
@@ -146,10 +146,6 @@ def _check_tasks(task: dict, calib_task: str | None, data_dir: str | None) -> No
         from .evaluation.tasks import calibration_name, check_tasks
 
         check_tasks([calibration_name(calib_task)], _P(data_dir) if data_dir else None, None)
-    if task["kind"] == "longbench":
-        if data_dir and not (Path(data_dir) / "longbench" / f"{task['subset']}.jsonl").is_file():
-            raise FileNotFoundError(f"no {task['subset']}.jsonl in {data_dir}/longbench; LongBench runs read "
-                                    "LongBench's JSONL files from <data_dir>/longbench/")
 
 
 # ---- building library objects from plain dicts ----------------------------------------------------------
@@ -214,6 +210,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
         layer_k=sparsifier.get("layer_k"), statistic=calib.get("statistic", "order"),
         sigma_add=calib.get("sigma_add", 0.1), granularity=calib.get("granularity", "layer-head-n"),
         tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0), seed=calib.get("seed", 0),
+        generate_tokens=int(calib.get("decode_tokens") or 0),
         metadata={"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
                   "calibration_task": calib["task"], "calibration_split": "train",
                   "calibration_documents": calib.get("num_samples"), "num_fewshot": calib.get("num_fewshot")},
@@ -230,14 +227,18 @@ def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict
     """lm-eval's results dict (or the same shape for our generation tasks)."""
     if task["kind"] == "lm_eval":
         from .evaluation.lm_eval_adapter import evaluate_tasks
+        from .evaluation.tasks import is_longbench
 
+        # Chat models get their template on generation tasks (LongBench's convention), never on
+        # multiple-choice ones, whose scores compare loglikelihoods of raw continuations.
+        chat = bool(model_cfg.get("chat_template")) and is_longbench(task["lm_eval_task"])
         return evaluate_tasks(model, tokenizer, [task["lm_eval_task"]], data_dir=data_dir,
                               num_fewshot=task.get("num_fewshot"), limit=task.get("limit"),
-                              batch_size=task.get("batch_size", 1), max_length=task.get("max_length"))
+                              batch_size=task.get("batch_size", 1), max_length=task.get("max_length"),
+                              chat_template=chat)
     from .evaluation.generation import evaluate_generation
 
-    return evaluate_generation(task, model, tokenizer, data_dir=data_dir,
-                               chat_template=bool(model_cfg.get("chat_template")))
+    return evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")))
 
 
 def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None) -> list[dict]:

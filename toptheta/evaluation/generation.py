@@ -1,4 +1,4 @@
-"""Generation tasks (HumanEval, LongBench, passkey retrieval): greedy decoding through the KV cache.
+"""Generation tasks (HumanEval, passkey retrieval): greedy decoding through the KV cache.
 
 Each task returns a dict shaped like lm-eval's results (``{"results": {task: {"metric,none": v,
 "metric_stderr,none": s}}, "samples": [...]}``) so the results store treats every task alike.
@@ -76,30 +76,6 @@ def _sandbox_limits(task: dict):
     return SandboxLimits(timeout_s=float(task.get("timeout_s", 3.0)))
 
 
-def run_longbench(task: dict, model, tokenizer, *, data_dir: str | None, chat_template: bool) -> dict:
-    """LongBench subset: head+tail truncation to the prompt budget, greedy summary/answer, metric."""
-    from pathlib import Path
-
-    from . import longbench
-
-    if data_dir is None:
-        raise FileNotFoundError("LongBench reads local JSONL files: set data_dir (or TOPTHETA_DATA_DIR) to a folder "
-                                "with longbench/<subset>.jsonl")
-    subset = task["subset"]
-    records = longbench.read_longbench(Path(data_dir) / "longbench", subset, limit=task.get("limit"))
-    budget = longbench.prompt_budget(int(task.get("max_length") or 8192) + longbench.max_new_tokens(subset), subset)
-    use_chat = chat_template and subset not in longbench.NO_CHAT_TEMPLATE
-    scores, samples = [], []
-    for record in tqdm(records, desc=f"longbench {subset}", unit="doc"):
-        prompt = longbench.truncate_middle(longbench.build_prompt(record, subset), tokenizer, budget)
-        text, n_prompt = greedy_generate(model, tokenizer, prompt, max_new_tokens=longbench.max_new_tokens(subset),
-                                         chat_template=use_chat)
-        score = longbench.score_prediction(subset, text, record["answers"])
-        scores.append(score)
-        samples.append({"id": record.get("_id"), "prompt_tokens": n_prompt, "prediction": text, "score": score})
-    return _result(f"longbench_{subset}", longbench.METRICS[subset], scores, samples, scale=100.0)
-
-
 def run_passkey(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
     """Passkey retrieval at each length and depth: accuracy overall and per length."""
     from .passkey import build_passkey_records, score_passkey
@@ -122,12 +98,10 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
     return out
 
 
-def evaluate_generation(task: dict, model, tokenizer, *, data_dir: str | None, chat_template: bool) -> dict:
+def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
     kind = task["kind"]
     if kind == "humaneval":
         return run_humaneval(task, model, tokenizer, chat_template=chat_template)
-    if kind == "longbench":
-        return run_longbench(task, model, tokenizer, data_dir=data_dir, chat_template=chat_template)
     if kind == "passkey":
         return run_passkey(task, model, tokenizer, chat_template=chat_template)
-    raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, longbench, passkey")
+    raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, passkey")

@@ -16,13 +16,15 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from toptheta.evaluation.longbench import NO_CHAT_TEMPLATE
 from toptheta.evaluation.tasks import (
-    BASE_TASKS,
     base_name,
     calibration_name,
     check_tasks,
     fewshot_source,
+    is_longbench,
     task_include_paths,
+    task_spec,
 )
 
 if TYPE_CHECKING:
@@ -99,7 +101,7 @@ def _load_tasks(manager: TaskManager, tasks: list[str], data_dir: Path | None) -
     try:
         return manager.load(tasks)["tasks"]
     except Exception as err:
-        if data_dir is not None or all(not BASE_TASKS[base_name(t)].needs_data for t in tasks):
+        if data_dir is not None or all(not task_spec(base_name(t)).needs_data for t in tasks):
             raise
         raise RuntimeError(
             f"loading {tasks} from the Hugging Face hub failed ({type(err).__name__}: {err}). "
@@ -111,7 +113,7 @@ def _data_sources(tasks: list[str], data_dir: Path | None) -> dict[str, str]:
     """Where each task's documents came from, for the results record."""
     out = {}
     for task in tasks:
-        spec = BASE_TASKS[base_name(task)]
+        spec = task_spec(base_name(task))
         if not spec.needs_data:
             out[task] = "toptheta (generated in code)"
         elif data_dir is None:
@@ -119,6 +121,28 @@ def _data_sources(tasks: list[str], data_dir: Path | None) -> dict[str, str]:
         else:
             out[task] = str(data_dir)
     return out
+
+
+def _use_chat_template(tasks: list[str], tokenizer: PreTrainedTokenizerBase, chat_template: bool) -> bool:
+    """Whether lm-eval wraps the prompts in the chat template (it does so for a whole call).
+
+    LongBench's convention: chat models get their template, except on the few-shot and code
+    subsets (longbench.NO_CHAT_TEMPLATE, and their LongBench-E `_e` variants), which get raw text.
+    """
+    if not chat_template:
+        return False
+    raw = [t for t in tasks if is_longbench(t) and t.removeprefix("longbench_").removesuffix("_e") in NO_CHAT_TEMPLATE]
+    if raw and len(raw) < len(tasks):
+        raise ValueError(
+            f"{raw} take raw prompts even for chat models (LongBench's convention) but the other "
+            f"tasks take the chat template; evaluate them in separate calls"
+        )
+    if raw:
+        log.info("%s: LongBench feeds these raw prompts, chat_template ignored", raw)
+        return False
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False")
+    return True
 
 
 def evaluate_tasks(
@@ -134,6 +158,8 @@ def evaluate_tasks(
     log_samples: bool = False,
     seed: int = 1234,
     bootstrap_iters: int = 100_000,
+    chat_template: bool = False,
+    gen_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` on `tasks` with lm-eval and return lm-eval's results dict.
 
@@ -142,6 +168,12 @@ def evaluate_tasks(
     `limit` is a document count (int) or fraction (float < 1) per task; `max_length=None` lets
     HFLM take the model's context length (see hflm_max_length). `seed` seeds Python, NumPy,
     torch and the few-shot sampler. `bootstrap_iters` only matters for non-mean metrics.
+    `chat_template=True` wraps each prompt in the tokenizer's chat template (lm-eval's
+    apply_chat_template; LongBench's few-shot and code subsets stay raw, see _use_chat_template).
+    `gen_kwargs` updates generation tasks' generation_kwargs (e.g. {"max_gen_toks": 16}).
+
+    LongBench tasks run through MiddleTruncatingHFLM: a prompt longer than max_length minus the
+    generation budget keeps its head and tail (LongBench's rule) instead of HFLM's tail only.
 
     The returned dict is lm-eval's (`results`, `configs`, `n-shot`, `n-samples`, `config`, ...
     plus `samples` when log_samples) with one extra key, `toptheta`: the resolved data dir,
@@ -152,6 +184,7 @@ def evaluate_tasks(
     resolved = resolve_data_dir(data_dir)
     tasks = list(tasks) if isinstance(tasks, tuple) else tasks
     check_tasks(tasks, resolved, num_fewshot)
+    use_chat = _use_chat_template(tasks, tokenizer, chat_template)
     deviations = {t: s for t in tasks if (s := fewshot_source(t, resolved, num_fewshot))}
     for task, source in deviations.items():
         log.warning("%s: %d-shot examples come from %s, not train as in stock lm-eval", task, num_fewshot, source)
@@ -159,11 +192,14 @@ def evaluate_tasks(
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    from toptheta.evaluation.longbench_lm import MiddleTruncatingHFLM
+
     with task_include_paths(tasks, resolved) as include_paths:
         manager = _task_manager(include_paths)
         # Datasets load here, still before the model is wrapped: data errors surface first.
         loaded = _load_tasks(manager, tasks, resolved)
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        lm_class = MiddleTruncatingHFLM if any(is_longbench(t) for t in tasks) else HFLM
+        lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
         results = simple_evaluate(
             model=lm,
             tasks=list(loaded.values()),
@@ -172,6 +208,8 @@ def evaluate_tasks(
             log_samples=log_samples,
             task_manager=manager,
             bootstrap_iters=bootstrap_iters,
+            apply_chat_template=use_chat,
+            gen_kwargs=gen_kwargs,
             random_seed=seed,
             numpy_random_seed=seed,
             torch_random_seed=seed,

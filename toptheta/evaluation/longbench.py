@@ -133,19 +133,21 @@ def prompt_budget(context_window: int, subset: str) -> int:
     return budget
 
 
-def truncate_middle(prompt: str, tokenizer: Tokenizer, max_length: int) -> str:
+def truncate_middle(prompt: str, tokenizer: Tokenizer, max_length: int, *,
+                    skip_special_tokens: bool = True) -> str:
     """LongBench's rule: over `max_length` tokens, keep the first and last `max_length // 2`.
 
     The prompt is unchanged (not re-decoded) when it fits. Tokens are counted with
     `tokenizer.encode`, which for Hugging Face tokenizers includes the BOS token, as in
-    LongBench's `tokenizer(prompt).input_ids`; special tokens are dropped when decoding.
+    LongBench's `tokenizer(prompt).input_ids`; special tokens are dropped when decoding, as in
+    LongBench, unless `skip_special_tokens=False` (for an already chat-templated prompt).
     """
     ids = list(tokenizer.encode(prompt))
     if len(ids) <= max_length:
         return prompt
     half = max_length // 2
-    return (tokenizer.decode(ids[:half], skip_special_tokens=True)
-            + tokenizer.decode(ids[-half:], skip_special_tokens=True))
+    return (tokenizer.decode(ids[:half], skip_special_tokens=skip_special_tokens)
+            + tokenizer.decode(ids[-half:], skip_special_tokens=skip_special_tokens))
 
 
 _PUNCTUATION = frozenset(string.punctuation)

@@ -30,7 +30,10 @@ from .store import DONE_MARKER, SUMMARY_FIELD_PATHS, comp_label
 
 DEFAULT_GRANULARITY = "layer-head-n"  # the paper's: one θ per (layer, head, row length)
 GRANULARITY_ORDER = ("layer", "layer-n", "layer-head", "layer-head-n")  # coarse to fine
-PREFERRED_METRICS = ("acc_norm,none", "pass@1,none", "rouge_l,none", "qa_f1,none", "accuracy,none", "acc,none")
+# rouge_score: lm-eval's LongBench Rouge-L; rouge_l, qa_f1: our former LongBench loop's (older runs);
+# score: lm-eval's LongBench metric of any subset.
+PREFERRED_METRICS = ("acc_norm,none", "pass@1,none", "rouge_score,none", "rouge_l,none", "qa_f1,none", "accuracy,none",
+                     "acc,none", "score,none")
 SERIES_ORDER = ("Baseline", "Top-θ pre (+SDC +VMC)", "Top-θ post (+VMC)", "Top-k pre (+SDC +VMC)", "Top-k post (+VMC)")
 SERIES_COLORS = dict(zip(SERIES_ORDER, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red")))
 OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
@@ -145,7 +148,7 @@ def _num(value: Any) -> Any:
 
 
 def metric_of_interest(summary: pd.DataFrame, task: str) -> str | None:
-    """The metric a task is judged by: acc_norm (QA), pass@1 (HumanEval), rouge_l (LongBench), accuracy (passkey)."""
+    """The metric a task is judged by: acc_norm (QA), pass@1 (HumanEval), Rouge-L (LongBench), accuracy (passkey)."""
     present = set(summary.loc[summary["task"] == task, "metric"])
     return next((m for m in PREFERRED_METRICS if m in present), None)
 

@@ -1,4 +1,4 @@
-"""toptheta's lm-eval tasks: offline variants of stock tasks, calibration variants, and `smoke`.
+"""toptheta's lm-eval tasks: offline variants of stock tasks (LongBench included), calibration variants, `smoke`.
 
 See catalog.py for the task list and checks, render.py for how the YAMLs reach lm-eval.
 """
@@ -10,7 +10,9 @@ from toptheta.evaluation.tasks.catalog import (
     check_tasks,
     fewshot_source,
     is_calibration,
+    is_longbench,
     task_names,
+    task_spec,
 )
 from toptheta.evaluation.tasks.render import task_include_paths
 
@@ -21,6 +23,8 @@ __all__ = [
     "check_tasks",
     "fewshot_source",
     "is_calibration",
+    "is_longbench",
     "task_include_paths",
     "task_names",
+    "task_spec",
 ]

@@ -3,7 +3,9 @@ model work.
 
 Every task is lm-eval's own stock task (prompt, choices, metrics) with only its data source
 swapped, except `smoke`, which is ours. Each task `T` has a calibration variant
-`T_calibration` that evaluates the train split instead (see templates/calibration.yaml).
+`T_calibration` that evaluates the train split instead (see templates/calibration.yaml),
+except LongBench's `longbench_<subset>` tasks, one per stock lm-eval LongBench YAML: they read
+the original THUDM file `longbench/<subset>.jsonl` and have only a test split.
 
 Data source per run:
 - a data dir (e.g. ../shared/data): local JSON Lines files in the Hugging Face schemas;
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CALIBRATION_SUFFIX = "_calibration"
+LONGBENCH_PREFIX = "longbench_"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,25 @@ BASE_TASKS: dict[str, TaskSpec] = {
 }
 
 
+def longbench_subsets() -> list[str]:
+    """LongBench subsets lm-eval defines a task for (`multi_news`, `qmsum`, `multi_news_e`, ...)."""
+    return sorted(p.stem for p in (stock_tasks_dir() / "longbench").glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def is_longbench(task: str) -> bool:
+    return task.startswith(LONGBENCH_PREFIX)
+
+
+def task_spec(task: str) -> TaskSpec:
+    """The spec of base task `task` (a name from task_names() without the calibration suffix)."""
+    if task in BASE_TASKS:
+        return BASE_TASKS[task]
+    subset = task[len(LONGBENCH_PREFIX) :]
+    if is_longbench(task) and subset in longbench_subsets():
+        return TaskSpec(task, f"longbench/{subset}.yaml", {"test": f"longbench/{subset}.jsonl"})
+    raise KeyError(task)
+
+
 def stock_tasks_dir() -> Path:
     """lm-eval's installed tasks dir, found without importing lm-eval (its import takes seconds)."""
     spec = importlib.util.find_spec("lm_eval")
@@ -86,7 +108,8 @@ def base_name(task: str) -> str:
 
 def task_names() -> list[str]:
     """Every task name toptheta accepts, sorted."""
-    return sorted([*BASE_TASKS, *(calibration_name(t) for t in BASE_TASKS)])
+    longbench = [LONGBENCH_PREFIX + s for s in longbench_subsets()]
+    return sorted([*BASE_TASKS, *(calibration_name(t) for t in BASE_TASKS), *longbench])
 
 
 def check_tasks(tasks: list[str], data_dir: Path | None, num_fewshot: int | None) -> None:
@@ -103,14 +126,15 @@ def check_tasks(tasks: list[str], data_dir: Path | None, num_fewshot: int | None
         raise ValueError(f"num_fewshot must be None (task default) or an int >= 0, got {num_fewshot!r}")
     if isinstance(tasks, str) or not isinstance(tasks, (list, tuple)) or not tasks:
         raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
-    unknown = [t for t in tasks if not isinstance(t, str) or base_name(t) not in BASE_TASKS]
+    valid = set(task_names())
+    unknown = [t for t in tasks if not isinstance(t, str) or t not in valid]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; valid tasks: {', '.join(task_names())}")
     duplicates = sorted({t for t in tasks if tasks.count(t) > 1})
     if duplicates:
         raise ValueError(f"task(s) {duplicates} listed more than once; list each task once")
     for task in tasks:
-        spec = BASE_TASKS[base_name(task)]
+        spec = task_spec(base_name(task))
         if data_dir is None or not spec.needs_data:
             continue
         _check_offline_splits(task, spec)
@@ -119,9 +143,18 @@ def check_tasks(tasks: list[str], data_dir: Path | None, num_fewshot: int | None
             if not path.is_file():
                 raise FileNotFoundError(
                     f"task {task!r} needs its {split} split file {rel!r} in the data dir, but "
-                    f"{path} does not exist. Point data_dir (or TOPTHETA_DATA_DIR) at a "
-                    f"directory holding {rel}, or use data_dir=None for the Hugging Face hub."
+                    f"{path} does not exist{_files_beside(path)}. Point data_dir (or "
+                    f"TOPTHETA_DATA_DIR) at a directory holding {rel}, or use data_dir=None "
+                    f"for the Hugging Face hub."
                 )
+
+
+def _files_beside(path: Path) -> str:
+    """`; <dir> holds: a.jsonl, b.jsonl` (or says it is missing), to point at a misnamed file."""
+    if not path.parent.is_dir():
+        return f" (no directory {path.parent})"
+    found = sorted(p.name for p in path.parent.iterdir() if p.suffix == ".jsonl")
+    return f"; {path.parent} holds: {', '.join(found) or 'no .jsonl files'}"
 
 
 def _check_offline_splits(task: str, spec: TaskSpec) -> None:
@@ -142,7 +175,7 @@ def fewshot_source(task: str, data_dir: Path | None, num_fewshot: int | None) ->
     Offline tasks without a train split (hellaswag, medmcqa) draw them from the evaluated
     validation split, leaving out the evaluated document (see their templates).
     """
-    spec = BASE_TASKS[base_name(task)]
+    spec = task_spec(base_name(task))
     if not num_fewshot or data_dir is None or not spec.needs_data or spec.has_offline_train:
         return None
     return "validation (the offline data has no train split; the evaluated document is left out)"

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from string import Template
 
-from toptheta.evaluation.tasks.catalog import BASE_TASKS, base_name, is_calibration, stock_tasks_dir
+from toptheta.evaluation.tasks.catalog import base_name, is_calibration, is_longbench, stock_tasks_dir, task_spec
 
 TASKS_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = TASKS_DIR / "templates"
@@ -54,11 +54,14 @@ def write_task_dir(target: Path, tasks: list[str], data_dir: Path | None) -> Non
     (static/) are skipped. `tasks` must have passed catalog.check_tasks.
     """
     stock_dir = stock_tasks_dir()
-    bases = {base_name(t) for t in tasks if BASE_TASKS[base_name(t)].needs_data}
+    bases = {base_name(t) for t in tasks if task_spec(base_name(t)).needs_data}
     for base in sorted(bases):
-        stock = stock_dir / BASE_TASKS[base].stock_yaml
+        spec = task_spec(base)
+        stock = stock_dir / spec.stock_yaml
         if data_dir is None:
             text = _render("hub.yaml", stock=stock, task=base)
+        elif is_longbench(base):
+            text = _render("longbench.yaml", stock=stock, task=base, test=data_dir / spec.data_files["test"])
         else:
             text = _render(f"{base}.yaml", stock=stock, data=data_dir)
         _write_atomic(target / f"{base}.yaml", text)
