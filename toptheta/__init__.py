@@ -12,12 +12,13 @@ Importing this package changes nothing in transformers; registration happens on 
 """
 
 from .attention import SparsityStats, sparse_attention, sparsify
+from .calibration import Thresholds, calibrate
 from .compensation import SDC, VMC
 from .sparsifiers import Dense, RowBlock, Sparsifier, TopK, TopTheta
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "SDC", "VMC", "Dense", "RowBlock", "Sparsifier", "SparsityStats", "TopK", "TopTheta",
-    "sparse_attention", "sparsify",
+    "SDC", "VMC", "Dense", "RowBlock", "Sparsifier", "SparsityStats", "Thresholds", "TopK", "TopTheta",
+    "calibrate", "sparse_attention", "sparsify",
 ]

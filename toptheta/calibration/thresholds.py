@@ -6,7 +6,8 @@ length; per layer and head; per layer, head and row length) as a tensor of shape
 into a dense lookup table (L, H, N_max + 1) indexed by row length, filling uncalibrated lengths by
 the nearest calibrated one (the paper's rule; ties go to the shorter) or by linear interpolation,
 optionally smoothed along n with a Gaussian. Rows longer than the longest calibrated length use the
-last value (clamped), and every clamp is counted so a run can report it.
+last value (clamped), and every clamp is counted so a run can report it. A (layer, head) with no
+calibrated length at all (every calibration row had n ≤ k) gets θ = −inf: it never drops.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Thresholds:
             if which == "values":
                 table = _fill(self.values, self.lookup_rule, self.smooth_sigma)
             else:  # an uncalibrated dropped mass is 0: compensate nothing rather than guess
-                table = torch.nan_to_num(_fill(self.sdc_mass, self.lookup_rule, 0.0), nan=0.0, posinf=0.0)
+                table = torch.nan_to_num(_fill(self.sdc_mass, self.lookup_rule, 0.0), nan=0.0, posinf=0.0, neginf=0.0)
             self._tables[key] = table.to(device)
         return self._tables[key]
 
@@ -212,15 +213,15 @@ def _fill(values: torch.Tensor, rule: str, sigma: float) -> torch.Tensor:
     """Fill NaN row lengths per (layer, head) by the nearest or linear rule, then smooth along n."""
     L, H, N = values.shape
     out = values.clone()
-    if N == 1:
-        return torch.nan_to_num(out, nan=float("inf"))
+    if N == 1:  # nothing calibrated for this (layer, head): never drop (θ = −inf keeps every valid key)
+        return torch.nan_to_num(out, nan=float("-inf"))
     n_axis = torch.arange(N, dtype=torch.float32)
     for layer in range(L):
         for head in range(H):
             row = values[layer, head]
             known = (~torch.isnan(row)).nonzero().flatten()
-            if known.numel() == 0:  # nothing calibrated: never drop (θ = +inf keeps only the row max)
-                out[layer, head] = float("inf")
+            if known.numel() == 0:  # nothing calibrated (e.g. every row had n ≤ k): never drop, θ = −inf
+                out[layer, head] = float("-inf")
                 continue
             out[layer, head] = _fill_row(row[known], known.float(), n_axis, rule)
             if sigma > 0:

@@ -1,0 +1,297 @@
+"""Calibration (method.md §2.2, §3.1, §4): properties a wrong statistic or a leaky collector cannot pass."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import toptheta
+from toptheta.calibration import OrderStatCollector, TargetKCollector, Thresholds, calibrate
+from toptheta.calibration.calibrate import as_batch
+
+L, H, VOCAB, T = 3, 4, 97, 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is faster, and far steadier on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # initializer_range 0.1 spreads the attention scores, so rows are far from uniform
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=L,
+                         num_attention_heads=H, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.1)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def sequences(count: int, length: int = T, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (count, length), generator=torch.Generator().manual_seed(seed))
+
+
+def batches(count: int, size: int = 4, length: int = T, seed: int = 1) -> list[torch.Tensor]:
+    ids = sequences(count, length, seed)
+    return list(ids.split(size))
+
+
+def kept_per_row(model, sparsifier, ids) -> dict[int, torch.Tensor]:
+    """Kept keys of every sparsified row (n > k), per layer: (rows, H) float64."""
+    kept: dict[int, list] = {}
+
+    def observe(rows):
+        long = rows.n[:, 0] > sparsifier.k_for(rows.layer)  # (B, Q)
+        kept.setdefault(rows.layer, []).append(rows.keep.sum(-1).permute(0, 2, 1)[long].double())
+
+    with torch.no_grad(), toptheta.sparsify(model, sparsifier, [], observer=observe):
+        model(input_ids=ids)
+    return {layer: torch.cat(v) for layer, v in kept.items()}
+
+
+# --- the paper's statistic -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_theta_from_one_row_keeps_exactly_k(model, placement):
+    """θ = each row's (k+1)-th largest score (one sample, σ = 0) keeps exactly k on that row."""
+    ids, k = sequences(1), 8
+    dense_cal = calibrate(model, [ids], k=k, placement=placement, sigma_add=0.0, tac=False, progress=False)
+    kept = kept_per_row(model, toptheta.TopTheta(dense_cal), ids)
+    assert kept[0].eq(k).all()  # deeper layers see other inputs once layer 0 is sparse
+    # With TAC, calibration ran exact top-k, so Top-θ reproduces top-k in every layer.
+    tac_cal = calibrate(model, [ids], k=k, placement=placement, sigma_add=0.0, tac=True, progress=False)
+    kept = kept_per_row(model, toptheta.TopTheta(tac_cal), ids)
+    assert all(v.eq(k).all() for v in kept.values())
+    assert (tac_cal.counts[:, :, k + 1:] == 1).all() and (tac_cal.counts[:, :, :k + 1] == 0).all()
+
+
+@pytest.mark.parametrize("tac", [False, True])
+def test_collector_tau_is_rowblock_kth_largest(model, tac):
+    """The collector's τ is exactly RowBlock.kth_largest(k + 1) (method.md §2.2), also when it reads
+    τ off the TAC keep-mask instead of sorting."""
+    k, seen = 6, []
+    for placement in ("pre", "post"):
+        collector = OrderStatCollector([k] * L, H, placement, topk_keep=tac)
+        sparsifier = toptheta.TopK(k, placement) if tac else toptheta.Dense()
+
+        def observe(rows):
+            collector(rows)
+            expected = rows.kth_largest(k + 1, placement)  # (B, H, Q)
+            long = rows.n[:, 0] > k
+            seen.append((expected.permute(0, 2, 1)[long], rows.n[:, 0][long], rows.layer))
+
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, [], observer=observe):
+            model(input_ids=sequences(1))
+        for tau, n, layer in seen:
+            torch.testing.assert_close(collector.sums["tau"][layer][:, n].T.float(), tau, rtol=0, atol=0)
+        seen.clear()
+
+
+def test_granularities_pool_the_same_samples(model):
+    """Every granularity has its shape and equals mean + σ·std (ddof=0) of the pooled τ."""
+    k, sigma, taus = 5, 0.3, []
+
+    def record(rows):  # an independent list of every τ, for the check only
+        long = rows.n[:, 0] > k
+        taus.append((rows.layer, rows.kth_largest(k + 1, "post").permute(0, 2, 1)[long], rows.n[:, 0][long]))
+
+    data = batches(4, size=2, length=24)
+    with torch.no_grad(), toptheta.sparsify(model, toptheta.Dense(), [], observer=record):
+        for ids in data:
+            model(input_ids=ids)
+    tau = {layer: torch.cat([t for l_, t, _ in taus if l_ == layer]).double() for layer in range(L)}  # (rows, H)
+    n = {layer: torch.cat([m for l_, _, m in taus if l_ == layer]) for layer in range(L)}
+    expected_shapes = {"layer": (L, 1, 1), "layer-n": (L, 1, 25), "layer-head": (L, H, 1), "layer-head-n": (L, H, 25)}
+    for granularity, shape in expected_shapes.items():
+        th = calibrate(model, data, k=k, sigma_add=sigma, tac=False, granularity=granularity, progress=False)
+        assert tuple(th.values.shape) == shape and th.metadata["granularity"] == granularity
+        layer = 1
+        if granularity == "layer":
+            x = tau[layer].flatten()
+            want = x.mean() + sigma * x.std(correction=0)
+            assert th.values[layer, 0, 0].item() == pytest.approx(want.item(), rel=1e-5)
+        if granularity == "layer-head-n":
+            for head, length in [(0, 6), (2, 23)]:
+                x = tau[layer][n[layer] == length, head]
+                want = x.mean() + sigma * x.std(correction=0)
+                assert th.values[layer, head, length].item() == pytest.approx(want.item(), rel=1e-5)
+                assert th.counts[layer, head, length] == len(x) == 4
+        assert torch.isnan(th.values[..., :k + 1]).all() if shape[2] > 1 else not torch.isnan(th.values).any()
+
+
+def test_theta_decreases_as_k_grows(model):
+    data = batches(4)
+    for placement in ("pre", "post"):
+        small = calibrate(model, data, k=4, placement=placement, sigma_add=0.0, tac=False, progress=False).values
+        large = calibrate(model, data, k=12, placement=placement, sigma_add=0.0, tac=False, progress=False).values
+        both = ~torch.isnan(small) & ~torch.isnan(large)
+        assert both.sum() > 0 and (large[both] <= small[both]).all() and (large[both] < small[both]).any()
+
+
+def test_sigma_add_moves_the_kept_count(model):
+    """A larger σ_add raises θ, so fewer elements are kept (method.md §2.2)."""
+    data, held_out, k = batches(8), sequences(2, seed=7), 8
+    mean_kept = []
+    for sigma in (0.0, 0.1, 1.0):
+        th = calibrate(model, data, k=k, sigma_add=sigma, tac=False, progress=False)
+        mean_kept.append(kept_per_row(model, toptheta.TopTheta(th), held_out)[0].mean().item())
+    assert mean_kept[0] > mean_kept[1] > mean_kept[2]
+
+
+def test_layer_k_and_uncalibrated_layers(model):
+    """Layers whose k exceeds every row length are left uncalibrated, and never drop anything."""
+    th = calibrate(model, batches(2), k=6, layer_k={0: 64}, tac=True, progress=False)
+    assert th.k == [64, 6, 6] and th.metadata["rows_sampled"][0] == 0
+    assert torch.isnan(th.values[0]).all() and not torch.isnan(th.values[1, :, 7:]).any()
+    kept = kept_per_row(model, toptheta.TopTheta(th), sequences(1, length=80, seed=3))
+    n = torch.arange(65, 81, dtype=torch.float64)  # layer 0 rows with n > 64: θ = −inf keeps them whole
+    assert torch.equal(kept[0], n[:, None].expand(-1, H))
+
+
+# --- target mean k (MKC in bounded memory) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_target_k_hits_k_on_held_out_inputs(model, placement):
+    k = 8
+    th = calibrate(model, batches(16), k=k, placement=placement, statistic="target-k", progress=False)
+    assert th.metadata["grid_clamped"] == 0
+    kept = kept_per_row(model, toptheta.TopTheta(th), sequences(16, seed=11))
+    for layer, rows in kept.items():
+        assert rows.mean().item() == pytest.approx(k, rel=0.08), layer
+
+
+def test_target_k_inverts_a_known_histogram():
+    """One row with logits 0..9 and k = 3: θ must fall in [6, 7), where exactly 3 logits are above it."""
+    from toptheta.sparsifiers.base import RowBlock
+
+    logits = torch.arange(10.0).view(1, 1, 1, 10)  # (B, H, Q, K)
+    e = torch.exp(logits - 9.0)
+    rows = RowBlock(layer=0, phase="decode", logits=logits, exp_scores=e, row_sum=e.sum(-1, keepdim=True),
+                    row_max=torch.full((1, 1, 1, 1), 9.0), valid=torch.ones(1, 1, 1, 10, dtype=torch.bool),
+                    n=torch.full((1, 1, 1), 10))
+    for placement in ("pre", "post"):
+        collector = TargetKCollector([3], 1, placement, grid_size=4096)
+        collector(rows)
+        values, counts, _ = collector.reduce("layer-head-n")
+        theta = values[0, 0, 10].item()
+        x = logits.flatten() if placement == "pre" else (e / e.sum()).flatten()
+        assert int((x > theta).sum()) == 3 and counts[0, 0, 10] == 1
+
+
+def test_target_k_buckets_cover_every_length():
+    collector = TargetKCollector([4], 1, "post", exact_n=8, per_octave=2)
+    keys = collector.key_of(torch.arange(1, 200))
+    assert torch.equal(keys[:7], torch.arange(1, 8))  # exact below exact_n
+    assert (keys.diff() >= 0).all() and (keys.diff() <= 1).all()  # monotone, no gaps
+    assert keys[-1] == 8 + math.floor(2 * math.log2(199 / 8))  # two buckets per doubling
+
+
+# --- sampling, memory, decode, SDC mass ----------------------------------------------------------------
+
+
+def test_sample_frac_is_honoured_and_seeded(model):
+    data = batches(8)
+    runs = [calibrate(model, data, k=4, sample_frac=0.3, seed=s, tac=False, progress=False) for s in (0, 0, 1)]
+    eligible = torch.tensor(runs[0].metadata["rows_eligible"], dtype=torch.float64)
+    sampled = torch.tensor(runs[0].metadata["rows_sampled"], dtype=torch.float64)
+    assert eligible.eq(8 * (T - 4)).all()  # every row with n > k, each layer
+    frac = sampled.sum() / eligible.sum()
+    assert abs(frac - 0.3) < 4 * math.sqrt(0.3 * 0.7 / eligible.sum())  # binomial, 4σ
+    assert torch.equal(runs[0].counts, runs[1].counts)
+    assert torch.equal(runs[0].values.nan_to_num(), runs[1].values.nan_to_num())
+    assert not torch.equal(runs[0].counts, runs[2].counts)
+    assert runs[0].counts.sum() == sampled.sum() * H
+
+
+@pytest.mark.parametrize("collector_cls", [OrderStatCollector, TargetKCollector])
+def test_collector_memory_is_flat_in_the_number_of_samples(model, collector_cls):
+    collector = collector_cls([4] * L, H, "pre")
+    data = batches(100, size=10, length=24)
+    shapes = []
+    with torch.no_grad(), toptheta.sparsify(model, toptheta.Dense(), [], stats=False, observer=collector):
+        for i, ids in enumerate(data):
+            model(input_ids=ids)
+            if i in (0, len(data) - 1):  # after 10 and after 100 sequences
+                shapes.append((collector.shapes(), collector.nbytes()))
+    assert shapes[0] == shapes[1]
+    assert collector.rows_sampled.sum() == L * 100 * (24 - 4)
+
+
+def test_decode_rows_share_the_prefill_key(model):
+    """Generation calibrates decode rows under key n = KV length (method.md §2.4)."""
+    prompt, new = sequences(1, length=20), 4
+    th = calibrate(model, [prompt], k=6, generate_tokens=new, phases=("decode",), tac=False, progress=False)
+    counts = th.counts[0, 0]
+    # the first new token comes from the prefill; the next three are decode steps with KV 21, 22, 23
+    assert counts.nonzero().flatten().tolist() == [21, 22, 23]
+    both = calibrate(model, [prompt], k=6, generate_tokens=new, tac=False, progress=False)
+    assert both.counts[0, 0, 7:24].eq(1).all() and both.metadata["generate_tokens"] == new
+
+
+def test_sdc_mass_is_the_mean_dropped_mass_of_top_k(model):
+    """Calibrated SDC stores the mean Σ_{j ∉ top-k} exp(s_j − m) per (layer, head, n) (method.md §3.1)."""
+    k, ids, dropped = 5, sequences(1), {}
+
+    def record(rows):
+        mass = rows.exp_scores.masked_fill(rows.keep, 0.0).sum(-1)  # (B, H, Q); keep = exact top-k
+        long = rows.n[0, 0] > k
+        dropped[rows.layer] = (mass[0][:, long], rows.n[0, 0][long])
+
+    th = calibrate(model, [ids], k=k, placement="pre", tac=True, progress=False)
+    with torch.no_grad(), toptheta.sparsify(model, toptheta.TopK(k, "pre"), [], observer=record):
+        model(input_ids=ids)
+    for layer, (mass, n) in dropped.items():
+        torch.testing.assert_close(th.sdc_mass[layer][:, n], mass, rtol=1e-5, atol=1e-7)
+    dense = calibrate(model, [ids], k=k, placement="pre", tac=False, progress=False)  # sorts instead
+    mass, n = dropped[0]  # layer 0 sees the same inputs with or without TAC
+    torch.testing.assert_close(dense.sdc_mass[0][:, n], mass, rtol=1e-5, atol=1e-7)
+    assert calibrate(model, [ids], k=k, placement="post", progress=False).sdc_mass is None
+
+
+# --- the artefact and the API ------------------------------------------------------------------------
+
+
+def test_metadata_and_round_trip(model, tmp_path):
+    th = calibrate(model, batches(2), k=6, layer_k={0: 8}, lookup="linear", smooth_sigma=1.0,
+                   metadata={"task": "tiny", "split": "train"}, progress=False)
+    meta = th.metadata
+    assert meta["fingerprint"] == {"layers": L, "heads": H, "kv_heads": 2, "head_dim": 16}
+    assert meta["k_per_layer"] == [8, 6, 6] and meta["layer_k"] == {0: 8} and meta["statistic"] == "order"
+    assert meta["sequences"] == 2 and meta["tokens"] == 2 * T and meta["task"] == "tiny"
+    assert {"toptheta_version", "date", "sigma_add", "tac", "sample_frac", "seed"} <= set(meta)
+    assert th.lookup_rule == "linear" and th.smooth_sigma == 1.0
+    loaded = Thresholds.load(th.save(tmp_path / "th.safetensors"), model=model)
+    torch.testing.assert_close(loaded.values, th.values, equal_nan=True)
+    assert loaded.k == th.k and loaded.lookup_rule == "linear"
+
+
+def test_inputs_are_normalised():
+    ids, mask = as_batch([[1, 2, 3], [4, 5]])
+    assert ids.tolist() == [[1, 2, 3], [0, 4, 5]] and mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert as_batch(torch.tensor([1, 2]))[0].shape == (1, 2) and as_batch(torch.tensor([1, 2]))[1] is None
+    assert as_batch({"input_ids": [[1, 2]]})[0].tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="left-padded"):
+        as_batch({"input_ids": torch.ones(1, 3, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 0]])})
+    with pytest.raises(ValueError, match="integer token ids"):
+        as_batch(torch.ones(1, 3))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(statistic="median"), "statistic"),
+    (dict(granularity="head"), "granularity"),
+    (dict(layer_k={7: 4}), "layer_k names layers"),
+    (dict(lookup="cubic"), "lookup"),
+    (dict(sample_frac=0.0), "sample_frac"),
+    (dict(phases=("decode",)), "generate_tokens"),
+    (dict(k=100), "no calibration row was longer than k"),
+])
+def test_bad_arguments_fail_clearly(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        calibrate(model, batches(1), **{"k": 4, **kwargs, "progress": False})

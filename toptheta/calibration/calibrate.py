@@ -1,0 +1,200 @@
+"""``toptheta.calibrate``: run calibration forwards and return a :class:`Thresholds` (method.md §2.2).
+
+One straight path: check every argument, build a streaming collector, run the model over the
+calibration batches inside ``toptheta.sparsify`` with the collector as observer (exact top-k during
+calibration with TAC, dense otherwise), reduce the sums at the requested granularity, and wrap the
+result with its provenance.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterable
+
+import torch
+
+from ..attention.backend import model_shape, sparsify
+from ..sparsifiers import Dense, TopK
+from ..sparsifiers.base import check_placement
+from .collector import PHASES, OrderStatCollector
+from .target_k import TargetKCollector
+from .thresholds import GRANULARITIES, LOOKUPS, Thresholds, model_fingerprint, stamp
+
+STATISTICS = ("order", "target-k")
+
+
+def calibrate(
+    model: torch.nn.Module,
+    inputs: Iterable,
+    *,
+    k: int,
+    placement: str = "post",
+    layer_k: dict[int, int] | None = None,
+    statistic: str = "order",
+    sigma_add: float = 0.1,
+    granularity: str = "layer-head-n",
+    tac: bool = True,
+    sample_frac: float = 1.0,
+    seed: int = 0,
+    generate_tokens: int = 0,
+    phases: tuple[str, ...] = PHASES,
+    lookup: str = "nearest",
+    smooth_sigma: float = 0.0,
+    max_n: int | None = None,
+    metadata: dict | None = None,
+    progress: bool = True,
+) -> Thresholds:
+    """Calibrate Top-θ thresholds for ``model`` on ``inputs``.
+
+    Args:
+        inputs: an iterable of batches; each a dict with ``input_ids`` (and optionally a left-padded
+            ``attention_mask``), a LongTensor (B, T) or (T,), or a list of token-id lists.
+        k: keys per row; ``layer_k`` overrides it per layer, e.g. ``{0: 512, 1: 512}`` (method.md §2.3).
+        placement: "post" (probability thresholds) or "pre" (scaled-logit thresholds).
+        statistic: "order" = mean + σ_add·std of each row's (k + 1)-th largest score (the paper,
+            method.md §2.2); "target-k" = θ whose expected kept count per row is k (MKC, method.md §4).
+        sigma_add: σ_add of the "order" statistic (0.1 in every paper run; unused by "target-k").
+        granularity: "layer", "layer-n", "layer-head" or "layer-head-n" (the paper's).
+        tac: apply exact top-k during calibration, so deeper layers calibrate on sparsified inputs.
+        sample_frac, seed: each eligible row is used with probability ``sample_frac`` (seeded).
+        generate_tokens: G > 0 calibrates on greedy generation of G tokens per batch, so decode rows
+            (KV length N, sharing key n = N with prefill rows) are sampled too (method.md §2.4).
+        phases: which rows to use, a subset of ("prefill", "decode").
+        lookup, smooth_sigma: how the artefact fills uncalibrated row lengths (see ``Thresholds``).
+        max_n: longest row length to calibrate; None = the longest row seen.
+        metadata: provenance to record (e.g. ``{"task": "arc_challenge", "split": "train"}``).
+        progress: show a tqdm bar.
+
+    Returns:
+        a :class:`Thresholds` with values (L, H|1, N|1), per-entry sample counts, the mean dropped
+        mass for calibrated SDC (pre-softmax), and the metadata.
+    """
+    placement = check_placement(placement)
+    L, H, _ = model_shape(model)
+    layer_k = {int(layer): int(v) for layer, v in (layer_k or {}).items()}
+    _check_arguments(k, layer_k, L, statistic, granularity, lookup, smooth_sigma, generate_tokens, phases)
+    k_per_layer = [layer_k.get(layer, k) for layer in range(L)]
+    options = dict(sample_frac=sample_frac, seed=seed, phases=tuple(phases), max_n=max_n, topk_keep=tac)
+    if statistic == "order":
+        collector = OrderStatCollector(k_per_layer, H, placement, sigma_add=sigma_add, **options)
+    else:
+        collector = TargetKCollector(k_per_layer, H, placement, **options)
+    sparsifier = TopK(k, placement, layer_k) if tac else Dense()
+
+    sequences, tokens = _run(model, inputs, sparsifier, collector, generate_tokens, progress)
+    if collector.rows_sampled.sum() == 0:
+        raise ValueError(
+            f"no calibration row was longer than k (k per layer {sorted(set(k_per_layer))}, longest row "
+            f"{collector.max_n_seen or 'shorter than k'}); use longer sequences, a smaller k, or a larger sample_frac"
+        )
+    values, counts, sdc_mass = collector.reduce(granularity)
+
+    provenance = {
+        "model": getattr(model.config, "_name_or_path", None) or type(model).__name__,
+        "revision": getattr(model.config, "_commit_hash", None),
+        "fingerprint": model_fingerprint(model),
+        "k": k, "layer_k": layer_k, "k_per_layer": k_per_layer, "placement": placement,
+        "granularity": granularity, "statistic": statistic,
+        "sigma_add": sigma_add if statistic == "order" else None, "tac": tac,
+        "sample_frac": sample_frac, "seed": seed, "generate_tokens": generate_tokens, "phases": list(phases),
+        "max_n": max_n, "sequences": sequences, "tokens": tokens,
+        "rows_eligible": collector.rows_eligible.long().tolist(),  # per layer, before sampling
+        "rows_sampled": collector.rows_sampled.long().tolist(),
+        "collector_bytes": collector.nbytes(),
+    }
+    if statistic == "target-k":
+        grid = [collector.edges(layer)[[0, -1]].tolist() for layer in range(L)]  # per layer, NaN = never set
+        provenance.update(grid_size=collector.grid_size, grid_range=grid,
+                          grid_clamped=collector.grid_clamped, exact_n=collector.exact_n,
+                          per_octave=collector.per_octave)
+    return Thresholds(values, k_per_layer, placement, stamp({**provenance, **(metadata or {})}),
+                      counts=counts, sdc_mass=sdc_mass, lookup=lookup, smooth_sigma=smooth_sigma)
+
+
+def _check_arguments(k, layer_k, num_layers, statistic, granularity, lookup, smooth_sigma, generate_tokens, phases):
+    """Fail before any forward pass, naming the fix."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer ≥ 1, got {k!r}")
+    outside = [layer for layer in layer_k if not 0 <= layer < num_layers]
+    if outside:
+        raise ValueError(f"layer_k names layers {outside}, but the model has layers 0..{num_layers - 1}")
+    if any(v < 1 for v in layer_k.values()):
+        raise ValueError(f"every layer_k value must be ≥ 1, got {layer_k}")
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
+    if lookup not in LOOKUPS:
+        raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
+    if smooth_sigma < 0:
+        raise ValueError(f"smooth_sigma must be ≥ 0, got {smooth_sigma}")
+    if not isinstance(generate_tokens, int) or generate_tokens < 0:
+        raise ValueError(f"generate_tokens must be an integer ≥ 0, got {generate_tokens!r}")
+    if "decode" in phases and "prefill" not in phases and generate_tokens == 0:
+        raise ValueError("phases=('decode',) needs decode rows: pass generate_tokens > 0")
+
+
+def _run(model, inputs, sparsifier, collector, generate_tokens: int, progress: bool) -> tuple[int, int]:
+    """Calibration forwards (or greedy generations) under no_grad; returns (sequences, tokens)."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    sequences = tokens = 0
+    skip_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    try:
+        with torch.no_grad(), sparsify(model, sparsifier, [], stats=False, observer=collector):
+            for batch in tqdm(inputs, desc="calibrating", unit="batch", disable=not progress):
+                input_ids, attention_mask = as_batch(batch)
+                input_ids = input_ids.to(device)
+                attention_mask = attention_mask.to(device) if attention_mask is not None else None
+                if generate_tokens:
+                    pad = getattr(model.generation_config, "pad_token_id", None)
+                    model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=generate_tokens,
+                                   do_sample=False, pad_token_id=pad if pad is not None else 0)
+                else:  # only attention matters: skip the vocabulary projection where the model allows it
+                    model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **skip_logits)
+                sequences += input_ids.shape[0]
+                tokens += int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
+    finally:
+        model.train(was_training)
+    return sequences, tokens
+
+
+def as_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Normalise one calibration batch to (input_ids (B, T) long, attention_mask (B, T) or None).
+
+    Lists of unequal length are left-padded (id 0, masked): padded query rows then have no valid
+    key and are never sampled. A right-padded mask is refused, because its padded query rows still
+    see the real tokens and would be calibrated as if they were real rows.
+    """
+    mask = None
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        if "input_ids" not in batch:
+            raise ValueError(f"a calibration batch dict needs 'input_ids', got keys {list(batch.keys())}")
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+    else:
+        ids = batch
+    if isinstance(ids, (list, tuple)):
+        if not ids:
+            raise ValueError("empty calibration batch")
+        seqs = [list(s) for s in ids] if isinstance(ids[0], (list, tuple, torch.Tensor)) else [list(ids)]
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([[0] * (width - len(s)) + [int(t) for t in s] for s in seqs], dtype=torch.long)
+        padded = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+        mask = padded if mask is None and bool((padded == 0).any()) else mask
+    ids = torch.as_tensor(ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"input_ids must be integer token ids of shape (B, T), got {ids.dtype} {tuple(ids.shape)}")
+    if mask is not None:
+        mask = torch.as_tensor(mask)
+        mask = mask[None] if mask.ndim == 1 else mask
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(ids.shape)}")
+        if bool((mask[:, -1] == 0).any()):
+            raise ValueError("calibration batches must be left-padded (tokenizer.padding_side = 'left'), "
+                             "so padded positions are not calibrated as rows")
+    return ids.long(), mask

@@ -1,0 +1,256 @@
+"""Streaming calibration: the observer that turns attention rows into running sums (method.md §2.2).
+
+``toptheta.sparsify(..., observer=collector)`` calls the collector with every chunk of attention
+rows of every layer. The collector
+
+1. keeps the rows the paper calibrates on: rows with n > k (shorter rows are kept whole at run
+   time, method.md §1), of the requested phases, no longer than ``max_n``;
+2. samples them: each eligible row survives with probability ``sample_frac``, drawn from a
+   ``torch.Generator`` seeded by ``seed`` (the reference code ignored the fraction, method.md §9.3);
+   a row is sampled for all heads at once;
+3. scatter-adds their statistics into float64 sums indexed by (layer, head, key), vectorised over
+   rows, so the memory depends on the number of keys, never on the number of rows seen.
+
+The key is the row length n (:class:`OrderStatCollector`) or a bucket of row lengths
+(``target_k.TargetKCollector``). Prefill row i and the decode step with KV length i + 1 share key
+n = i + 1 (method.md §2.1, §2.4).
+
+Every collector also measures the statistic calibrated SDC needs (method.md §3.1, pre-softmax only):
+the mean over sampled rows of the dropped exponent mass Σ_{j dropped} exp(s_j − m). Our dropped set
+is the complement of the row's exact top-k. [R] used the complement of a *running* θ in mode 0; the
+calibrated θ is built to approximate the top-k set, so the top-k complement is the mass a good θ
+drops, without the running estimate's dependence on sample order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sparsifiers.base import RowBlock, check_placement
+from .thresholds import GRANULARITIES
+
+PHASES = ("prefill", "decode")
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class SampledRows:
+    """The sampled rows of one chunk as (R, H, Q', K) tensors: R·Q' rows, each with all H heads.
+
+    The usual prefill case (whole rows from the first long row to the last) is a slice, so the
+    scores are not copied; scattered samples are gathered into R = 1 row block. With
+    ``topk_keep`` the chunk's keep-mask is the exact top-k (TAC), so the order statistics come from
+    it in one pass instead of a second top-k.
+    """
+
+    def __init__(self, rows: RowBlock, pick: torch.Tensor, k: int, topk_keep: bool = False):
+        self.k = k
+        q = pick.any(0).nonzero().flatten()  # pick: (B, Q) bool
+        q0, q1 = int(q[0]), int(q[-1]) + 1
+        if bool(pick[:, q0:q1].all()):
+            take = lambda t: t[:, :, q0:q1]  # noqa: E731
+        else:
+            b, q = pick.nonzero(as_tuple=True)
+            take = lambda t: t[b, :, q].transpose(0, 1)[None]  # noqa: E731  (S, H, ...) -> (1, H, S, ...)
+        self.n = take(rows.n)[:, 0]  # (R, Q')
+        self.logits = take(rows.logits)  # (R, H, Q', K)
+        self.exp_scores = take(rows.exp_scores)  # (R, H, Q', K)
+        self.row_sum = take(rows.row_sum)  # (R, H, Q', 1)
+        self.row_max = take(rows.row_max)  # (R, H, Q', 1)
+        self.keep = take(rows.keep) if topk_keep and rows.keep is not None else None  # (R, H, Q', K)
+        self._top: torch.Tensor | None = None
+
+    @staticmethod
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        """(R, H, Q', ...) -> (R·Q', H, ...), rows in the order of ``n.flatten()``."""
+        return t.transpose(1, 2).flatten(0, 1)
+
+    @property
+    def top_indices(self) -> torch.Tensor:
+        """Indices of the k + 1 largest logits of each row (R, H, Q', k + 1), largest first."""
+        if self._top is None:  # logits order keys like probabilities without underflow ties
+            self._top = torch.topk(self.logits, self.k + 1, dim=-1).indices
+        return self._top
+
+    def scores(self, placement: str) -> torch.Tensor:
+        """Scaled logits (pre) or probabilities (post), computed exactly as ``RowBlock.probs`` does."""
+        return self.logits if placement == "pre" else self.exp_scores / self.row_sum.clamp_min(_TINY)
+
+    def tau(self, placement: str) -> torch.Tensor:
+        """The (k + 1)-th largest score of each row (R, H, Q'): ``RowBlock.kth_largest(k + 1, placement)``."""
+        if self.keep is not None:  # the largest score outside the top-k (invalid keys hold −inf)
+            idx = self.logits.masked_fill(self.keep, float("-inf")).argmax(-1, keepdim=True)
+        else:
+            idx = self.top_indices[..., -1:]
+        if placement == "pre":
+            return self.logits.gather(-1, idx).squeeze(-1)
+        return (self.exp_scores.gather(-1, idx) / self.row_sum.clamp_min(_TINY)).squeeze(-1)
+
+    def dropped_mass(self) -> torch.Tensor:
+        """Σ exp(s_j − m) over the valid keys outside the row's top-k (R, H, Q'); invalid keys hold 0."""
+        if self.keep is not None:
+            return self.exp_scores.masked_fill(self.keep, 0.0).sum(-1)
+        return self.exp_scores.scatter(-1, self.top_indices[..., :-1], 0.0).sum(-1)
+
+
+class Collector:
+    """Base observer: row eligibility, sampling, and keyed float64 sums of shape (L, H, keys, ...).
+
+    Args:
+        k: the budget of every layer (a list of L ints); rows with n ≤ k are not calibrated.
+        num_heads: query heads per layer.
+        placement: "pre" or "post"; the dropped mass for calibrated SDC is collected for "pre" only.
+        sample_frac: probability with which each eligible row is used, in (0, 1].
+        seed: seed of the sampling generator (same inputs + same seed = same samples).
+        phases: which rows to use, any of ("prefill", "decode").
+        max_n: longest row length to calibrate (longer rows are skipped); None = grow as needed.
+        topk_keep: the forward runs exact top-k with these k (TAC), so each chunk's keep-mask is
+            the top-k set and the collector may read it instead of sorting again.
+    """
+
+    def __init__(self, k: list[int], num_heads: int, placement: str, *, sample_frac: float = 1.0, seed: int = 0,
+                 phases: tuple[str, ...] = PHASES, max_n: int | None = None, topk_keep: bool = False):
+        if not 0.0 < sample_frac <= 1.0:
+            raise ValueError(f"sample_frac must be in (0, 1], got {sample_frac}")
+        bad = set(phases) - set(PHASES)
+        if bad or not phases:
+            raise ValueError(f"phases must be a non-empty subset of {PHASES}, got {phases}")
+        if max_n is not None and max_n <= min(k):
+            raise ValueError(f"max_n={max_n} leaves no row to calibrate: it must exceed the smallest k ({min(k)})")
+        self.k, self.num_heads = [int(x) for x in k], int(num_heads)
+        self.placement = check_placement(placement)
+        self.sample_frac, self.phases, self.max_n = float(sample_frac), tuple(phases), max_n
+        self.topk_keep = bool(topk_keep)
+        self.generator = torch.Generator().manual_seed(int(seed))
+        L = len(self.k)
+        self.rows_eligible = torch.zeros(L, dtype=torch.float64)  # per layer, before sampling
+        self.rows_sampled = torch.zeros(L, dtype=torch.float64)
+        self.max_n_seen = 0
+        self.sums: dict[str, torch.Tensor] = {}  # name -> (L, H, keys, *extra) float64
+        self._extra: dict[str, tuple[int, ...]] = {"count": (), **({"sdc": ()} if self.placement == "pre" else {})}
+
+    # --- what a subclass defines ----------------------------------------------------------------
+    def key_of(self, n: torch.Tensor) -> torch.Tensor:
+        """Key of each row length: the row length itself here."""
+        return n
+
+    def add(self, layer: int, rows: SampledRows, keys: torch.Tensor) -> None:
+        """Add the statistic of the sampled rows (keys: (S,)) to ``self.sums``."""
+        raise NotImplementedError
+
+    def finalise(self, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Thresholds (L, H', K') from sums already pooled to the granularity; NaN where count = 0."""
+        raise NotImplementedError
+
+    # --- the observer ---------------------------------------------------------------------------
+    def __call__(self, rows: RowBlock) -> None:
+        if rows.phase not in self.phases:
+            return
+        layer, k = rows.layer, self.k[rows.layer]
+        n = rows.n[:, 0]  # (B, Q)
+        pick = n > k
+        if self.max_n is not None:
+            pick &= n <= self.max_n
+        eligible = int(pick.sum())
+        if eligible == 0:
+            return
+        self.rows_eligible[layer] += eligible
+        if self.sample_frac < 1.0:  # drawn on the CPU generator: the same draws on any device
+            pick &= (torch.rand(n.shape, generator=self.generator) < self.sample_frac).to(n.device)
+            if not bool(pick.any()):
+                return
+        sampled = SampledRows(rows, pick, k, self.topk_keep)
+        self.rows_sampled[layer] += sampled.n.numel()
+        self.max_n_seen = max(self.max_n_seen, int(sampled.n.max()))
+        keys = self.key_of(sampled.n.flatten())  # (S,), in the order of SampledRows.per_row
+        self._ensure(int(keys.max()) + 1, rows.logits.device)
+        self.scatter("count", layer, keys, torch.ones(keys.numel(), self.num_heads, device=keys.device))
+        if "sdc" in self.sums:
+            self.scatter("sdc", layer, keys, sampled.per_row(sampled.dropped_mass()))
+        self.add(layer, sampled, keys)
+
+    def flat_index(self, keys: torch.Tensor) -> torch.Tensor:
+        """Position of (head h, key of row s) in the flattened (H, keys) table of a layer: (S, H)."""
+        num_keys = self.sums["count"].shape[2]
+        return torch.arange(self.num_heads, device=keys.device) * num_keys + keys[:, None]
+
+    def scatter(self, name: str, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """sums[name][layer, h, keys[s]] += values[s, h] for every sampled row s and head h."""
+        table = self.sums[name][layer]  # (H, keys, *extra), contiguous
+        flat = self.flat_index(keys).flatten()  # (S·H,)
+        target = table.flatten(0, 1)  # (H·keys, *extra), a view
+        target.index_add_(0, flat, values.reshape(flat.numel(), *target.shape[1:]).double())
+
+    def _ensure(self, num_keys: int, device) -> None:
+        """Allocate or widen the key axis; with ``max_n`` it is allocated once at full size."""
+        if self.max_n is not None:
+            num_keys = max(num_keys, int(self.key_of(torch.tensor([self.max_n]))[0]) + 1)
+        current = next(iter(self.sums.values())).shape[2] if self.sums else 0
+        if num_keys <= current:
+            return
+        L, H = len(self.k), self.num_heads
+        for name, extra in self._extra.items():
+            grown = torch.zeros(L, H, num_keys, *extra, dtype=torch.float64, device=device)
+            if name in self.sums:
+                grown[:, :, :current] = self.sums[name]
+            self.sums[name] = grown
+
+    # --- results --------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held by the running sums (what grows with row length, never with sample count)."""
+        return sum(t.numel() * t.element_size() for t in self.sums.values())
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in self.sums.items()}
+
+    def reduce(self, granularity: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(values, counts, sdc_mass) at a granularity, each (L, H|1, N|1) float32 on the CPU.
+
+        Every granularity is the same sums pooled over heads and/or keys before the statistic
+        (method.md §2.2; the paper's granularity ablation). Per-n results are indexed by row length
+        n = 0..max sampled n; NaN marks lengths without samples (``Thresholds`` fills them).
+        """
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
+        if not self.sums:
+            raise ValueError("the collector saw no row longer than k; calibrate on longer sequences or a smaller k")
+        per_head, per_n = GRANULARITIES[granularity]
+        pooled = {}
+        for name, t in self.sums.items():
+            t = t.cpu()
+            if not per_head:
+                t = t.sum(1, keepdim=True)
+            if not per_n:
+                t = t.sum(2, keepdim=True)
+            pooled[name] = t
+        values = self.finalise(pooled)  # (L, H', K')
+        counts = pooled["count"]
+        sdc = pooled["sdc"] / counts if "sdc" in pooled else None  # NaN where count = 0
+        if per_n:  # from keys to row lengths: identity for exact n, bucket lookup otherwise
+            keys = self.key_of(torch.arange(self.max_n_seen + 1))
+            values, counts = values[..., keys], counts[..., keys]
+            sdc = sdc[..., keys] if sdc is not None else None
+        values = values.masked_fill(counts == 0, float("nan"))
+        return values.float(), counts.float(), (sdc.float() if sdc is not None else None)
+
+
+class OrderStatCollector(Collector):
+    """The paper's statistic (method.md §2.2): per (layer, head, n) count, Σ τ and Σ τ² of the
+    (k + 1)-th largest score τ of each sampled row, and θ = mean + σ_add · std (population std).
+    """
+
+    def __init__(self, k: list[int], num_heads: int, placement: str, *, sigma_add: float = 0.1, **options):
+        super().__init__(k, num_heads, placement, **options)
+        self.sigma_add = float(sigma_add)
+        self._extra.update(tau=(), tau_sq=())
+
+    def add(self, layer: int, rows: SampledRows, keys: torch.Tensor) -> None:
+        tau = rows.per_row(rows.tau(self.placement)).double()  # (S, H)
+        self.scatter("tau", layer, keys, tau)
+        self.scatter("tau_sq", layer, keys, tau * tau)
+
+    def finalise(self, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        count = sums["count"]
+        mean = sums["tau"] / count
+        var = (sums["tau_sq"] / count - mean * mean).clamp_min(0.0)  # float64: cancellation stays small
+        std = torch.where(count > 1, var.sqrt(), torch.zeros_like(var))  # one sample: θ is that sample
+        return mean + self.sigma_add * std
