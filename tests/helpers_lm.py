@@ -48,3 +48,13 @@ def tiny_model(tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0, 
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+def load_tasks(tasks, data_dir):
+    """Build lm-eval Task objects the way the adapter does (datasets load, no model)."""
+    from toptheta.evaluation import lm_eval_adapter as adapter
+    from toptheta.evaluation.tasks import check_tasks, task_include_paths
+
+    check_tasks(tasks, data_dir, None)
+    with task_include_paths(tasks, data_dir) as include_paths:
+        return adapter._load_tasks(adapter._task_manager(include_paths), tasks, data_dir)

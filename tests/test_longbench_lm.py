@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers_lm import tiny_model, tiny_tokenizer
+from helpers_lm import load_tasks, tiny_model, tiny_tokenizer
 from toptheta.evaluation import lm_eval_adapter as adapter
-from toptheta.evaluation.tasks import check_tasks, task_include_paths
+from toptheta.evaluation.tasks import check_tasks
 
 SHARED_DATA = (Path(__file__).resolve().parents[1] / ".." / "shared" / "data").resolve()
 CHAT_TEMPLATE = (
@@ -45,19 +45,11 @@ def data_dir(tmp_path) -> Path:
     return root
 
 
-@pytest.fixture(autouse=True)
-def _no_env_data_dir(monkeypatch):
-    monkeypatch.delenv(adapter.DATA_DIR_ENV, raising=False)
 
-
-def _load(tasks: list[str], data_dir: Path | None):
-    check_tasks(tasks, data_dir, None)
-    with task_include_paths(tasks, data_dir) as include_paths:
-        return adapter._load_tasks(adapter._task_manager(include_paths), tasks, data_dir)
 
 
 def test_any_subset_file_becomes_lm_evals_own_task(data_dir):
-    loaded = _load(["longbench_multi_news", "longbench_qmsum"], data_dir)
+    loaded = load_tasks(["longbench_multi_news", "longbench_qmsum"], data_dir)
     news, meetings = loaded["longbench_multi_news"], loaded["longbench_qmsum"]
     assert (len(news.eval_docs), len(meetings.eval_docs)) == (3, 2)
     assert news.config.dataset_path == "json" and news.config.output_type == "generate_until"
@@ -168,7 +160,7 @@ def test_end_to_end_with_chat_template_and_middle_truncation(data_dir, monkeypat
 @pytest.mark.skipif(not (SHARED_DATA / "longbench" / "multi_news.jsonl").is_file(),
                     reason="../shared/data/longbench/multi_news.jsonl absent (not part of the repo)")
 def test_shared_multi_news_resolves():
-    task = _load(["longbench_multi_news"], SHARED_DATA)["longbench_multi_news"]
+    task = load_tasks(["longbench_multi_news"], SHARED_DATA)["longbench_multi_news"]
     first = json.loads((SHARED_DATA / "longbench" / "multi_news.jsonl").open(encoding="utf-8").readline())
     assert len(task.eval_docs) == 200
     assert task.eval_docs[0]["context"] == first["context"] and task.eval_docs[0]["answers"] == first["answers"]

@@ -6,15 +6,14 @@ Runs fully offline. Tests on the real offline data skip when ../shared/data is a
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from helpers_lm import tiny_model, tiny_tokenizer
+from helpers_lm import load_tasks, tiny_model, tiny_tokenizer
 from toptheta.evaluation import lm_eval_adapter as adapter
-from toptheta.evaluation.tasks import check_tasks, fewshot_source, task_include_paths, task_names
+from toptheta.evaluation.tasks import check_tasks, fewshot_source, task_names
 from toptheta.evaluation.tasks.static.smoke_data import smoke_docs
 
 DATA_DIR = (Path(__file__).resolve().parents[1] / ".." / "shared" / "data").resolve()
@@ -28,17 +27,7 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-@pytest.fixture(autouse=True)
-def _no_env_data_dir(monkeypatch):
-    """A TOPTHETA_DATA_DIR in the caller's shell must not change what these tests see."""
-    monkeypatch.delenv(adapter.DATA_DIR_ENV, raising=False)
 
-
-def _load(tasks: list[str], data_dir: Path | None):
-    """Build lm-eval Task objects the way the adapter does (datasets load, no model)."""
-    check_tasks(tasks, data_dir, None)
-    with task_include_paths(tasks, data_dir) as include_paths:
-        return adapter._load_tasks(adapter._task_manager(include_paths), tasks, data_dir)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -205,7 +194,7 @@ OFFLINE_EVAL_FILES = {
 
 @needs_data
 def test_offline_yamls_resolve_against_the_shared_data():
-    loaded = _load(list(OFFLINE_EVAL_FILES), DATA_DIR)
+    loaded = load_tasks(list(OFFLINE_EVAL_FILES), DATA_DIR)
     for name, rel in OFFLINE_EVAL_FILES.items():
         task = loaded[name]
         records = _jsonl(DATA_DIR / rel)

@@ -22,7 +22,12 @@ import torch
 from ..compensation import SDC, VMC
 from ..sparsifiers.base import RowBlock, Sparsifier
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 23  # score elements per chunk: 32 MB per float32 temporary
+# Score elements per chunk. A small budget keeps each float32 temporary near cache size (8 MB) and lowers the
+# peak memory of long prefills; but a chunk of very few rows re-reads all of K and V for little work, so a
+# chunk gets at least MIN_CHUNK_ROWS rows as long as that stays under MAX_CHUNK_ELEMENTS (32 MB temporaries).
+DEFAULT_CHUNK_ELEMENTS = 1 << 21
+MIN_CHUNK_ROWS = 16
+MAX_CHUNK_ELEMENTS = 1 << 23
 
 
 def sparse_attention(
@@ -53,58 +58,88 @@ def sparse_attention(
     vmc = any(isinstance(c, VMC) for c in compensations)
     phase = "prefill" if Q > 1 else "decode"
 
-    kf, vf = key.float(), value.float()  # no-ops for float32 models
+    # One contiguous float32 copy of K/V at most (no-ops for contiguous float32 inputs), so every chunk's
+    # matmul is a strided view: the G query heads of a KV head are stacked as G·Qc rows of one bmm.
+    kf, vf = key.float().contiguous(), value.float().contiguous()
     out = query.new_zeros(B, Q, H, Dv)
-    rows_per_chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // (B * H * K))
+    rows_per_chunk = chunk_size or default_rows_per_chunk(B * H * K)
+    tiny = torch.finfo(torch.float32).tiny
+    causal = valid is None and K >= Q  # keys 0..K-Q+row: a chunk's keys are a prefix, its mask a triangle
+    v_sum, v_end = None, 0  # causal VMC: running float64 sum of V over keys [0, v_end)
     for q0 in range(0, Q, rows_per_chunk):
         q1 = min(Q, q0 + rows_per_chunk)
+        Qc = q1 - q0
         vm = _chunk_mask(valid, q0, q1, B, Q, K, query.device)  # (B, 1, Qc, K)
-        cols = vm.any(dim=(0, 1, 2)).nonzero()
-        if cols.numel() == 0:  # only fully masked rows (e.g. queries on padding): output 0
-            continue
-        ks, ke = int(cols[0]), int(cols[-1]) + 1
+        if causal:
+            ks, ke = 0, K - Q + q1
+        else:
+            cols = vm.any(dim=(0, 1, 2)).nonzero()
+            if cols.numel() == 0:  # only fully masked rows (e.g. queries on padding): output 0
+                continue
+            ks, ke = int(cols[0]), int(cols[-1]) + 1
         vm = vm[..., ks:ke]  # (B, 1, Qc, Kc)
-        Qc, Kc = q1 - q0, ke - ks
+        Kc = ke - ks
 
-        q = query[:, :, q0:q1].float().view(B, Hkv, G, Qc, D)
-        s = (q @ kf[:, :, None, ks:ke].transpose(-1, -2)).view(B, H, Qc, Kc) * scaling  # (B, H, Qc, Kc)
+        q = query[:, :, q0:q1].float().reshape(B * Hkv, G * Qc, D)  # the G heads of a KV head stacked: a small copy
+        k_t = kf[:, :, ks:ke].transpose(-1, -2).reshape(B * Hkv, D, Kc)  # a view
+        s = torch.baddbmm(q.new_empty(()), q, k_t, beta=0.0, alpha=scaling).view(B, H, Qc, Kc)  # scaled in the GEMM
         if softcap:
-            s = torch.tanh(s / softcap) * softcap
+            s.div_(softcap).tanh_().mul_(softcap)
         if bias is not None:
-            s = s + bias[:, :, q0:q1, ks:ke].float()
-        s = s.masked_fill(~vm, float("-inf"))
+            s.add_(bias[:, :, q0:q1, ks:ke].float())
+        if causal:  # only the last Qc keys of a causal chunk can be masked for some of its rows
+            t0 = max(0, Kc - Qc)
+            s[..., t0:].masked_fill_(~vm[..., t0:], float("-inf"))
+        else:
+            s.masked_fill_(~vm, float("-inf"))
         n = vm.sum(-1)  # (B, 1, Qc)
         m = s.amax(-1, keepdim=True)  # (B, H, Qc, 1)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.exp(s - m)  # (B, H, Qc, Kc), 0 where invalid
-        rows = RowBlock(layer=layer, phase=phase, logits=s, exp_scores=e, row_sum=e.sum(-1, keepdim=True),
+        e = torch.sub(s, m).exp_()  # (B, H, Qc, Kc), 0 where invalid
+        row_sum = e.sum(-1, keepdim=True)
+        rows = RowBlock(layer=layer, phase=phase, logits=s, exp_scores=e, row_sum=row_sum,
                         row_max=m, valid=vm, n=n)
         rows.keep = keep = sparsifier.select(rows)
         if observer is not None:
             observer(rows)
 
-        tiny = torch.finfo(torch.float32).tiny
-        if keep is None:
-            w = rows.probs
-        elif sparsifier.placement == "post":  # zero the dropped probabilities, no renormalisation
-            w = rows.probs.masked_fill(~keep, 0.0)
+        # w = ek / denom with ek = e·[kept]; the division is applied to the (Qc, Dv) output rows instead of
+        # the (Qc, Kc) weights. e and the cached probabilities stay untouched (statistics read them).
+        ek = e if keep is None else torch.where(keep, e, 0.0)
+        kept_sum = None
+        if keep is None or sparsifier.placement == "post":  # dense, or no renormalisation
+            denom = row_sum
         else:  # pre-softmax: renormalise over the kept set, SDC adds the dropped mass back
-            ek = e.masked_fill(~keep, 0.0)
-            denom = ek.sum(-1, keepdim=True)
+            denom = kept_sum = ek.sum(-1, keepdim=True)
             if sdc is not None:
                 denom = denom + sdc.dropped_mass(rows, e, keep, sparsifier)
-            w = ek / denom.clamp_min(tiny)
+        denom = denom.clamp_min(tiny)  # (B, H, Qc, 1)
 
-        o = w.view(B, Hkv, G, Qc, Kc) @ vf[:, :, None, ks:ke]  # (B, Hkv, G, Qc, Dv)
+        o = torch.bmm(ek.view(B * Hkv, G * Qc, Kc), vf[:, :, ks:ke].reshape(B * Hkv, Kc, Dv)).view(B, H, Qc, Dv)
+        o.div_(denom)
         if vmc and keep is not None:
-            beta = 1.0 - w.sum(-1)  # (B, H, Qc) missing mass, in float32
-            beta = beta.masked_fill(n.expand_as(beta) == 0, 0.0)
-            v_mean = (vm.float() @ vf[:, :, ks:ke]) / n.clamp_min(1).unsqueeze(-1)  # (B, Hkv, Qc, Dv)
-            o = o + beta.view(B, Hkv, G, Qc, 1) * v_mean[:, :, None]
-        out[:, q0:q1] = o.reshape(B, H, Qc, Dv).transpose(1, 2).to(out.dtype)
+            if kept_sum is None:
+                kept_sum = ek.sum(-1, keepdim=True)
+            beta = 1.0 - kept_sum / denom  # (B, H, Qc, 1) missing mass, in float32
+            beta = beta.masked_fill(n.unsqueeze(-1).expand_as(beta) == 0, 0.0)
+            if causal:  # v̄ of row i is the mean of the V prefix: running sums, no (Qc, Kc) matmul
+                if v_sum is None:
+                    v_sum = vf.new_zeros(B, Hkv, 1, Dv, dtype=torch.float64)
+                prefix = vf[:, :, v_end:ke].double().cumsum(2).add_(v_sum)  # sums over keys [0, j]
+                v_sum, v_end = prefix[:, :, -1:], ke
+                v_mean = (prefix[:, :, -Qc:] / n.unsqueeze(-1).clamp_min(1)).float()  # (B, Hkv, Qc, Dv)
+            else:
+                v_mean = (vm.float() @ vf[:, :, ks:ke]) / n.clamp_min(1).unsqueeze(-1)  # (B, Hkv, Qc, Dv)
+            o.view(B, Hkv, G, Qc, Dv).add_(beta.view(B, Hkv, G, Qc, 1) * v_mean[:, :, None])
+        out[:, q0:q1] = o.transpose(1, 2).to(out.dtype)
         if stats is not None:
             stats.update(rows)
     return out
+
+
+def default_rows_per_chunk(row_elements: int) -> int:
+    """Query rows per chunk when the caller gives none; ``row_elements`` = B·H·K scores per query row."""
+    return max(1, DEFAULT_CHUNK_ELEMENTS // row_elements, min(MIN_CHUNK_ROWS, MAX_CHUNK_ELEMENTS // row_elements))
 
 
 def _chunk_mask(valid, q0: int, q1: int, B: int, Q: int, K: int, device) -> torch.Tensor:
