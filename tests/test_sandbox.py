@@ -49,7 +49,7 @@ def sandbox_processes() -> list[str]:
     stray = []
     for line in out.splitlines():
         uid, pid, ppid, args = (line.split(None, 3) + [""])[:4]
-        if lo <= int(uid) < hi or (ppid == me and not args.startswith("ps ")):
+        if lo <= int(uid) < hi or (ppid == me and "sandbox" in args):
             stray.append(line)
     return stray
 

@@ -48,6 +48,7 @@ class WandbLogger:
 
     def finish(self) -> None:
         self.run.finish()
+        self.wandb.teardown()  # stop wandb's background service: a finished pipeline leaves no process behind
 
 
 def make_logger(options: dict, config: dict):
