@@ -136,16 +136,14 @@ def _check_combination(name: str, placement: str | None, comp: dict) -> None:
 
 
 def _check_tasks(task: dict, calib_task: str | None, data_dir: str | None) -> None:
-    from pathlib import Path as _P
+    """Task names and data files, checked by the task catalog before any model loads."""
+    from .evaluation.tasks import calibration_name, check_tasks
 
+    root = Path(data_dir) if data_dir else None
     if task["kind"] == "lm_eval":
-        from .evaluation.tasks import check_tasks
-
-        check_tasks([task["lm_eval_task"]], _P(data_dir) if data_dir else None, task.get("num_fewshot"))
+        check_tasks([task["lm_eval_task"]], root, task.get("num_fewshot"))
     if calib_task:
-        from .evaluation.tasks import calibration_name, check_tasks
-
-        check_tasks([calibration_name(calib_task)], _P(data_dir) if data_dir else None, None)
+        check_tasks([calibration_name(calib_task)], root, None)
 
 
 # ---- building library objects from plain dicts ----------------------------------------------------------
