@@ -126,7 +126,7 @@ def sparsify(
         compensation: any subset of ``[SDC(...), VMC()]``; impossible combinations are refused.
         stats: accumulate sparsity statistics (a few reductions per chunk; off = free).
         observer: called with every :class:`RowBlock` after selection (the calibration hook).
-        chunk_size: query rows per chunk; default keeps each float32 temporary near 32 MB.
+        chunk_size: query rows per chunk; default: see ``kernel.default_rows_per_chunk`` (a few MB a temporary).
     """
     sparsifier = sparsifier or Dense()
     compensation = tuple(compensation or ())
