@@ -213,6 +213,20 @@ def test_statistics_equal_brute_force_counts():
     assert stats.kept_attention_fraction is None and stats.kept_vrow_fraction is None
 
 
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_dropped_mass_statistic_equals_brute_force(placement):
+    q, k, v, valid = data = qkv()
+    p, _ = reference_probs(q, k, valid, 0.5)
+    thresholds = Thresholds(torch.full((1, 4, 1), -0.5 if placement == "pre" else 0.08), [2], placement)
+    for sparsifier in (toptheta.TopK(3, placement), toptheta.TopTheta(thresholds)):
+        keep = collect_keep(sparsifier, data=data).keep
+        stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
+        run(sparsifier, stats=stats, data=data, chunk=5)
+        expected = (p * ~keep).sum((0, 2, 3))  # (H,) rows without a valid key hold p = 0
+        torch.testing.assert_close(stats.dropped_mass[0], expected, atol=1e-5, rtol=1e-5)
+        assert stats.mean_dropped_mass == pytest.approx(float(expected.sum() / stats.rows.sum()), rel=1e-5)
+
+
 def test_rows_with_everything_below_threshold_keep_their_max_and_stay_finite():
     for placement in ("pre", "post"):
         thresholds = Thresholds(torch.full((1, 4, 1), 1e9), [1], placement)

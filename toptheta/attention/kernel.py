@@ -8,13 +8,18 @@ the work of a causal prefill.
 
 Per row (method.md §1-3): logits s = q·k·scale (+ softcap), m = max valid s, e = exp(s − m),
 then
-    dense / post-softmax:  w = e·[kept] / Σ_valid e
+    dense / post-softmax:  w = p·[kept],  p = softmax(s)        (torch's fused softmax; no renormalisation)
     pre-softmax:           w = e·[kept] / (Σ_kept e + λ·E)     (E = 0 without SDC)
     output:                o = Σ w·v  (+ β·v̄ with VMC, β = 1 − Σ w, v̄ = mean V over valid keys)
+
+Speed comes from doing as few passes over a chunk's (Qc, Kc) scores as possible: two GEMMs, the
+softmax, one comparison (the sparsifier), one in-place zeroing and one row sum. Chunks of ~1M scores
+(4 MB per float32 temporary) stay in the cache between those passes.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -22,10 +27,10 @@ import torch
 from ..compensation import SDC, VMC
 from ..sparsifiers.base import RowBlock, Sparsifier
 
-# Score elements per chunk. A small budget keeps each float32 temporary near cache size (8 MB) and lowers the
+# Score elements per chunk. A small budget keeps each float32 temporary near cache size (4 MB) and lowers the
 # peak memory of long prefills; but a chunk of very few rows re-reads all of K and V for little work, so a
 # chunk gets at least MIN_CHUNK_ROWS rows as long as that stays under MAX_CHUNK_ELEMENTS (32 MB temporaries).
-DEFAULT_CHUNK_ELEMENTS = 1 << 21
+DEFAULT_CHUNK_ELEMENTS = 1 << 20
 MIN_CHUNK_ROWS = 16
 MAX_CHUNK_ELEMENTS = 1 << 23
 
@@ -56,83 +61,101 @@ def sparse_attention(
         valid = valid.expand(B, 1, Q, K)
     sdc = next((c for c in compensations if isinstance(c, SDC)), None)
     vmc = any(isinstance(c, VMC) for c in compensations)
+    pre = sparsifier.placement == "pre"
     phase = "prefill" if Q > 1 else "decode"
+    counting = stats is not None and stats.enabled
 
     # One contiguous float32 copy of K/V at most (no-ops for contiguous float32 inputs), so every chunk's
     # matmul is a strided view: the G query heads of a KV head are stacked as G·Qc rows of one bmm.
     kf, vf = key.float().contiguous(), value.float().contiguous()
+    zero = vf.new_zeros(())
     out = query.new_zeros(B, Q, H, Dv)
     rows_per_chunk = chunk_size or default_rows_per_chunk(B * H * K)
     tiny = torch.finfo(torch.float32).tiny
     causal = valid is None and K >= Q  # keys 0..K-Q+row: a chunk's keys are a prefix, its mask a triangle
+    if causal:  # the last Qc keys of a causal chunk form the same upper triangle in every chunk
+        future = torch.ones(rows_per_chunk, rows_per_chunk, dtype=torch.bool, device=query.device).triu_(1)
     v_sum, v_end = None, 0  # causal VMC: running float64 sum of V over keys [0, v_end)
     for q0 in range(0, Q, rows_per_chunk):
         q1 = min(Q, q0 + rows_per_chunk)
         Qc = q1 - q0
-        vm = _chunk_mask(valid, q0, q1, B, Q, K, query.device)  # (B, 1, Qc, K)
         if causal:
             ks, ke = 0, K - Q + q1
+            n = torch.arange(K - Q + q0 + 1, ke + 1, device=query.device).expand(B, 1, Qc)
+            vm = functools.partial(_causal_mask, B, K - Q + q0, Qc, ke, query.device)  # built only if asked for
         else:
+            vm = valid[:, :, q0:q1]  # (B, 1, Qc, K)
             cols = vm.any(dim=(0, 1, 2)).nonzero()
             if cols.numel() == 0:  # only fully masked rows (e.g. queries on padding): output 0
                 continue
             ks, ke = int(cols[0]), int(cols[-1]) + 1
-        vm = vm[..., ks:ke]  # (B, 1, Qc, Kc)
+            vm = vm[..., ks:ke]  # (B, 1, Qc, Kc)
+            n = vm.sum(-1)  # (B, 1, Qc)
         Kc = ke - ks
 
-        q = query[:, :, q0:q1].float().reshape(B * Hkv, G * Qc, D)  # the G heads of a KV head stacked: a small copy
+        # The G heads of a KV head stacked as G·Qc rows, scaled: a small copy (the scale costs a pass in the GEMM).
+        q = (query[:, :, q0:q1].float() * scaling).reshape(B * Hkv, G * Qc, D)
         k_t = kf[:, :, ks:ke].transpose(-1, -2).reshape(B * Hkv, D, Kc)  # a view
-        s = torch.baddbmm(q.new_empty(()), q, k_t, beta=0.0, alpha=scaling).view(B, H, Qc, Kc)  # scaled in the GEMM
+        s = torch.bmm(q, k_t).view(B, H, Qc, Kc)
         if softcap:
             s.div_(softcap).tanh_().mul_(softcap)
         if bias is not None:
             s.add_(bias[:, :, q0:q1, ks:ke].float())
         if causal:  # only the last Qc keys of a causal chunk can be masked for some of its rows
-            t0 = max(0, Kc - Qc)
-            s[..., t0:].masked_fill_(~vm[..., t0:], float("-inf"))
+            s[..., Kc - Qc:].masked_fill_(future[:Qc, :Qc], float("-inf"))
         else:
             s.masked_fill_(~vm, float("-inf"))
-        n = vm.sum(-1)  # (B, 1, Qc)
-        m = s.amax(-1, keepdim=True)  # (B, H, Qc, 1)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.sub(s, m).exp_()  # (B, H, Qc, Kc), 0 where invalid
-        row_sum = e.sum(-1, keepdim=True)
-        rows = RowBlock(layer=layer, phase=phase, logits=s, exp_scores=e, row_sum=row_sum,
-                        row_max=m, valid=vm, n=n)
+
+        if pre:  # selection on logits; weights exp(s − m) / denominator
+            m = s.amax(-1, keepdim=True)  # (B, H, Qc, 1)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            rows = RowBlock(layer, phase, s, n, valid=vm, exp_scores=torch.sub(s, m).exp_(), row_max=m)
+        else:  # dense and post-softmax: weights are the dense probabilities, zeroed where dropped
+            p = torch.softmax(s, dim=-1)
+            if not causal:  # rows with no valid key: softmax of all -inf is NaN, their output is 0
+                dead = (n == 0).unsqueeze(-1)  # (B, 1, Qc, 1)
+                if bool(dead.any()):
+                    p.masked_fill_(dead, 0.0)
+            rows = RowBlock(layer, phase, s, n, valid=vm, probs=p)
         rows.keep = keep = sparsifier.select(rows)
         if observer is not None:
             observer(rows)
 
-        # w = ek / denom with ek = e·[kept]; the division is applied to the (Qc, Dv) output rows instead of
-        # the (Qc, Kc) weights. e and the cached probabilities stay untouched (statistics read them).
-        ek = e if keep is None else torch.where(keep, e, 0.0)
-        kept_sum = None
-        if keep is None or sparsifier.placement == "post":  # dense, or no renormalisation
-            denom = row_sum
-        else:  # pre-softmax: renormalise over the kept set, SDC adds the dropped mass back
-            denom = kept_sum = ek.sum(-1, keepdim=True)
-            if sdc is not None:
-                denom = denom + sdc.dropped_mass(rows, e, keep, sparsifier)
-        denom = denom.clamp_min(tiny)  # (B, H, Qc, 1)
-
-        o = torch.bmm(ek.view(B * Hkv, G * Qc, Kc), vf[:, :, ks:ke].reshape(B * Hkv, Kc, Dv)).view(B, H, Qc, Dv)
-        o.div_(denom)
-        if vmc and keep is not None:
-            if kept_sum is None:
-                kept_sum = ek.sum(-1, keepdim=True)
-            beta = 1.0 - kept_sum / denom  # (B, H, Qc, 1) missing mass, in float32
-            beta = beta.masked_fill(n.unsqueeze(-1).expand_as(beta) == 0, 0.0)
-            if causal:  # v̄ of row i is the mean of the V prefix: running sums, no (Qc, Kc) matmul
-                if v_sum is None:
-                    v_sum = vf.new_zeros(B, Hkv, 1, Dv, dtype=torch.float64)
-                prefix = vf[:, :, v_end:ke].double().cumsum(2).add_(v_sum)  # sums over keys [0, j]
-                v_sum, v_end = prefix[:, :, -1:], ke
-                v_mean = (prefix[:, :, -Qc:] / n.unsqueeze(-1).clamp_min(1)).float()  # (B, Hkv, Qc, Dv)
-            else:
-                v_mean = (vm.float() @ vf[:, :, ks:ke]) / n.clamp_min(1).unsqueeze(-1)  # (B, Hkv, Qc, Dv)
-            o.view(B, Hkv, G, Qc, Dv).add_(beta.view(B, Hkv, G, Qc, 1) * v_mean[:, :, None])
-        out[:, q0:q1] = o.transpose(1, 2).to(out.dtype)
-        if stats is not None:
+        v = vf[:, :, ks:ke].reshape(B * Hkv, Kc, Dv)  # a view
+        if keep is None:  # dense
+            w = rows.probs if not pre else rows.exp_scores
+            o = torch.bmm(w.view(B * Hkv, G * Qc, Kc), v).view(B, H, Qc, Dv)
+            if pre:
+                o = o / rows.row_sum.clamp_min(tiny)
+        else:
+            # Kept weights ek (exp scores or probabilities; in place when nobody else reads them any more).
+            e = rows.exp_scores if pre else rows.probs
+            ek = torch.where(keep, e, zero, out=e) if (observer is None and not pre) else torch.where(keep, e, zero)
+            o = torch.bmm(ek.reshape(B * Hkv, G * Qc, Kc), v).view(B, H, Qc, Dv)
+            kept_sum = ek.sum(-1, keepdim=True)  # (B, H, Qc, 1) Σ kept weights
+            if pre:  # renormalise over the kept set; SDC adds (an estimate of) the dropped mass back
+                denom = kept_sum if sdc is None else kept_sum + sdc.dropped_mass(rows, kept_sum, sparsifier)
+                denom = denom.clamp_min(tiny)
+                o = o / denom
+                if counting:
+                    rows.kept_mass = kept_sum / rows.row_sum.clamp_min(tiny)
+            else:  # post-softmax: no renormalisation, the kept weights are dense probabilities
+                denom = None
+                rows.kept_mass = kept_sum
+            if vmc:
+                beta = 1.0 - (kept_sum if denom is None else kept_sum / denom)  # (B, H, Qc, 1) missing mass
+                beta = beta.masked_fill(n.unsqueeze(-1) == 0, 0.0)
+                if causal:  # v̄ of row i is the mean of the V prefix: running sums, no (Qc, Kc) matmul
+                    if v_sum is None:
+                        v_sum = vf.new_zeros(B, Hkv, 1, Dv, dtype=torch.float64)
+                    prefix = vf[:, :, v_end:ke].double().cumsum(2).add_(v_sum)  # sums over keys [0, j]
+                    v_sum, v_end = prefix[:, :, -1:], ke
+                    v_mean = (prefix[:, :, -Qc:] / n.unsqueeze(-1).clamp_min(1)).float()  # (B, Hkv, Qc, Dv)
+                else:
+                    v_mean = (vm.float() @ vf[:, :, ks:ke]) / n.clamp_min(1).unsqueeze(-1)  # (B, Hkv, Qc, Dv)
+                o = o.view(B, Hkv, G, Qc, Dv) + beta.view(B, Hkv, G, Qc, 1) * v_mean[:, :, None]
+        out[:, q0:q1] = o.reshape(B, H, Qc, Dv).transpose(1, 2).to(out.dtype)
+        if counting:
             stats.update(rows)
     return out
 
@@ -142,10 +165,7 @@ def default_rows_per_chunk(row_elements: int) -> int:
     return max(1, DEFAULT_CHUNK_ELEMENTS // row_elements, min(MIN_CHUNK_ROWS, MAX_CHUNK_ELEMENTS // row_elements))
 
 
-def _chunk_mask(valid, q0: int, q1: int, B: int, Q: int, K: int, device) -> torch.Tensor:
-    """Rows q0:q1 of the mask; with no mask, causal with the queries as the last Q keys (built per chunk,
-    so a long prefill never holds a Q×K mask)."""
-    if valid is not None:
-        return valid[:, :, q0:q1]
-    rows = torch.arange(q0, q1, device=device)[:, None] + (K - Q)  # absolute position of each query
-    return (torch.arange(K, device=device)[None, :] <= rows)[None, None].expand(B, 1, q1 - q0, K)
+def _causal_mask(B: int, first: int, Qc: int, Kc: int, device) -> torch.Tensor:
+    """(B, 1, Qc, Kc) causal mask of a chunk whose first query sits at absolute position ``first``."""
+    rows = torch.arange(first, first + Qc, device=device)[:, None]
+    return (torch.arange(Kc, device=device)[None, :] <= rows)[None, None].expand(B, 1, Qc, Kc)

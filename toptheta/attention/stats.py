@@ -42,7 +42,7 @@ class SparsityStats:
         layer, keep = rows.layer, rows.keep
         B, H, Q, K = rows.logits.shape
         valid_elems = rows.n.sum().double().cpu()
-        kept = rows.n.sum().double().expand(H) if keep is None else keep.sum((0, 2, 3)).double()  # (H,)
+        kept = rows.counts().sum((0, 2)).double()  # (H,)
         if rows.phase == "prefill":
             self.prefill_kept[layer] += kept.cpu()
             self.prefill_valid[layer] += valid_elems
@@ -53,15 +53,17 @@ class SparsityStats:
             if keep is None:
                 vrows = valid_elems.expand(Hkv)
             else:
-                vrows = keep.view(B, Hkv, H // Hkv, Q, K).any(2).sum((0, 2, 3)).double()  # (Hkv,)
+                vrows = keep.reshape(B, Hkv, H // Hkv, Q, K).any(2).sum((0, 2, 3)).double()  # (Hkv,)
             self.vrow_kept[layer] += vrows.cpu()
             self.vrow_valid[layer] += valid_elems
             self.decode_steps[layer] += 1
-        live_rows = (rows.n > 0).sum().double().cpu()
-        self.rows[layer] += live_rows
+        live = rows.n > 0  # (B, 1, Q)
+        self.rows[layer] += live.sum().double().cpu()
         if keep is not None:
-            dropped = rows.probs.masked_fill(keep, 0.0).sum((0, 2, 3)).double()  # (H,)
-            self.dropped_mass[layer] += dropped.cpu()
+            # The kernel reports each row's kept dense mass; rows without a valid key drop nothing.
+            kept_mass = rows.kept_mass if rows.kept_mass is not None else (rows.probs * keep).sum(-1, keepdim=True)
+            dropped = (1.0 - kept_mass.squeeze(-1)).clamp_min(0.0).masked_fill(~live, 0.0)  # (B, H, Q)
+            self.dropped_mass[layer] += dropped.sum((0, 2)).double().cpu()
         self.clamped_rows += rows.clamped_rows
 
     # --- the paper's ratios -------------------------------------------------------------------

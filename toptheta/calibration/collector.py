@@ -24,13 +24,14 @@ drops, without the running estimate's dependence on sample order.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..sparsifiers.base import RowBlock, check_placement
 from .thresholds import GRANULARITIES
 
 PHASES = ("prefill", "decode")
-_TINY = torch.finfo(torch.float32).tiny
 
 
 class SampledRows:
@@ -51,13 +52,31 @@ class SampledRows:
         else:
             b, q = pick.nonzero(as_tuple=True)
             take = lambda t: t[b, :, q].transpose(0, 1)[None]  # noqa: E731  (S, H, ...) -> (1, H, S, ...)
+        self._rows, self._take = rows, take
         self.n = take(rows.n)[:, 0]  # (R, Q')
         self.logits = take(rows.logits)  # (R, H, Q', K)
-        self.exp_scores = take(rows.exp_scores)  # (R, H, Q', K)
-        self.row_sum = take(rows.row_sum)  # (R, H, Q', 1)
-        self.row_max = take(rows.row_max)  # (R, H, Q', 1)
         self.keep = take(rows.keep) if topk_keep and rows.keep is not None else None  # (R, H, Q', K)
         self._top: torch.Tensor | None = None
+
+    @functools.cached_property
+    def exp_scores(self) -> torch.Tensor:
+        """exp(s − m) of the sampled rows (R, H, Q', K), 0 where invalid."""
+        return self._take(self._rows.exp_scores)
+
+    @functools.cached_property
+    def row_max(self) -> torch.Tensor:
+        """(R, H, Q', 1) max valid logit."""
+        return self._take(self._rows.row_max)
+
+    @functools.cached_property
+    def row_sum(self) -> torch.Tensor:
+        """(R, H, Q', 1) Σ exp(s − m), the dense softmax denominator."""
+        return self._take(self._rows.row_sum)
+
+    @functools.cached_property
+    def probs(self) -> torch.Tensor:
+        """The kernel's dense probabilities of the sampled rows (R, H, Q', K): the very values inference compares."""
+        return self._take(self._rows.probs)
 
     @staticmethod
     def per_row(t: torch.Tensor) -> torch.Tensor:
@@ -72,8 +91,8 @@ class SampledRows:
         return self._top
 
     def scores(self, placement: str) -> torch.Tensor:
-        """Scaled logits (pre) or probabilities (post), computed exactly as ``RowBlock.probs`` does."""
-        return self.logits if placement == "pre" else self.exp_scores / self.row_sum.clamp_min(_TINY)
+        """Scaled logits (pre) or probabilities (post), exactly as the kernel's ``RowBlock.scores``."""
+        return self.logits if placement == "pre" else self.probs
 
     def tau(self, placement: str) -> torch.Tensor:
         """The (k + 1)-th largest score of each row (R, H, Q'): ``RowBlock.kth_largest(k + 1, placement)``."""
@@ -83,7 +102,7 @@ class SampledRows:
             idx = self.top_indices[..., -1:]
         if placement == "pre":
             return self.logits.gather(-1, idx).squeeze(-1)
-        return (self.exp_scores.gather(-1, idx) / self.row_sum.clamp_min(_TINY)).squeeze(-1)
+        return self.probs.gather(-1, idx).squeeze(-1)
 
     def dropped_mass(self) -> torch.Tensor:
         """Σ exp(s_j − m) over the valid keys outside the row's top-k (R, H, Q'); invalid keys hold 0."""

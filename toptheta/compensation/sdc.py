@@ -59,18 +59,19 @@ class SDC:
                     "(toptheta.calibrate collects it by default); pass SDC('calibrated', thresholds=...)"
                 )
 
-    def dropped_mass(self, rows: RowBlock, exp_scores: torch.Tensor, keep: torch.Tensor, sparsifier) -> torch.Tensor:
-        """λ·E for each row, (B, H, Q, 1) float32. ``exp_scores`` is exp(s − m), 0 where invalid."""
+    def dropped_mass(self, rows: RowBlock, kept_sum: torch.Tensor, sparsifier) -> torch.Tensor:
+        """λ·E for each row, (B, H, Q, 1) float32, in units of exp(s − m); ``kept_sum`` is R = Σ_kept exp(s − m)."""
         if self.estimator == "exact":
-            mass = exp_scores.masked_fill(keep, 0.0).sum(-1, keepdim=True)
+            mass = (rows.row_sum - kept_sum).clamp_min(0.0)  # Σ over valid dropped keys (invalid ones are 0)
         elif self.estimator == "exp-threshold":
             # Only valid dropped keys count (the reference code also counted masked future slots).
-            n_dropped = rows.n.unsqueeze(-1) - keep.sum(-1, keepdim=True)  # (B, H, Q, 1)
+            n_dropped = (rows.n.unsqueeze(-1) - rows.counts().unsqueeze(-1)).float()  # (B, H, Q, 1)
             # θ is a logit (pre-softmax only); the exponent is capped so a huge θ stays finite.
             bound = torch.exp((rows.theta - rows.row_max).clamp(max=80.0))
             mass = torch.where(n_dropped > 0, n_dropped * bound, torch.zeros_like(bound))
         else:
             source = self.thresholds or sparsifier.thresholds
             mass = source.lookup_sdc(rows.layer, rows.n).unsqueeze(-1)  # (B, H, Q, 1)
-            mass = torch.where(keep.sum(-1, keepdim=True) < rows.n.unsqueeze(-1), mass, torch.zeros_like(mass))
+            dropped_any = rows.counts().unsqueeze(-1) < rows.n.unsqueeze(-1)
+            mass = torch.where(dropped_any, mass, torch.zeros_like(mass))
         return self.scale * mass

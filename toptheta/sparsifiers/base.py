@@ -7,38 +7,74 @@ kernel's job, so a new selection rule is one small class.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 PLACEMENTS = ("pre", "post")
 
 
-@dataclass
 class RowBlock:
     """One chunk of attention rows of one layer, as the kernel sees it.
 
     Shapes use B (batch), H (query heads), Q (rows in the chunk), K (keys in the chunk window).
     Everything is float32 whatever the model dtype. A row's length n counts its valid keys: causal,
     not padding, inside any sliding window (method.md §2.1).
+
+    The kernel fills in what its path computed anyway (the probabilities on the dense/post-softmax
+    path, exp(s − m) on the pre-softmax path); everything else is derived from the logits on first
+    use, so selection rules and observers can read any view without the hot path paying for it.
     """
 
-    layer: int
-    phase: str  # "prefill" (the call had Q > 1 rows) or "decode" (one new token)
-    logits: torch.Tensor  # (B, H, Q, K) scaled scores, -inf where invalid
-    exp_scores: torch.Tensor  # (B, H, Q, K) exp(logits - row_max), 0 where invalid
-    row_sum: torch.Tensor  # (B, H, Q, 1) Σ exp_scores: the dense softmax denominator
-    row_max: torch.Tensor  # (B, H, Q, 1) max valid logit, 0 for rows with no valid key
-    valid: torch.Tensor  # (B, 1, Q, K) bool
-    n: torch.Tensor  # (B, 1, Q) long
-    keep: torch.Tensor | None = None  # (B, H, Q, K) bool once a sparsifier has chosen (None = all)
-    theta: torch.Tensor | None = None  # (B, H, Q, 1) per-row threshold, set by threshold sparsifiers
-    clamped_rows: int = 0  # rows longer than any calibrated row length (threshold lookups clamp)
-    _probs: torch.Tensor | None = None
+    def __init__(self, layer: int, phase: str, logits: torch.Tensor, n: torch.Tensor, *,
+                 valid: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+                 probs: torch.Tensor | None = None, exp_scores: torch.Tensor | None = None,
+                 row_sum: torch.Tensor | None = None, row_max: torch.Tensor | None = None):
+        self.layer = layer
+        self.phase = phase  # "prefill" (the call had Q > 1 rows) or "decode" (one new token)
+        self.logits = logits  # (B, H, Q, K) scaled scores, -inf where invalid
+        self.n = n  # (B, 1, Q) number of valid keys of each row
+        self.keep: torch.Tensor | None = None  # (B, H, Q, K) bool once a sparsifier has chosen (None = all)
+        self.theta: torch.Tensor | None = None  # (B, H, Q, 1) per-row threshold, set by threshold sparsifiers
+        self.clamped_rows = 0  # rows longer than any calibrated row length (threshold lookups clamp)
+        self.kept_counts: torch.Tensor | None = None  # (B, H, Q) kept keys per row, when the sparsifier knows
+        self.kept_mass: torch.Tensor | None = None  # (B, H, Q, 1) dense probability mass kept, set by the kernel
+        self._valid = valid
+        self._probs, self._exp_scores, self._row_sum, self._row_max = probs, exp_scores, row_sum, row_max
+        self._max_prob: torch.Tensor | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(B, 1, Q, K) bool: the keys each row may attend to (built on first use for causal chunks)."""
+        if callable(self._valid):
+            self._valid = self._valid()
+        return self._valid
+
+    @property
+    def row_max(self) -> torch.Tensor:
+        """(B, H, Q, 1) max valid logit, 0 for rows with no valid key."""
+        if self._row_max is None:
+            m = self.logits.amax(-1, keepdim=True)
+            self._row_max = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        return self._row_max
+
+    @property
+    def exp_scores(self) -> torch.Tensor:
+        """(B, H, Q, K) exp(logits − row_max), 0 where invalid."""
+        if self._exp_scores is None:
+            self._exp_scores = torch.sub(self.logits, self.row_max).exp_()
+        return self._exp_scores
+
+    @property
+    def row_sum(self) -> torch.Tensor:
+        """(B, H, Q, 1) Σ exp_scores: the dense softmax denominator."""
+        if self._row_sum is None:
+            self._row_sum = self.exp_scores.sum(-1, keepdim=True)
+        return self._row_sum
 
     @property
     def probs(self) -> torch.Tensor:
-        """Dense softmax probabilities (B, H, Q, K), 0 where invalid; computed on first use."""
+        """Dense softmax probabilities (B, H, Q, K), 0 where invalid."""
         if self._probs is None:
             self._probs = self.exp_scores / self.row_sum.clamp_min(torch.finfo(torch.float32).tiny)
         return self._probs
@@ -46,6 +82,24 @@ class RowBlock:
     def scores(self, placement: str) -> torch.Tensor:
         """The values a placement selects on: scaled logits (pre) or probabilities (post)."""
         return self.logits if placement == "pre" else self.probs
+
+    def max_score(self, placement: str) -> torch.Tensor:
+        """(B, H, Q, 1) each row's largest score in the placement's units (0 for rows with no valid key)."""
+        if placement == "pre":
+            return self.row_max
+        if self._max_prob is None:
+            self._max_prob = self.probs.amax(-1, keepdim=True)
+        return self._max_prob
+
+    def counts(self) -> torch.Tensor:
+        """(B, H, Q) kept keys per row (n where nothing was dropped)."""
+        if self.kept_counts is None:
+            B, H, Q = self.logits.shape[:3]
+            if self.keep is None:
+                self.kept_counts = self.n.expand(B, H, Q)
+            else:
+                self.kept_counts = self.keep.sum(-1)
+        return self.kept_counts
 
     def kth_largest(self, k: int, placement: str) -> torch.Tensor:
         """The k-th largest valid score of each row (B, H, Q), ``-inf`` where n < k.
@@ -86,7 +140,15 @@ def check_placement(placement: str) -> str:
     return placement
 
 
-def keep_whole_short_rows(keep: torch.Tensor, rows: RowBlock, k: int) -> torch.Tensor:
-    """Rows with n ≤ k are not sparsified (method.md §1): they keep every valid key."""
-    short = (rows.n <= k).unsqueeze(-1)  # (B, 1, Q, 1)
-    return torch.where(short, rows.valid, keep)
+def keep_whole_short_rows(keep: torch.Tensor, rows: RowBlock, k: int, also: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows with n ≤ k are not sparsified (method.md §1): they keep every valid key.
+
+    ``also`` (broadcastable to (B, H, Q, 1)) marks more rows to keep whole. Chunks with no such row
+    (every chunk of a long prefill but the first) skip the pass over the keys.
+    """
+    whole = (rows.n <= k).unsqueeze(-1)  # (B, 1, Q, 1)
+    if also is not None:
+        whole = whole | also
+    if not bool(whole.any()):
+        return keep
+    return torch.where(whole, rows.valid, keep)

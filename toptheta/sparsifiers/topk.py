@@ -34,10 +34,12 @@ class TopK(Sparsifier):
         k = self.k_for(rows.layer)
         if rows.logits.shape[-1] <= k:  # every row has n ≤ K ≤ k: nothing to drop
             return None
-        # Logits and probabilities order the keys identically; logits avoid ties at underflowed 0.
+        # Logits and probabilities order the keys identically; logits avoid ties at underflowed 0. A row with
+        # n > k has k valid (finite) logits above its masked (-inf) ones, so only short rows need the mask.
         idx = torch.topk(rows.logits, k, dim=-1).indices  # (B, H, Q, k)
         keep = torch.zeros_like(rows.logits, dtype=torch.bool).scatter_(-1, idx, True)
-        return keep_whole_short_rows(keep & rows.valid, rows, k)
+        rows.kept_counts = rows.n.clamp(max=k).expand(idx.shape[:-1])
+        return keep_whole_short_rows(keep, rows, k)
 
     def describe(self) -> dict:
         return {"name": "topk", "placement": self.placement, "k": self.k, "layer_k": dict(self.layer_k)}

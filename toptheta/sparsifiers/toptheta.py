@@ -38,9 +38,16 @@ class TopTheta(Sparsifier):
         theta, clamped = self.thresholds.lookup(rows.layer, rows.n)  # (B, H, Q)
         rows.theta = theta.unsqueeze(-1)  # (B, H, Q, 1), read by exp-threshold SDC
         rows.clamped_rows += clamped
-        keep = (rows.scores(self.placement) > rows.theta) & rows.valid
-        keep |= (rows.logits == rows.row_max) & rows.valid  # never an empty row (method.md §9, 10a)
-        return keep_whole_short_rows(keep, rows, self.k_for(rows.layer))
+        # One comparison keeps the scores above θ and each row's maximum (never an empty row, method.md §9,
+        # 10a): lowering θ to just below the row's maximum adds exactly the maximum.
+        top = rows.max_score(self.placement)
+        cut = torch.minimum(rows.theta, torch.nextafter(top, top.new_tensor(float("-inf"))))
+        keep = rows.scores(self.placement) > cut
+        # Invalid keys are never above the cut (logits are -inf there, probabilities 0 ≤ θ), except in rows whose
+        # cut is negative in probability units (θ = -inf where uncalibrated, or no valid key): those keep
+        # every valid key, like the short rows.
+        negative = (cut < 0) if self.placement == "post" else None
+        return keep_whole_short_rows(keep, rows, self.k_for(rows.layer), also=negative)
 
     def describe(self) -> dict:
         meta = self.thresholds.metadata
