@@ -82,3 +82,15 @@ def test_scorer_takes_the_first_number():
     assert passkey_accuracy(records, ["11111", "nope"]) == 50.0
     with pytest.raises(ValueError, match="one generation per record"):
         passkey_accuracy(records, ["11111"])
+
+
+def test_lengths_beyond_the_models_context_are_refused_with_the_lengths_that_fit():
+    from toptheta.evaluation.generation import check_context
+
+    task = {"kind": "passkey", "lengths": [1024, 4096, 16384]}
+    with pytest.raises(ValueError, match=r"context of 8192.*task.lengths=\[1024, 4096\]"):
+        check_context(task, 8192, "smollm2-135m")
+    check_context(task, 32768, "qwen2.5-coder-0.5b")  # fits
+    check_context(task, None, "unknown")  # no known context: nothing to check
+    with pytest.raises(ValueError, match="task.max_length=2048"):
+        check_context({"kind": "humaneval", "max_length": 4096}, 2048, "tiny")

@@ -280,9 +280,13 @@ def run(cfg: DictConfig):
             log.info("%s: identical run %s already finished; skipping (force=true reruns it)", spec.label, spec.run_id)
     if todo:
         m = cfg.model
-        model, tokenizer, _ = load_model(m.source, dtype=m.dtype, device=m.device, device_map=m.device_map,
-                                         revision=m.revision)
+        model, tokenizer, info = load_model(m.source, dtype=m.dtype, device=m.device, device_map=m.device_map,
+                                            revision=m.revision)
         model.eval()
+        if cfg.task.kind != "lm_eval":
+            from .evaluation.generation import check_context
+
+            check_context(OmegaConf.to_container(cfg.task, resolve=True), info.max_position_embeddings, m.name)
         logger = make_logger(OmegaConf.to_container(cfg.logger, resolve=True), OmegaConf.to_container(cfg, resolve=True))
         try:
             import torch

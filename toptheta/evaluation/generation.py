@@ -86,7 +86,8 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
         records = records[: int(task["limit"])]
     hits, samples = [], []
     for record in tqdm(records, desc="passkey", unit="prompt"):
-        text, n_prompt = greedy_generate(model, tokenizer, record["prompt"], max_new_tokens=12, chat_template=chat_template)
+        text, n_prompt = greedy_generate(model, tokenizer, record["prompt"], max_new_tokens=PASSKEY_NEW_TOKENS,
+                                           chat_template=chat_template)
         hit = float(score_passkey(text, record["answer"]))
         hits.append(hit)
         samples.append({"id": record["id"], "length_tokens": n_prompt, "depth": record["depth"], "generation": text,
@@ -96,6 +97,30 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
         sub = [s["correct"] for s, r in zip(samples, records) if r["target_tokens"] == length]
         out["results"][f"passkey_{length}"] = {"accuracy,none": 100.0 * sum(sub) / len(sub)}
     return out
+
+
+PASSKEY_NEW_TOKENS = 12
+CHAT_OVERHEAD_TOKENS = 64  # a chat template's system and role tokens around the prompt (SmolLM2, Qwen2.5: < 40)
+
+
+def check_context(task: dict, max_positions: int | None, model_name: str) -> None:
+    """Refuse, before any prompt runs, a generation task whose sequences exceed the model's context."""
+    if not max_positions:
+        return
+    if task["kind"] == "passkey":
+        longest = max(task.get("lengths") or (0,))
+        need = longest + CHAT_OVERHEAD_TOKENS + PASSKEY_NEW_TOKENS
+        if need > max_positions:
+            fitting = [n for n in (task.get("lengths") or ()) if n + CHAT_OVERHEAD_TOKENS + PASSKEY_NEW_TOKENS
+                       <= max_positions]
+            raise ValueError(
+                f"task.lengths reaches {longest} tokens but {model_name} has a context of {max_positions} positions; "
+                f"use lengths that fit, e.g. task.lengths={fitting or '[1024]'}, or a longer-context model "
+                "(model=qwen2.5-coder-0.5b has 32k)"
+            )
+    elif task["kind"] == "humaneval" and int(task.get("max_length") or 2048) > max_positions:
+        raise ValueError(f"task.max_length={task.get('max_length')} exceeds {model_name}'s context of "
+                         f"{max_positions} positions; set task.max_length={max_positions} or lower")
 
 
 def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
