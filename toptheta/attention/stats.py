@@ -59,7 +59,7 @@ class SparsityStats:
             self.decode_steps[layer] += 1
         live = rows.n > 0  # (B, 1, Q)
         self.rows[layer] += live.sum().double().cpu()
-        if keep is not None:
+        if keep is not None or rows.kept_mass is not None:
             # The kernel reports each row's kept dense mass; rows without a valid key drop nothing.
             kept_mass = rows.kept_mass if rows.kept_mass is not None else (rows.probs * keep).sum(-1, keepdim=True)
             dropped = (1.0 - kept_mass.squeeze(-1)).clamp_min(0.0).masked_fill(~live, 0.0)  # (B, H, Q)

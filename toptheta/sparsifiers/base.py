@@ -128,6 +128,14 @@ class Sparsifier:
         """Keep-mask (B, H, Q, K), a subset of ``rows.valid``; None means keep every valid key."""
         raise NotImplementedError
 
+    def fused_rule(self, rows: RowBlock) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rule as (θ (B, H, Q) in probability units, whole rows (B, H, Q) bool), for the fused kernel.
+
+        Meaning: keep p > θ and each row's maximum; rows marked whole keep every valid key. Post-softmax
+        threshold rules can offer it (``select`` must mean the same); None means use ``select``.
+        """
+        return None
+
     def describe(self) -> dict:
         return {"name": type(self).__name__.lower(), "placement": self.placement}
 

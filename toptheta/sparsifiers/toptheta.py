@@ -34,10 +34,14 @@ class TopTheta(Sparsifier):
     def k_for(self, layer: int) -> int:
         return self.thresholds.k_for(layer)
 
-    def select(self, rows: RowBlock) -> torch.Tensor:
+    def _theta(self, rows: RowBlock) -> torch.Tensor:
         theta, clamped = self.thresholds.lookup(rows.layer, rows.n)  # (B, H, Q)
         rows.theta = theta.unsqueeze(-1)  # (B, H, Q, 1), read by exp-threshold SDC
         rows.clamped_rows += clamped
+        return theta
+
+    def select(self, rows: RowBlock) -> torch.Tensor:
+        self._theta(rows)
         # One comparison keeps the scores above θ and each row's maximum (never an empty row, method.md §9,
         # 10a): lowering θ to just below the row's maximum adds exactly the maximum.
         top = rows.max_score(self.placement)
@@ -48,6 +52,12 @@ class TopTheta(Sparsifier):
         # every valid key, like the short rows.
         negative = (cut < 0) if self.placement == "post" else None
         return keep_whole_short_rows(keep, rows, self.k_for(rows.layer), also=negative)
+
+    def fused_rule(self, rows: RowBlock) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.placement != "post":
+            return None
+        theta = self._theta(rows)  # (B, H, Q)
+        return theta, (rows.n <= self.k_for(rows.layer)) | (theta < 0)  # as select: short or uncalibrated rows
 
     def describe(self) -> dict:
         meta = self.thresholds.metadata

@@ -1,0 +1,125 @@
+"""An optional fused CPU kernel for threshold selection after the softmax (the Top-θ post-softmax hot path).
+
+The pure-torch path makes five passes over a chunk's (Qc, Kc) scores between its two GEMMs: softmax,
+row maximum, comparison, zeroing and row sum. Here one C++ loop does all of it row by row while the
+row (≤ 32 kB for 8k keys) sits in L1: max, exp and sum, then p > cut, zeroing and the kept sum and
+count. It is compiled on first use with torch's C++ extension tooling (g++; about a minute, cached in
+``~/.cache/torch_extensions``); where that fails the kernel keeps the torch path and says so once.
+
+Set ``TOPTHETA_FUSED=0`` to disable it (the torch path is the reference; tests compare the two).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("toptheta")
+_VERSION = 1  # bump when _SOURCE changes: the build cache is keyed by name
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+
+// s: (R, K) float32 contiguous scaled logits, -inf where invalid. theta: (R) float32. whole: (R) bool.
+// In place, each row becomes w = p * [p > cut] with p = softmax(row) and cut = min(theta, just below the
+// row's largest p) (so the maximum is always kept); rows marked whole keep every p (invalid keys hold 0).
+// Returns (kept_sum (R) float32: sum of w, kept_count (R) int32: kept keys of rows not marked whole).
+std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, torch::Tensor whole) {
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
+  TORCH_CHECK(theta.scalar_type() == torch::kFloat32 && theta.is_contiguous() && theta.numel() == s.size(0), "theta: (R) float32");
+  TORCH_CHECK(whole.scalar_type() == torch::kBool && whole.is_contiguous() && whole.numel() == s.size(0), "whole: (R) bool");
+  const int64_t R = s.size(0), K = s.size(1);
+  auto kept_sum = torch::empty({R}, s.options());
+  auto kept_count = torch::empty({R}, s.options().dtype(torch::kInt32));
+  float* S = s.data_ptr<float>();
+  const float* T = theta.data_ptr<float>();
+  const bool* W = whole.data_ptr<bool>();
+  float* KS = kept_sum.data_ptr<float>();
+  int32_t* KC = kept_count.data_ptr<int32_t>();
+  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = S + r * K;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < K; ++j) m = x[j] > m ? x[j] : m;
+      if (!(m > -3.0e38f)) {  // no valid key: weights 0
+        for (int64_t j = 0; j < K; ++j) x[j] = 0.0f;
+        KS[r] = 0.0f; KC[r] = 0;
+        continue;
+      }
+      float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+      for (int64_t j = 0; j < K; ++j) { float e = expf(x[j] - m); x[j] = e; sum += e; }
+      const float inv = 1.0f / sum;
+      float cut = W[r] ? -1.0f : std::fmin(T[r], std::nextafter(inv, 0.0f));  // the max has p = 1 * inv
+      float ks = 0.0f; int32_t kc = 0;
+#pragma omp simd reduction(+:ks, kc)
+      for (int64_t j = 0; j < K; ++j) {
+        float p = x[j] * inv;
+        bool keep = p > cut;
+        float w = keep ? p : 0.0f;
+        x[j] = w; ks += w; kc += keep ? 1 : 0;
+      }
+      KS[r] = ks; KC[r] = kc;
+    }
+  });
+  return {kept_sum, kept_count};
+}
+"""
+
+
+def _target() -> tuple[str, list[str]]:
+    """(name suffix, flags): AVX2 code where torch itself runs AVX2 or better, portable code otherwise. The name
+    differs per target, so a cache shared by machines of different CPUs never hands one the other's build."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
+    if os.environ.get("TOPTHETA_FUSED", "1") == "0":
+        return None
+    suffix, flags = _target()
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        log.info("toptheta: loading the fused CPU kernel (the first build takes about a minute, then it is cached)")
+        return load_inline(
+            name=f"toptheta_fused_v{_VERSION}_{suffix}",
+            cpp_sources=_SOURCE,
+            functions=["post_threshold"],
+            # -ffast-math lets GCC vectorise expf through glibc's libmvec. The code never relies on IEEE
+            # infinities after that: a row's maximum is compared with a large finite bound.
+            extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *flags],
+            verbose=False,
+        )
+    except Exception as err:  # noqa: BLE001 (any build failure means: use the torch path)
+        log.warning("toptheta: the fused CPU kernel could not be built (%s); using the pure-torch path",
+                    str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+
+
+def enabled() -> bool:
+    """Whether the fused kernel is available (builds it on the first call)."""
+    return extension() is not None
+
+
+def post_threshold(s: torch.Tensor, theta: torch.Tensor, whole: torch.Tensor):
+    """In place on ``s`` (B, H, Q, K): dense probabilities zeroed where not kept. Returns (kept_sum (B, H, Q, 1),
+    kept_count (B, H, Q)), or None when the fused kernel is unavailable (``s`` is then untouched)."""
+    ext = extension()
+    if ext is None or s.device.type != "cpu" or not s.is_contiguous():
+        return None
+    B, H, Q, K = s.shape
+    theta = theta.expand(B, H, Q).float().contiguous()
+    whole = whole.expand(B, H, Q).contiguous()
+    kept_sum, kept_count = ext.post_threshold(s.view(-1, K), theta.view(-1), whole.view(-1))
+    return kept_sum.view(B, H, Q, 1), kept_count.view(B, H, Q)
