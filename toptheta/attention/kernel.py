@@ -78,7 +78,8 @@ def sparse_attention(
     tiny = torch.finfo(torch.float32).tiny
     causal = valid is None and K >= Q  # keys 0..K-Q+row: a chunk's keys are a prefix, its mask a triangle
     if causal:  # the last Qc keys of a causal chunk form the same upper triangle in every chunk
-        future = torch.ones(rows_per_chunk, rows_per_chunk, dtype=torch.bool, device=query.device).triu_(1)
+        size = min(rows_per_chunk, Q)
+        future = torch.ones(size, size, dtype=torch.bool, device=query.device).triu_(1)
     v_sum, v_end = None, 0  # causal VMC: running float64 sum of V over keys [0, v_end)
     for q0 in range(0, Q, rows_per_chunk):
         q1 = min(Q, q0 + rows_per_chunk)
