@@ -67,7 +67,10 @@ def sparse_attention(
     pre = sparsifier.placement == "pre"
     phase = "prefill" if Q > 1 else "decode"
     counting = stats is not None and stats.enabled
-    fuse = fused.enabled() and not pre and query.device.type == "cpu"
+    # The fused kernel serves post-softmax threshold rules in prefill without observers (decode steps need the
+    # keep-mask itself for the V-row statistics; observers see every view of the rows). It is built only when
+    # such a rule first asks for it, so dense and pre-softmax runs never wait for a compiler.
+    fuse = not pre and Q > 1 and observer is None and query.device.type == "cpu"
 
     # One contiguous float32 copy of K/V at most (no-ops for contiguous float32 inputs), so every chunk's
     # matmul is a strided view: the G query heads of a KV head are stacked as G·Qc rows of one bmm.
@@ -118,9 +121,8 @@ def sparse_attention(
             rows = RowBlock(layer, phase, s, n, valid=vm, exp_scores=torch.sub(s, m).exp_(), row_max=m)
         else:  # dense and post-softmax: weights are the dense probabilities, zeroed where dropped
             rows = RowBlock(layer, phase, s, n, valid=vm)
-            # Fused path: softmax, threshold, zeroing and kept sums in one C++ pass (prefill only: decode steps
-            # need the keep-mask itself for the V-row statistics, and observers see every view of the rows).
-            rule = sparsifier.fused_rule(rows) if (fuse and observer is None and Q > 1) else None
+            # Fused path: softmax, threshold, zeroing and kept sums in one C++ pass (None where unavailable).
+            rule = sparsifier.fused_rule(rows) if fuse else None
             done = fused.post_threshold(s, *rule) if rule is not None else None
             if done is None:
                 p = torch.softmax(s, dim=-1)

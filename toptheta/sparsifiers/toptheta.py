@@ -35,10 +35,12 @@ class TopTheta(Sparsifier):
         return self.thresholds.k_for(layer)
 
     def _theta(self, rows: RowBlock) -> torch.Tensor:
-        theta, clamped = self.thresholds.lookup(rows.layer, rows.n)  # (B, H, Q)
-        rows.theta = theta.unsqueeze(-1)  # (B, H, Q, 1), read by exp-threshold SDC
-        rows.clamped_rows += clamped
-        return theta
+        """θ of each row (B, H, Q), looked up once per block (clamped rows are counted once)."""
+        if rows.theta is None:
+            theta, clamped = self.thresholds.lookup(rows.layer, rows.n)  # (B, H, Q)
+            rows.theta = theta.unsqueeze(-1)  # (B, H, Q, 1), read by exp-threshold SDC
+            rows.clamped_rows += clamped
+        return rows.theta.squeeze(-1)
 
     def select(self, rows: RowBlock) -> torch.Tensor:
         self._theta(rows)
