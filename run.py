@@ -3,6 +3,10 @@
 import hydra
 from omegaconf import DictConfig
 
+from toptheta.config import register
+
+register()  # the typed schema (toptheta/config.py) that conf/config.yaml composes into
+
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:

@@ -11,6 +11,9 @@ One process, same inputs, same conditions. Shapes are SmolLM2-135M's attention (
     ours_dense  toptheta.sparse_attention with Dense()
     ours_topk   TopK(k=64, placement="post"), no compensation
     ours_toptheta  TopTheta(post) + VMC, k=[64]; thresholds calibrated on the benchmark's own data (below)
+    ours_pre_sdc_vmc   TopTheta(pre) + exact SDC + VMC (the paper's pre-softmax variant; the one-pass prefill,
+                   attention/prefill.py), logit thresholds calibrated the same way
+    plain_pre_sdc_vmc  the same through the plain kernel (TOPTHETA_FAST off), for the one-pass path's gain
 
 Timing: the median and the min wall time (and process CPU time) of --repeats calls (methods interleaved,
 repeat by repeat); ratios are to sdpa's value of the same statistic.
@@ -26,11 +29,14 @@ On a shared machine the min wall time over the repeats is the better estimate of
 Thresholds: the inputs are standard-normal q, k, v (logits ~ N(0, 1) after the 1/√64 scale). For a
 sample of query rows spread log-uniformly over row lengths 65..max n, the exact (k+1)-th largest dense
 probability of each head is measured on the 32k-token data (whose prefixes are the smaller sizes), and
-stored as a (1 layer, 9 heads, n) Thresholds table with linear interpolation between the sampled
+stored as a (1 layer, 9 heads, n) Thresholds table (the (k+1)-th largest logit for the pre-softmax rows) with linear interpolation between the sampled
 lengths. A strict threshold at the (k+1)-th largest keeps k elements per row on average; the realised
 mean kept per row is printed for the sizes where correctness is checked.
 
+Short prompts (64 and 256 tokens) show the per-call overhead; rows there are all ≤ k = 64 long at n = 64 (dense).
+
 Usage:  python scripts/bench_attention.py                       (full run, ~10 min on 2 idle cores)
+        python scripts/bench_attention.py --quick               (64, 256 and 2048 tokens, few repeats: a check)
         python scripts/bench_attention.py --sizes 512 2048 --out results/bench/attention_small
 """
 
@@ -63,13 +69,14 @@ from transformers.models.llama.modeling_llama import eager_attention_forward  # 
 
 import toptheta  # noqa: E402
 from toptheta.attention import kernel as kernel_module  # noqa: E402
+from toptheta.attention import prefill  # noqa: E402
 from toptheta.calibration.thresholds import Thresholds  # noqa: E402
 
 B, H, HKV, D = 1, 9, 3, 64  # SmolLM2-135M attention
 K_BUDGET = 64
 SCALING = D ** -0.5
-METHODS = ("sdpa", "eager", "ours_dense", "ours_topk", "ours_toptheta")
-DEFAULT_REPEATS = {512: 5, 2048: 5, 8192: 3, 32768: 1}
+METHODS = ("sdpa", "eager", "ours_dense", "ours_topk", "ours_toptheta", "ours_pre_sdc_vmc", "plain_pre_sdc_vmc")
+DEFAULT_REPEATS = {64: 20, 256: 10, 512: 5, 2048: 5, 8192: 3, 32768: 1}
 MB = 1024 * 1024
 
 _LIBC = None
@@ -156,18 +163,19 @@ class _Module(torch.nn.Module):
         self.eval()
 
 
-def calibrate_thresholds(q: torch.Tensor, k: torch.Tensor, n_max: int, samples: int, seed: int = 0) -> Thresholds:
-    """θ(head, n) = the (k+1)-th largest dense probability of sampled rows, linearly interpolated in n."""
+def calibrate_thresholds(q: torch.Tensor, k: torch.Tensor, n_max: int, samples: int, seed: int = 0,
+                         placement: str = "post") -> Thresholds:
+    """θ(head, n) = the (k+1)-th largest dense probability (logit for pre) of sampled rows, linear in n."""
     lengths = torch.unique(torch.logspace(math.log10(K_BUDGET + 1), math.log10(n_max), samples).round().long())
     values = torch.full((1, H, n_max + 1), float("nan"))
     kv_of_head = torch.arange(H) // (H // HKV)
     for n in lengths.tolist():
         qi = q[0, :, n - 1]  # (H, D): the query of the row with n valid keys
         logits = torch.einsum("hd,hnd->hn", qi, k[0, kv_of_head, :n]) * SCALING
-        probs = torch.softmax(logits, dim=-1)
-        values[0, :, n] = torch.topk(probs, K_BUDGET + 1, dim=-1).values[:, -1]
+        scores = logits if placement == "pre" else torch.softmax(logits, dim=-1)
+        values[0, :, n] = torch.topk(scores, K_BUDGET + 1, dim=-1).values[:, -1]
     meta = {"source": "bench_attention.py synthetic calibration", "sampled_lengths": len(lengths)}
-    return Thresholds(values, [K_BUDGET], "post", metadata=meta, lookup="linear")
+    return Thresholds(values, [K_BUDGET], placement, metadata=meta, lookup="linear")
 
 
 def load_kernel(path: str | None, name: str = "_bench_kernel"):
@@ -191,8 +199,17 @@ def rows_per_chunk(kernel, n: int, chunk_size: int | None) -> int:
     return max(1, kernel.DEFAULT_CHUNK_ELEMENTS // (B * H * n))
 
 
-def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_attention):
+def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_attention, pre_thresholds=None):
     module = _Module()
+    pre = toptheta.TopTheta(pre_thresholds) if pre_thresholds is not None else None
+    pre_comp = [toptheta.SDC("exact"), toptheta.VMC()]
+
+    def plain(*a, **kw):  # the plain kernel: the fast paths switched off for this call
+        prefill.ENABLED = False
+        try:
+            return attention(*a, **kw)
+        finally:
+            prefill.ENABLED = True
     calls = {
         "sdpa": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=SCALING, is_causal=True)[0],
         "eager": lambda: eager_attention_forward(module, q, k, v, mask, scaling=SCALING)[0],
@@ -204,6 +221,10 @@ def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_
         "ours_toptheta": lambda: attention(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.TopTheta(thresholds),
             compensations=[toptheta.VMC()], chunk_size=chunk_size),
+        "ours_pre_sdc_vmc": lambda: attention(
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=pre, compensations=pre_comp, chunk_size=chunk_size),
+        "plain_pre_sdc_vmc": lambda: plain(
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=pre, compensations=pre_comp, chunk_size=chunk_size),
     }
     return calls
 
@@ -285,8 +306,9 @@ def write_report(args, results, checks, meta_base, thresholds, final: bool) -> N
     out = Path(args.out)
     if not out.is_absolute():
         out = ROOT / out
-    write_atomic(out.with_suffix(".json"), json.dumps({"meta": meta, "checks": checks, "results": results}, indent=2) + "\n")
-    header = (f"# Prefill attention benchmark\n\nSmolLM2-135M attention shapes (B=1, 9 heads, 3 KV heads, d=64, "
+    body = json.dumps({"meta": meta, "checks": checks, "results": results}, indent=2)
+    write_atomic(out.with_suffix(".json"), '{"command": ' + json.dumps(meta["command"]) + ",\n" + body[2:] + "\n")
+    header = (f"Command: `{meta['command']}`\n\n# Prefill attention benchmark\n\nSmolLM2-135M attention shapes (B=1, 9 heads, 3 KV heads, d=64, "
               f"float32, causal). {cpus} CPUs, torch {torch.__version__}, transformers {transformers.__version__}, "
               f"{meta['date']}, load average {meta['load_average_start']} at start.\n\nCommand: `{meta['command']}`\n\n"
               f"Kernel: `{meta['kernel_file']}` (sha1 {meta['kernel_sha1'][:12]}), query rows per chunk: "
@@ -314,7 +336,8 @@ def parse_repeats(spec: str | None) -> dict[int, int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192, 32768])
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 512, 2048, 8192, 32768])
+    p.add_argument("--quick", action="store_true", help="sizes 64, 256, 2048; 3 repeats; no profiler (a check)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--repeats", default=None, help="per-size repeats, e.g. '512:5,2048:5,8192:3,32768:1'")
     p.add_argument("--eager-budget-gb", type=float, default=None,
@@ -334,6 +357,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/bench/attention", help="output stem: writes STEM.json and STEM.md")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.quick:
+        args.sizes = [n for n in args.sizes if n <= 2048] or [64]
+        args.repeats = ",".join(f"{n}:3" for n in args.sizes)
+        args.profile_max_n = 0
 
     cpus = os.cpu_count() or 1
     load_start = list(os.getloadavg())
@@ -358,7 +385,9 @@ def main(argv=None) -> int:
     v_all = torch.randn(B, HKV, n_max, D, generator=g)
     t0 = time.perf_counter()
     thresholds = calibrate_thresholds(q_all, k_all, n_max, args.calibration_rows)
-    thresholds.table("values", torch.device("cpu"))  # build the lookup table outside the timed calls
+    pre_thresholds = calibrate_thresholds(q_all, k_all, n_max, args.calibration_rows, placement="pre")
+    thresholds.table("values", torch.device("cpu"))  # build the lookup tables outside the timed calls
+    pre_thresholds.table("values", torch.device("cpu"))
     print(f"calibrated θ on {thresholds.metadata['sampled_lengths']} row lengths in {time.perf_counter() - t0:.1f}s",
           flush=True)
 
@@ -378,9 +407,9 @@ def main(argv=None) -> int:
             methods.remove("eager")
             print(f"n={n}: skipping eager ({skipped['eager']})", flush=True)
         mask = eager_mask(n) if "eager" in methods else None
-        calls = make_calls(q, k, v, mask, thresholds, chunk_size, kernel.sparse_attention)
+        calls = make_calls(q, k, v, mask, thresholds, chunk_size, kernel.sparse_attention, pre_thresholds)
         if compare is not None:
-            other = make_calls(q, k, v, mask, thresholds, chunk_size, compare.sparse_attention)
+            other = make_calls(q, k, v, mask, thresholds, chunk_size, compare.sparse_attention, pre_thresholds)
             for name in [m for m in methods if m.startswith("ours_")]:
                 calls[name.replace("ours_", "before_")] = other[name]
                 methods.append(name.replace("ours_", "before_"))
@@ -390,6 +419,8 @@ def main(argv=None) -> int:
             check = {"dense_vs_sdpa_max_abs": float((calls["ours_dense"]() - ref).abs().max())}
             if "eager" in methods:
                 check["eager_vs_sdpa_max_abs"] = float((calls["eager"]() - ref).abs().max())
+            if "ours_pre_sdc_vmc" in methods and "plain_pre_sdc_vmc" in methods:
+                check["pre_fast_vs_plain_max_abs"] = float((calls["ours_pre_sdc_vmc"]() - calls["plain_pre_sdc_vmc"]()).abs().max())
             check["toptheta_mean_kept_per_row"] = kept_per_row(q, k, v, thresholds, chunk_size, kernel.sparse_attention)
             checks[n] = check
             print(f"n={n} check: " + ", ".join(f"{key}={val:.3g}" for key, val in check.items()), flush=True)

@@ -2,35 +2,38 @@
 
     python scripts/make_figures.py [--results results] [--out results/figures]
 
-For each (model, task, metric of interest, few-shot count, limit) with a dense baseline and a sparse
-run: the trade-off table (csv + md) and one trade-off figure per kept fraction measured (attention
-elements, and V rows for generation tasks). A granularity table and figure where Top-θ runs span
-several calibration granularities. Per-layer kept fractions per (model, task, series), one line per k.
+From the store alone (summary.csv and the run directories):
+- trade-offs: per (model, task, metric of interest, few-shot count, limit) with a dense baseline and a
+  sparse run, the table and one figure per kept fraction measured (attention elements; V rows for
+  generation tasks), curves with error bars on a log-scale kept-fraction axis;
+- ablations (toptheta.results.ablations): compensation, θ granularity, layers 0-1 at a larger k,
+  calibration-set size, empty-row rule, pre/post placement, cross-dataset transfer;
+- passkey accuracy per context length; threshold storage per model; per-layer kept fractions; calibrated
+  thresholds (histograms, θ against row length) from the threshold files the run directories keep;
+- the verdict on each of the paper's claims (scripts/verdicts.py writes them into results/README.md).
 
-Every file is written atomically; each figure has a sidecar `.md`, each csv a same-named `.md`
-table, both starting with the command that produced them. `index.md` lists all outputs; files a
-previous run listed in `manifest.txt` and this run no longer produces are deleted. Nothing is
-computed here: the numbers come from toptheta.results.figures.
+Every table is written as csv, Markdown and LaTeX, every figure as PNG and PDF with a Markdown sidecar;
+each Markdown file starts with the command that produced it. Files are written atomically and without
+timestamps, so rerunning on the same store changes no file. `index.md` lists all outputs; files a
+previous run listed in `manifest.txt` and this run no longer produces are deleted. Nothing is computed
+here: the numbers come from toptheta.results.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
 import shlex
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
-import pandas as pd
 
 matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 
-from toptheta.results import figures  # noqa: E402
+from toptheta.results import ablations, figures, storage, threshold_plots, verdicts  # noqa: E402
+from toptheta.results.render import FIGURE_FORMATS, latex, markdown, save_figure, write_text  # noqa: E402
 from toptheta.results.store import load_summary  # noqa: E402
 
 X_SHORT = {"kept_attention_fraction": "kept_attn", "kept_vrow_fraction": "kept_vrow"}
@@ -46,34 +49,6 @@ def group_slug(group: dict) -> str:
     shots = f"{group['num_fewshot']}shot" if group["num_fewshot"] is not None else None
     limit = f"limit{group['limit']}" if group["limit"] is not None else "full"
     return slug(group["model"], group["task"], shots, limit, group["metric"])
-
-
-def markdown(table) -> str:
-    """A DataFrame as a GitHub markdown table (floats to 4 significant digits, missing blank)."""
-    def cell(v) -> str:
-        if pd.api.types.is_scalar(v) and pd.isna(v):
-            return ""
-        return f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "\\|")
-    rows = [list(table.columns), ["---"] * len(table.columns)]
-    rows += [[cell(v) for v in record] for record in table.itertuples(index=False)]
-    return "\n".join("| " + " | ".join(map(str, r)) + " |" for r in rows) + "\n"
-
-
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
-    """Write through `write(tmp_path)` to a temporary sibling, then os.replace it onto `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _write_text(path: Path, text: str) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 class Outputs:
@@ -92,21 +67,23 @@ class Outputs:
         self.written.append((path.name, description))
         print(f"wrote {path}")
 
-    def table(self, name: str, table, title: str) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        csv_path, md_path = self.out / f"{name}.csv", self.out / f"{name}.md"
-        _write_text(csv_path, table.to_csv(index=False))
-        _write_text(md_path, self._header(title) + f"Data: `{csv_path.name}`.\n\n"
-                    + markdown(table))
-        self._record(csv_path, title)
-        self._record(md_path, f"{title} (markdown, with the command)")
+    def table(self, name: str, table, title: str, notes: str = "") -> None:
+        """`name`.csv, `name`.md (with the command) and `name`.tex (a booktabs tabular)."""
+        paths = {ext: self.out / f"{name}.{ext}" for ext in ("csv", "md", "tex")}
+        write_text(paths["csv"], table.to_csv(index=False))
+        write_text(paths["md"], self._header(title) + f"Data: `{paths['csv'].name}`.\n\n{notes}" + markdown(table))
+        write_text(paths["tex"], f"% Produced by {self.command}; do not edit by hand.\n" + latex(table, title))
+        self._record(paths["csv"], title)
+        self._record(paths["md"], f"{title} (Markdown, with the command)")
+        self._record(paths["tex"], f"{title} (LaTeX)")
 
     def figure(self, name: str, fig, title: str, notes: str = "") -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        png, md = self.out / f"{name}.png", self.out / f"{name}.md"
-        _atomic(png, lambda tmp: fig.savefig(tmp, format="png", dpi=150))
-        _write_text(md, self._header(title) + f"Figure: `{png.name}`.\n\n{notes}")
-        self._record(png, title)
+        """`name`.png, `name`.pdf and a sidecar `name`.md."""
+        for fmt in FIGURE_FORMATS:
+            save_figure(fig, self.out / f"{name}.{fmt}", fmt)
+            self._record(self.out / f"{name}.{fmt}", title)
+        md = self.out / f"{name}.md"
+        write_text(md, self._header(title) + f"Figure: `{name}.png`, `{name}.pdf`.\n\n{notes}")
         self._record(md, f"{title} (sidecar, with the command)")
 
     def finish(self) -> None:
@@ -119,8 +96,8 @@ class Outputs:
                     (self.out / old).unlink()
                     print(f"removed stale {self.out / old}")
         lines = [f"- `{name}`: {description}" for name, description in self.written]
-        _write_text(self.out / "index.md", self._header("Tables and figures") + "\n".join(lines) + "\n")
-        _write_text(manifest, "\n".join(sorted(names)) + "\n")
+        write_text(self.out / "index.md", self._header("Tables and figures") + "\n".join(lines) + "\n")
+        write_text(manifest, "\n".join(sorted(names)) + "\n")
         print(f"wrote {self.out / 'index.md'} ({len(self.written)} files)")
 
 
@@ -129,24 +106,71 @@ def _runs_note(table) -> str:
     return f"Runs ({len(runs)}): " + ", ".join(f"`{r}`" for r in runs) + "\n" if runs else ""
 
 
+EQUIVALENCE_NOTE = ("Top-k post (+VMC) is the same computation as Top-k pre (+SDC +VMC) (identical kept set, "
+                    "β = the dropped mass; method.md §3.2): it is run once and labelled as both.\n\n")
+
+
 def write_tradeoffs(outputs: Outputs, summary) -> None:
     for group in figures.tradeoff_groups(summary):
         name, title = group_slug(group), figures.group_title(**group)
         table = figures.tradeoff_table(summary, **group)
-        outputs.table(f"tradeoff-{name}", table, f"Accuracy vs kept fraction: {title}")
+        outputs.table(f"tradeoff-{name}", table, f"Top-θ and Top-k: accuracy vs kept fraction, {title}",
+                      EQUIVALENCE_NOTE)
         for x in figures.x_columns(table):
             fig = figures.tradeoff_figure(summary, x=x, **group)
             outputs.figure(f"tradeoff-{name}-{X_SHORT[x]}", fig, f"{title} against {figures.X_LABELS[x]}",
-                           f"Numbers: `tradeoff-{name}.csv`.\n\n" + _runs_note(table))
+                           f"Numbers: `tradeoff-{name}.csv`.\n\n" + EQUIVALENCE_NOTE + _runs_note(table))
 
 
-def write_granularity(outputs: Outputs, summary) -> None:
-    for group in figures.granularity_groups(summary):
-        name, title = group_slug(group), figures.group_title(**group)
-        table = figures.granularity_table(summary, **group)
-        outputs.table(f"granularity-{name}", table, f"θ granularity ablation: {title}")
-        outputs.figure(f"granularity-{name}-bars", figures.granularity_figure(summary, **group),
-                       f"θ granularity ablation: {title}", f"Numbers: `granularity-{name}.csv`.\n\n" + _runs_note(table))
+def write_ablations(outputs: Outputs, summary, results: Path) -> None:
+    for ab in ablations.ABLATIONS.values():
+        for group in figures.tradeoff_groups(summary):
+            table = ablations.ablation_table(summary, ab, results_dir=results, **group)
+            if table.empty:
+                continue
+            name, title = f"ablation-{ab.name}-{group_slug(group)}", figures.group_title(**group)
+            notes = ("diff: the run minus the reference setting of its cell (same series and k), 95 % interval; "
+                     "diff_method says whether it is paired per question or from two stderrs.\n\n")
+            outputs.table(name, table, f"{ab.title}: {title}", notes)
+            outputs.figure(f"{name}-fig", ablations.ablation_figure(table, ab, title), f"{ab.title}: {title}",
+                           f"Numbers: `{name}.csv`.\n\n" + _runs_note(table))
+
+
+def write_passkey(outputs: Outputs, summary) -> None:
+    for model in ablations.passkey_models(summary):
+        table = ablations.passkey_table(summary, model)
+        name = slug("passkey", model, "accuracy_by_length")
+        note = ("Kept fractions per length appear only where the run recorded per-length statistics "
+                "(stats_scope = task); pooled statistics are not copied onto per-length rows.\n\n")
+        outputs.table(name, table, f"Passkey accuracy by context length: {model}", note)
+        outputs.figure(f"{name}-fig", ablations.passkey_figure(table, model),
+                       f"Passkey accuracy by context length: {model}",
+                       f"Numbers: `{name}.csv`.\n\n" + note + _runs_note(table))
+
+
+def write_storage(outputs: Outputs, results: Path) -> None:
+    table = storage.storage_table(results)
+    outputs.table("threshold_storage", table, "Threshold storage per model (one θ per layer, head and row length)",
+                  storage.__doc__.split("\n\n", 1)[1].replace("\n", " ").strip() + "\n\n")
+
+
+def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
+    found = verdicts.verdicts(summary, results)
+    outputs.table("verdicts", verdicts.verdict_table(found), "Verdicts on the paper's claims")
+    pairs = verdicts.pairs_table(found)
+    if len(pairs):
+        outputs.table("verdict_pairs", pairs, "The run pairs behind each verdict")
+
+
+def write_thresholds(outputs: Outputs, results: Path) -> None:
+    for path in threshold_plots.threshold_files(results):
+        name = slug("thresholds", path.parent.name)
+        title = f"run {path.parent.name}"
+        outputs.table(name, threshold_plots.summary_table(path), f"Top-θ thresholds per layer: {title}")
+        outputs.figure(f"{name}-hist", threshold_plots.histogram_figure(path, title=title),
+                       f"Top-θ threshold histograms: {title}", f"File: `{path}`.\n")
+        outputs.figure(f"{name}-by_length", threshold_plots.theta_vs_length_figure(path, title=title),
+                       f"Top-θ: θ against row length: {title}", f"File: `{path}`.\n")
 
 
 def write_per_layer(outputs: Outputs, results: Path) -> None:
@@ -177,12 +201,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     outputs = Outputs(out, command, results / "summary.csv")
     write_tradeoffs(outputs, summary)
-    write_granularity(outputs, summary)
+    write_ablations(outputs, summary, results)
+    write_passkey(outputs, summary)
     write_per_layer(outputs, results)
+    write_thresholds(outputs, results)
     if not outputs.written:
         print(f"nothing to plot: {results} holds {len(summary)} summary rows, but no (model, task) has both a "
               "dense baseline and a sparse run, and no sparse run has per-layer statistics. Nothing written.")
         return 0
+    write_verdicts(outputs, summary, results)
+    write_storage(outputs, results)
     outputs.finish()
     return 0
 

@@ -1,6 +1,7 @@
 """Calibration (method.md §2.2, §3.1, §4): properties a wrong statistic or a leaky collector cannot pass."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,9 +290,154 @@ def test_inputs_are_normalised():
     (dict(layer_k={7: 4}), "layer_k names layers"),
     (dict(lookup="cubic"), "lookup"),
     (dict(sample_frac=0.0), "sample_frac"),
+    (dict(compensation="always"), "calibration compensation"),
     (dict(phases=("decode",)), "generate_tokens"),
     (dict(k=100), "no calibration row was longer than k"),
 ])
 def test_bad_arguments_fail_clearly(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         calibrate(model, batches(1), **{"k": 4, **kwargs, "progress": False})
+
+
+# --- compensation during calibration (method.md §2.2 step 5) -----------------------------------------------
+
+
+def kept_with(model, sparsifier, comp, ids) -> dict[int, torch.Tensor]:
+    """kept_per_row, with compensation on."""
+    kept: dict[int, list] = {}
+
+    def observe(rows):
+        long = rows.n[:, 0] > sparsifier.k_for(rows.layer)
+        kept.setdefault(rows.layer, []).append(rows.keep.sum(-1).permute(0, 2, 1)[long].double())
+
+    with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp, observer=observe):
+        model(input_ids=ids)
+    return {layer: torch.cat(v) for layer, v in kept.items()}
+
+
+@pytest.mark.parametrize("placement,comp", [("post", [toptheta.VMC()]),
+                                            ("pre", [toptheta.SDC("exact"), toptheta.VMC()])])
+def test_tac_calibration_applies_the_runs_compensation(model, placement, comp):
+    """θ from one row (σ = 0) under TAC + the run's compensation reproduces top-k in every layer of a
+    Top-θ run with that compensation; calibrated without it, deeper layers saw other activations."""
+    ids, k = sequences(1), 8
+    run = calibrate(model, [ids], k=k, placement=placement, sigma_add=0.0, compensations=comp, progress=False)
+    assert run.metadata["calibration_compensation"] == toptheta.calibration.compensation_labels(comp)
+    kept = kept_with(model, toptheta.TopTheta(run), comp, ids)
+    assert all(v.eq(k).all() for v in kept.values())
+    bare = calibrate(model, [ids], k=k, placement=placement, sigma_add=0.0, compensations=comp,
+                     compensation="none", progress=False)
+    assert bare.metadata["calibration_compensation"] == []
+    assert torch.equal(bare.values[0].nan_to_num(), run.values[0].nan_to_num())  # layer 0: the same inputs
+    assert not torch.allclose(bare.values[1:], run.values[1:], equal_nan=True)
+    kept = kept_with(model, toptheta.TopTheta(bare), comp, ids)
+    assert not all(v.eq(k).all() for v in kept.values())
+
+
+def test_calibration_compensation_modes(model):
+    from toptheta.calibration import calibration_compensation, compensation_labels
+
+    sdc_vmc = [toptheta.SDC("calibrated", scale=2.0), toptheta.VMC()]
+
+    def labels(comp, placement, mode, tac=True):
+        return compensation_labels(calibration_compensation(comp, placement, mode, tac))
+
+    assert labels(sdc_vmc, "pre", "run") == ["SDC(exact, λ=2.0)", "VMC"]  # SDC estimators need calibration output
+    assert labels(sdc_vmc, "pre", "reference") == []  # [R]: no SDC, so pre-softmax VMC has β = 0
+    assert labels([toptheta.VMC()], "post", "reference") == labels([toptheta.VMC()], "post", "run") == ["VMC"]
+    assert labels(sdc_vmc, "pre", "none") == labels(sdc_vmc, "pre", "run", tac=False) == []
+    with pytest.raises(ValueError, match="run"):
+        calibration_compensation([], "post", "always")
+    # the estimator is replaced by the exact mass; the reference rule equals renormalised top-k
+    data, k = batches(2), 6
+    exact = calibrate(model, data, k=k, placement="pre", compensations=[toptheta.SDC("exact", scale=2.0)],
+                      progress=False)
+    estimated = calibrate(model, data, k=k, placement="pre", compensations=sdc_vmc[:1], progress=False)
+    assert torch.equal(exact.values.nan_to_num(), estimated.values.nan_to_num())
+    reference = calibrate(model, data, k=k, placement="pre", compensations=sdc_vmc, compensation="reference",
+                          progress=False)
+    plain = calibrate(model, data, k=k, placement="pre", progress=False)
+    assert torch.equal(reference.values.nan_to_num(), plain.values.nan_to_num())
+
+
+def test_thresholds_cache_key_includes_the_calibration_compensation(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from toptheta import config, pipeline
+    from toptheta.calibration import model_fingerprint
+
+    config.register()  # the typed schema conf/config.yaml composes into
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+
+    def key(*overrides):
+        with initialize_config_dir(config_dir=conf, version_base="1.3"):
+            cfg = compose("config", overrides=["model=tiny-llama", "task=smoke", "sparsifier=toptheta",
+                                               f"results_dir={tmp_path}", "baseline=false", *overrides])
+        spec = pipeline.plan(cfg)[-1]
+        return pipeline.thresholds_key(spec, model_fingerprint(LlamaConfig()))
+
+    vmc, none = key("comp=vmc"), key("comp=none")  # post-softmax
+    assert vmc != none == key("comp=vmc", "calib.compensation=none")
+    assert vmc == key("comp=vmc", "calib.compensation=reference")  # post-softmax: [R] applies VMC too
+    assert key("comp=vmc", "calib.tac=false") == key("comp=none", "calib.tac=false")  # dense: nothing to put back
+    pre = key("comp=sdc+vmc")  # pre-softmax
+    reference = key("comp=sdc+vmc", "calib.compensation=reference")
+    assert len({pre, reference, key("comp=sdc+vmc", "comp.sdc_scale=2.0")}) == 3
+    assert reference == key("comp=sdc+vmc", "calib.compensation=none")  # no SDC: renormalised rows, β = 0
+    assert pre == key("comp=sdc+vmc", "comp.sdc=calibrated")  # calibrated alike: one file
+
+
+# --- a model split over devices (device_map="auto") --------------------------------------------------------
+
+
+def test_each_layer_keeps_its_statistics_on_its_own_device(model):
+    """Layer 1's rows live on another device, here ``meta``: like a second GPU it refuses to be mixed with
+    CPU tensors. Its sums must stay there, the other layers' on the CPU, with the same values as an
+    all-CPU collector. (The row lengths n stay on the CPU: a meta tensor has no values to copy.)"""
+    from toptheta.sparsifiers.base import RowBlock
+
+    k = 6
+    for placement in ("pre", "post"):
+        reference, split = (OrderStatCollector([k] * L, H, placement, topk_keep=True) for _ in range(2))
+
+        def observe(rows):
+            reference(rows)
+            if rows.layer == 1:
+                moved = RowBlock(rows.layer, rows.phase, rows.logits.to("meta"), rows.n)
+                moved.keep = rows.keep.to("meta")
+                rows = moved
+            split(rows)
+
+        with torch.no_grad(), toptheta.sparsify(model, toptheta.TopK(k, placement), [], observer=observe):
+            model(input_ids=sequences(2))
+        names = {"count", "tau", "tau_sq"} | ({"sdc"} if placement == "pre" else set())
+        assert set(split.sums) == set(reference.sums) == names
+        for name, per_layer in split.sums.items():
+            assert [t.device.type for t in per_layer] == ["cpu", "meta", "cpu"], name
+            assert per_layer[1].shape == reference.sums[name][1].shape
+            for layer in (0, 2):
+                assert torch.equal(per_layer[layer], reference.sums[name][layer]), (name, layer)
+
+
+def test_reduce_pads_layers_of_different_widths():
+    """Layers fill their key axis independently (and one not at all); reduce meets them on one table."""
+    from toptheta.sparsifiers.base import RowBlock
+
+    def causal_rows(layer, length, seed):
+        logits = torch.randn(1, H, length, length, generator=torch.Generator().manual_seed(seed))
+        logits = logits.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        return RowBlock(layer, "prefill", logits, torch.arange(1, length + 1).view(1, 1, length))
+
+    k, collector = 4, OrderStatCollector([4] * L, H, "pre", sigma_add=0.0)
+    blocks = {0: causal_rows(0, 12, 1), 1: causal_rows(1, 8, 2)}  # layer 2 sees no row
+    for rows in blocks.values():
+        collector(rows)
+    assert collector.shapes()["tau"] == [(H, 13), (H, 9), None]
+    values, counts, sdc = collector.reduce("layer-head-n")
+    assert values.shape == counts.shape == sdc.shape == (L, H, 13)
+    for layer, rows in blocks.items():
+        n = rows.logits.shape[-1]
+        tau = rows.kth_largest(k + 1, "pre")[0]  # (H, Q): one sample per length, θ = τ
+        torch.testing.assert_close(values[layer, :, k + 1:n + 1], tau[:, k:], rtol=0, atol=0)
+        assert torch.isnan(values[layer, :, n + 1:]).all() and counts[layer, :, n + 1:].eq(0).all()
+    assert torch.isnan(values[2]).all() and counts[2].eq(0).all()

@@ -39,7 +39,8 @@ def _config(sparsifier, placement, k, comp, granularity, task, limit=5):
     return {
         "model": {"name": "tiny-llama", "dtype": "float32"},
         "task": {"name": task, "kind": "lm_eval" if task != "humaneval" else "humaneval", "limit": limit},
-        "sparsifier": {"name": sparsifier, "placement": placement, "k": k, "layer_k": {}},
+        "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
+                       "layer_k": {} if sparsifier == "dense" else {"0": 512, "1": 512}},
         "comp": COMP[comp],
         "calib": {"granularity": granularity, "task": "arc_easy"} if granularity else None,
     }
@@ -53,8 +54,9 @@ def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, 
                                   "acc,none": value - 0.1, "acc_stderr,none": stderr}},
                "n-shot": {task: 0}, "config": {"limit": limit}}
     stats = {"kept_attention_fraction": attn, "kept_vrow_fraction": vrow}
-    if per_layer is not None:  # as the pipeline does: stats.json holds the scalars, then the per-layer lists
-        store.write_run(run_id, config=config, lm_eval_results=lm_eval, stats=stats | per_layer, thresholds_ref=None)
+    if per_layer is not None:  # as the pipeline does: stats.json holds the scalars and the per-layer lists beside them
+        store.write_run(run_id, config=config, lm_eval_results=lm_eval, stats=stats | {"per_layer": per_layer},
+                        thresholds_ref=None)
     store.append_summary(summary_rows(run_id, config, lm_eval, stats, commit="abc123",
                                       timestamp=f"2025-01-01T00:00:{stamp:02d}+00:00"))
     return run_id
@@ -123,10 +125,18 @@ def test_expected_files_and_commands(made):
         assert {f"{stem}.csv", f"{stem}.md", f"{stem}-kept_attn.png", f"{stem}-kept_attn.md"} <= names
     assert f"{HE}-kept_vrow.png" in names  # generation: V rows measured
     assert f"{QA}-kept_vrow.png" not in names  # QA prefill only: no V-row figure
-    assert {"granularity-tiny-llama-arc_easy-0shot-limit5-acc_norm-bars.png", "index.md", "manifest.txt"} <= names
+    for stem in (QA, HE):  # every table in csv, Markdown and LaTeX; every figure in PNG and PDF
+        assert {f"{stem}.tex", f"{stem}-kept_attn.pdf"} <= names
+    gran = "ablation-granularity-tiny-llama-arc_easy-0shot-limit5-acc_norm"
+    assert {f"{gran}.csv", f"{gran}.tex", f"{gran}-fig.png", f"{gran}-fig.pdf", "index.md", "manifest.txt"} <= names
+    assert {"threshold_storage.csv", "threshold_storage.tex", "verdicts.md", "verdicts.tex"} <= names
     assert "per_layer-tiny-llama-arc_easy-Top-theta_post_VMC-kept_attn.png" in names
     for md in made.glob("*.md"):
         assert "python scripts/make_figures.py --results" in md.read_text(), md.name
+    for tex in made.glob("*.tex"):
+        text = tex.read_text()
+        assert "\\begin{tabular}" in text and "\\bottomrule" in text and "python scripts/make_figures.py" in text
+    assert all((made / n).read_bytes().startswith(b"%PDF") for n in names if n.endswith(".pdf"))
     assert all((made / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
 
 
@@ -152,10 +162,15 @@ def test_figure_and_granularity(results):
     summary = load_summary(results)
     fig = figures.tradeoff_figure(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
     ax = fig.axes[0]
-    assert ax.get_xlim() == pytest.approx((0, 1.05))
+    assert ax.get_xscale() == "log" and ax.get_xlim()[1] > 1 and ax.get_xlim()[0] < 0.1  # down to the lowest x
     labels = ax.get_legend_handles_labels()[1]
-    assert labels[0] == "Baseline" and "Top-k post (+VMC)" in labels and len(labels) == 6
-    assert sorted(t.get_text() for t in ax.texts) == sorted(["16", "32", "16", "32", "16", "16", "16"])
+    # The paper's series only (the granularity ablation has its own figure); Top-k post (+VMC) is also the pre
+    # (+SDC +VMC) computation, said in its label; the title uses the paper's names.
+    assert labels[0] == "Baseline (dense)" and "Top-k post (+VMC) ≡ pre (+SDC +VMC)" in labels and len(labels) == 5
+    assert not any("θ per layer" in label for label in labels)
+    assert sorted(t.get_text() for t in ax.texts) == sorted(["16", "32", "16", "32", "16", "16"])
+    assert "Top-θ" in ax.get_title() and "Top-k" in ax.get_title()
+    assert len(ax.containers) == 4  # one curve with error bars per sparse series
     gran = figures.granularity_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
     assert list(gran["granularity"].fillna("")) == ["", "layer", "layer-head-n", "layer-head-n"]
     assert list(gran["series"]) == ["Baseline"] + ["Top-θ post (+VMC)"] * 3 and list(gran["k"][1:]) == [16, 16, 32]
@@ -170,6 +185,39 @@ def test_ambiguous_setting_is_refused(results, tmp_path):
         figures.tradeoff_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
     assert len(figures.tradeoff_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm",
                                       num_fewshot=0, limit=5)) == 8
+
+
+def test_ablation_table_compares_each_run_with_its_reference(results):
+    from toptheta.results import ablations
+
+    summary = load_summary(results)
+    table = ablations.ablation_table(summary, "granularity", model="tiny-llama", task="arc_easy", metric="acc_norm")
+    assert list(table["setting"]) == ["dense", "layer", "layer-head-n"]
+    layer = table[table["setting"] == "layer"].iloc[0]
+    assert layer["reference"] == "layer-head-n" and layer["diff"] == pytest.approx(0.50 - 0.55)
+    assert layer["diff_method"] == "independent stderrs"  # no per-sample outputs in this store
+    assert layer["ci_high"] - layer["diff"] == pytest.approx(1.959964 * (0.05**2 * 2) ** 0.5, rel=1e-4)
+    assert ablations.ablation_groups(summary, "compensation") == []  # nothing varies compensation alone
+
+
+def test_threshold_storage_matches_the_papers_figure():
+    from toptheta.results import storage
+
+    table = storage.computed_table()
+    llama70 = table[(table["model"] == "llama3-70b") & (table["row_lengths"] == 1200)].iloc[0]
+    assert llama70["bytes_fp16"] == 80 * 64 * 1200 * 2 and 11.5 < llama70["MB"] < 12.5  # "~12 MB" (method.md §8)
+    assert {"smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m", "llama2-7b", "llama3-8b"} <= set(table["model"])
+
+
+def test_rerun_changes_no_file(made, results):
+    """Rerunning on the same store, in a fresh process, rewrites every file with the same bytes."""
+    before = {p.name: p.read_bytes() for p in made.iterdir()}
+    proc = subprocess.run([sys.executable, "scripts/make_figures.py", "--results", str(results), "--out", str(made)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    after = {p.name: p.read_bytes() for p in made.iterdir()}
+    assert after.keys() == before.keys()
+    assert [n for n in before if before[n] != after[n]] == []
 
 
 def test_per_layer(results):
@@ -203,6 +251,33 @@ def test_stale_outputs_are_removed(results, tmp_path):
     assert not (out / "old.png").exists() and (out / "mine.txt").exists()
 
 
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_notebook_is_committed_without_outputs_and_runs(notebook, results, monkeypatch):
+    """Each notebook's code runs top to bottom on the tiny store (cells executed in one namespace, no kernel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    nb = json.loads(notebook.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(not c["outputs"] and c["execution_count"] is None for c in code)
+    monkeypatch.setenv("TOPTHETA_RESULTS_DIR", str(results))
+    shown = []
+    namespace = {"__name__": "__notebook__"}
+    import IPython.display
+
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: shown.extend(objs))
+    for cell in code:
+        source = "".join(cell["source"])
+        exec(compile("\n".join(l for l in source.splitlines() if not l.startswith("%")), notebook.name, "exec"),
+             namespace)
+    assert shown or notebook.stem in ("compensation", "transfer", "vrow_popularity", "thresholds")
+    if notebook.stem == "granularity":  # the fixture holds a granularity ablation: a table and its figure
+        assert len(shown) == 2
+
+
 def test_notebook_is_committed_without_outputs():
     nb = json.loads(NOTEBOOK.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -226,3 +301,28 @@ def test_notebook_executes_headless(results, tmp_path):
     assert not [o for o in outputs if o["output_type"] == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # QA + HumanEval x2 + granularity + per-layer
     assert any("Top-θ pre (+SDC +VMC)" in json.dumps(o.get("data", {}), ensure_ascii=False) for o in outputs)
+
+
+def test_threshold_files_in_run_directories(tmp_path):
+    """A run's copy of its thresholds: per-layer summary, histogram and θ-vs-n figures, measured storage."""
+    import torch
+
+    from toptheta.calibration import Thresholds
+    from toptheta.results import storage, threshold_plots
+
+    values = torch.full((3, 2, 41), float("nan"))
+    values[:, :, 10:41] = torch.linspace(0.1, 0.01, 31)  # calibrated for n = 10..40
+    values[0] = 0.5
+    run = tmp_path / "runs" / "abc"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {"name": "tiny-llama"}}))
+    Thresholds(values, [8, 8, 8], "post").save(run / "thresholds.safetensors")
+    [path] = threshold_plots.threshold_files(tmp_path)
+    table = threshold_plots.summary_table(path)
+    assert list(table["max_n"]) == [40, 40, 40] and table.loc[1, "theta_max"] == pytest.approx(0.1)
+    assert table.loc[0, "entries"] == 2 * 41 and table.loc[2, "entries"] == 2 * 31
+    assert len(threshold_plots.histogram_figure(path).axes) >= 2
+    assert len(threshold_plots.theta_vs_length_figure(path).axes[0].lines) == 2  # one line per head
+    measured = storage.measured_table(tmp_path)
+    assert measured.loc[0, "model"] == "tiny-llama" and measured.loc[0, "row_lengths"] == 40
+    assert measured.loc[0, "MB"] == pytest.approx(3 * 2 * 41 * 4 / 1e6)  # float32 as stored

@@ -11,7 +11,7 @@ from toptheta.evaluation.longbench import (MAX_NEW_TOKENS, PROMPT_TEMPLATES, bui
                                            qa_f1_score, read_longbench, rouge_l_score,
                                            score_prediction, score_subset, truncate_middle)
 
-SHARED_LONGBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "longbench"
+SHIPPED_MULTI_NEWS = Path(__file__).resolve().parents[1] / "toptheta" / "data" / "longbench" / "multi_news.jsonl.gz"
 
 
 class PieceTokenizer:
@@ -102,10 +102,11 @@ def test_reading_a_jsonl_subset(tmp_path):
         read_longbench(tmp_path, "bad")
 
 
-@pytest.mark.skipif(not (SHARED_LONGBENCH / "multi_news.jsonl").is_file(),
-                    reason="needs ../shared/data/longbench/multi_news.jsonl")
-def test_shared_multi_news_file():
-    records = read_longbench(SHARED_LONGBENCH, "multi_news")
+def test_shipped_multi_news_file(tmp_path):
+    import gzip
+
+    (tmp_path / "multi_news.jsonl").write_bytes(gzip.decompress(SHIPPED_MULTI_NEWS.read_bytes()))
+    records = read_longbench(tmp_path, "multi_news")
     assert len(records) == 200
     assert all(r["dataset"] == "multi_news" and r["answers"] for r in records)
     prompt = build_prompt(records[0])  # subset taken from the record's `dataset`

@@ -1,7 +1,7 @@
 """LongBench through lm-eval: offline subset tasks, head+tail truncation, chat template, scoring.
 
-Offline data are tiny LongBench-schema files written per test; the shared multi_news file is
-only checked to resolve (skipped when absent).
+Offline data are tiny LongBench-schema files written per test; the multi_news file shipped in
+toptheta/data is only checked to resolve.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from helpers_lm import load_tasks, tiny_model, tiny_tokenizer
 from toptheta.evaluation import lm_eval_adapter as adapter
 from toptheta.evaluation.tasks import check_tasks
 
-SHARED_DATA = (Path(__file__).resolve().parents[1] / ".." / "shared" / "data").resolve()
+SHIPPED_DATA = Path(__file__).resolve().parents[1] / "toptheta" / "data"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -157,10 +157,10 @@ def test_end_to_end_with_chat_template_and_middle_truncation(data_dir, monkeypat
     assert res["configs"]["longbench_multi_news"]["dataset_path"] == "json"
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "longbench" / "multi_news.jsonl").is_file(),
-                    reason="../shared/data/longbench/multi_news.jsonl absent (not part of the repo)")
-def test_shared_multi_news_resolves():
-    task = load_tasks(["longbench_multi_news"], SHARED_DATA)["longbench_multi_news"]
-    first = json.loads((SHARED_DATA / "longbench" / "multi_news.jsonl").open(encoding="utf-8").readline())
+def test_shipped_multi_news_resolves():
+    import gzip
+
+    task = load_tasks(["longbench_multi_news"], SHIPPED_DATA)["longbench_multi_news"]
+    first = json.loads(gzip.open(SHIPPED_DATA / "longbench" / "multi_news.jsonl.gz", "rt", encoding="utf-8").readline())
     assert len(task.eval_docs) == 200
     assert task.eval_docs[0]["context"] == first["context"] and task.eval_docs[0]["answers"] == first["answers"]

@@ -105,7 +105,7 @@ def test_tiny_tokenizer_round_trips_text() -> None:
 
 def test_load_tiny_generates() -> None:
     model, tok, info = load_model("tiny-llama")
-    assert info.fingerprint() == "L2-H4-KV2-D16"
+    assert info.fingerprint() == "L6-H4-KV2-D16"  # 6 layers: the default layer_k {0: 512, 1: 512} leaves 4 sparse
     assert model.config._attn_implementation == "sdpa"
     ids = tok("The cat", return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)

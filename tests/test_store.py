@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from toptheta.results import store as store_mod
@@ -159,18 +160,18 @@ def test_append_summary_is_atomic_on_error(tmp_path):
     with pytest.raises(RuntimeError, match="simulated"):
         store.append_summary([{"run_id": "r2", "value": Unprintable()}])
     assert (tmp_path / "summary.csv").read_text() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv", "summary.csv.lock"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left behind
+    assert {"summary.csv", "summary.csv.lock"} <= {p.name for p in tmp_path.iterdir()}
 
 
 def test_concurrent_appends_from_two_processes_keep_every_row(tmp_path):
     n = 40
-    # The children load store.py by path: importing the toptheta package would pull in torch
-    # (seconds per process), and the store itself needs only the standard library.
+    # The children import the store as users do (store.py now imports its claims module, so it no
+    # longer loads on its own by path).
     script = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('store', {str(Path(store_mod.__file__))!r})\n"
-        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-        "store = mod.RunStore(sys.argv[1])\n"
+        "import sys\n"
+        "from toptheta.results.store import RunStore\n"
+        "store = RunStore(sys.argv[1])\n"
         f"for i in range({n}):\n"
         "    store.append_summary([{'run_id': f'{sys.argv[2]}-{i}', 'value': i}])\n"
     )
@@ -187,3 +188,69 @@ def test_git_commit(tmp_path):
     if commit is not None:  # the tests may run from an exported tree
         assert len(commit.removesuffix("-dirty")) == 40
     assert git_commit(tmp_path) is None
+
+
+def test_summary_rows_say_what_separates_the_series():
+    config = CONFIG | {
+        "sparsifier": {"name": "toptheta", "placement": "post", "k": 16, "layer_k": {"0": 512, "1": 512},
+                       "empty_rows": "reference"},
+        "calib": {"task": "arc_challenge", "granularity": "layer-n", "statistic": "order", "sigma_add": 0.1,
+                  "tac": True, "num_samples": 64, "compensation": "run"},
+    }
+    stats = {"kept_attention_fraction": 0.3, "clamped_rows": 12, "empty_rows": 5}
+    row = summary_rows("rid", config, LM_EVAL, stats, commit="c", timestamp="t")[0]
+    assert {k: row[k] for k in ("granularity", "layer_k", "calib_task", "calib_statistic", "sigma_add", "tac",
+                                "calib_documents", "calib_compensation", "empty_rows")} == {
+        "granularity": "layer-n", "layer_k": "0=512,1=512", "calib_task": "arc_challenge", "calib_statistic": "order",
+        "sigma_add": 0.1, "tac": True, "calib_documents": 64, "calib_compensation": "run", "empty_rows": "reference"}
+    assert (row["clamped_rows"], row["empty_row_count"], row["stats_scope"]) == (12, 5, "run")
+    dense = config | {"sparsifier": {"name": "dense", "placement": None, "k": None, "layer_k": {}}, "calib": None}
+    row = summary_rows("rid", dense, LM_EVAL, {}, commit="c")[0]
+    assert all(row[c] is None for c in ("placement", "k", "layer_k", "empty_rows", "calib_task", "calib_documents"))
+
+
+def test_sub_task_rows_get_only_their_own_statistics():
+    """A passkey length is a sub-task: the run's pooled kept fractions are not its own."""
+    config = {"model": {"name": "m"}, "task": {"name": "passkey", "kind": "passkey"},
+              "sparsifier": {"name": "topk", "placement": "post", "k": 64, "layer_k": {}}, "comp": {"vmc": True}}
+    results = {"results": {"passkey": {"accuracy,none": 0.5, "accuracy_stderr,none": 0.1},
+                           "passkey_2048": {"accuracy,none": 1.0}, "passkey_8192": {"accuracy,none": 0.0}}}
+    stats = {"kept_attention_fraction": 0.1, "passkey_8192": {"kept_attention_fraction": 0.05}}
+    rows = {r["task"]: r for r in summary_rows("rid", config, results, stats, commit="c")}
+    assert (rows["passkey"]["kept_attention_fraction"], rows["passkey"]["stats_scope"]) == (0.1, "run")
+    assert (rows["passkey_2048"]["kept_attention_fraction"], rows["passkey_2048"]["stats_scope"]) == (None, None)
+    assert (rows["passkey_8192"]["kept_attention_fraction"], rows["passkey_8192"]["stats_scope"]) == (0.05, "task")
+
+
+def test_an_old_summary_still_loads_and_migrates(tmp_path):
+    """A summary.csv written before the new columns loads (empty columns); the migration command rebuilds its
+    rows from the run directories (passkey accuracy in percent becomes a fraction), keeping orphan rows."""
+    from toptheta.results.migrate import migrate
+
+    old_columns = ["run_id", "model", "sparsifier", "placement", "k", "comp", "granularity", "task", "num_fewshot",
+                   "limit", "metric", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction",
+                   "git_commit", "phase", "timestamp"]
+    store = RunStore(tmp_path)
+    config = {"model": {"name": "m"}, "task": {"name": "passkey", "kind": "passkey"},
+              "sparsifier": {"name": "toptheta", "placement": "post", "k": 64, "layer_k": {"0": 256}},
+              "comp": {"sdc": None, "vmc": True}, "calib": {"task": "arc_challenge", "num_samples": 32}}
+    run_id = store.run_id_for(config)
+    results = {"results": {"passkey": {"accuracy,none": 100.0, "accuracy_stderr,none": 0.0},
+                           "passkey_2048": {"accuracy,none": 50.0}}}
+    # As older pipelines wrote it: per-layer lists under the scalar's name.
+    store.write_run(run_id, config=config, lm_eval_results=results,
+                    stats={"kept_attention_fraction": [1.0, 0.2], "clamped_rows": 3}, thresholds_ref=None)
+    lines = [",".join(old_columns),
+             f'{run_id},m,toptheta,post,64,vmc,layer-head-n,passkey,0,,"accuracy,none",100.0,0.0,0.25,0.5,abc,,t1',
+             f'{run_id},m,toptheta,post,64,vmc,layer-head-n,passkey_2048,0,,"accuracy,none",50.0,,0.25,0.5,abc,,t1',
+             'orphan,m,dense,,,none,,arc_easy,0,5,"acc,none",0.4,0.1,1.0,,abc,,t0']
+    (tmp_path / "summary.csv").write_text("\n".join(lines) + "\n")
+    old = load_summary(tmp_path)
+    assert set(SUMMARY_COLUMNS) <= set(old.columns) and old["calib_task"].isna().all() and len(old) == 3
+    assert migrate(tmp_path) == 3
+    new = load_summary(tmp_path).set_index("task")
+    assert new.loc["passkey", "value"] == 1.0 and new.loc["passkey_2048", "value"] == 0.5  # fractions
+    assert new.loc["passkey", "kept_attention_fraction"] == 0.25  # restored from the old row, not the list
+    assert pd.isna(new.loc["passkey_2048", "kept_attention_fraction"])  # pooled numbers not copied onto a length
+    assert new.loc["passkey", "calib_task"] == "arc_challenge" and new.loc["passkey", "clamped_rows"] == 3
+    assert new.loc["arc_easy", "run_id"] == "orphan"  # no run directory: kept as it was

@@ -2,11 +2,13 @@
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig
 
-from toptheta.calibration import Thresholds, model_fingerprint, storage_bytes
+from toptheta.calibration import (Thresholds, check_sdc_source, check_thresholds_fit, model_fingerprint, model_identity,
+                                  storage_bytes)
 
 NAN = float("nan")
 
@@ -156,3 +158,114 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         th.save(path)
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == before
+
+
+# --- filling uncalibrated lengths in O(N) (method.md §2.1) -------------------------------------------------
+
+
+def brute_force_nearest(known: list[int], values: list[float], width: int) -> list[float]:
+    """For every n, the value of the calibrated length with the smallest |n − key|, ties to the smaller key."""
+    return [values[min(range(len(known)), key=lambda i: (abs(n - known[i]), known[i]))] for n in range(width)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_filling_matches_brute_force_on_random_keys_with_ties(seed):
+    from toptheta.calibration.thresholds import _fill
+
+    g = torch.Generator().manual_seed(seed)
+    width = int(torch.randint(20, 400, (1,), generator=g))
+    count = int(torch.randint(1, 12, (1,), generator=g))
+    known = sorted(set(torch.randint(0, width, (count,), generator=g).tolist()) | {width // 3, width // 3 + 4})
+    values = torch.rand(len(known), generator=g).tolist()
+    row = torch.full((1, 1, width), NAN)  # width // 3 + 2 lies 2 from both forced keys: a tie
+    row[0, 0, known] = torch.tensor(values)
+    nearest = _fill(row, "nearest", 0.0)[0, 0].tolist()
+    assert nearest == brute_force_nearest(known, values, width)
+    linear = _fill(row, "linear", 0.0)[0, 0]
+    expected = torch.tensor(np.interp(np.arange(width), known, values), dtype=torch.float32)  # ends held
+    torch.testing.assert_close(linear, expected, rtol=1e-6, atol=1e-6)
+
+
+# --- identity: the model, the file, the calibrated-SDC source ----------------------------------------------
+
+
+def named(name: str, revision: str | None = None, **shape) -> LlamaConfig:
+    c = config(**shape)
+    c._name_or_path, c._commit_hash = name, revision
+    return c
+
+
+def calibrated_on(tmp_path, name: str, revision: str | None):
+    th = full()
+    th.metadata["identity"] = model_identity(named(name, revision))
+    return th.save(tmp_path / "th.safetensors")
+
+
+def test_loading_for_another_checkpoint_names_both_unless_allowed(tmp_path):
+    path = calibrated_on(tmp_path, "org/base", "abc123")
+    Thresholds.load(path, model=named("org/base", "abc123"))
+    Thresholds.load(path, model=named("org/base"))  # an unknown revision is not compared
+    for other, words in [(named("org/instruct", "abc123"), ["org/base", "org/instruct"]),
+                         (named("org/base", "def456"), ["abc123", "def456"])]:
+        with pytest.raises(ValueError, match="allow_other_model=True") as err:
+            Thresholds.load(path, model=other)
+        assert all(w in str(err.value) for w in words)
+        allowed = Thresholds.load(path, model=other, allow_other_model=True)
+        allowed.check_model(other)  # what toptheta.sparsify calls: the override sticks to the object
+    with pytest.raises(ValueError, match="'layers': 3"):  # the override never lifts the shape check
+        Thresholds.load(path, model=named("org/instruct", layers=3), allow_other_model=True)
+
+
+def test_identity_of_a_local_checkout_is_its_folder_name(tmp_path):
+    folder = tmp_path / "smollm2-135m-0123456789ab"
+    folder.mkdir()
+    assert model_identity(named(str(folder) + "/")) == {"name": "smollm2-135m-0123456789ab", "revision": None}
+    assert model_identity(named("org/name", "c0ffee")) == {"name": "org/name", "revision": "c0ffee"}
+    assert model_identity(config()) == {"name": None, "revision": None}
+
+
+@pytest.mark.parametrize("drop", ["k", "placement", "values"])
+def test_a_file_missing_a_field_is_a_value_error(tmp_path, drop):
+    import json
+
+    from safetensors.torch import save_file
+
+    header = {"format": 1, "k": [4, 4], "placement": "pre", "metadata": {}}
+    header.pop(drop, None)
+    tensors = {"values": torch.zeros(2, 1, 1)} if drop != "values" else {"counts": torch.zeros(2, 1, 1)}
+    save_file(tensors, str(tmp_path / "th.safetensors"), metadata={"toptheta": json.dumps(header)})
+    with pytest.raises(ValueError, match=f"lacks {drop}.*calibrate again"):
+        Thresholds.load(tmp_path / "th.safetensors")
+
+
+def test_calibrated_sdc_source_must_match_the_sparsifier_and_model():
+    from toptheta import TopK, TopTheta
+
+    source = full()  # pre-softmax, k = [4, 4], the config() shape
+    check_sdc_source(source, TopK(4, "pre"), model=config())
+    check_sdc_source(source, TopTheta(source), model=config())
+    with pytest.raises(ValueError, match=r"k per layer \[4, 4\].*\[8, 4\]"):
+        check_sdc_source(source, TopK(4, "pre", {0: 8}))
+    with pytest.raises(ValueError, match="placement='pre'.*'post'"):
+        check_sdc_source(source, TopK(4, "post"))
+    with pytest.raises(ValueError, match="'heads': 8"):
+        check_sdc_source(source, TopK(4, "pre"), model=config(heads=8, kv_heads=8))
+    no_mass = Thresholds(source.values, source.k, "pre")
+    with pytest.raises(ValueError, match="dropped-mass statistic"):
+        check_sdc_source(no_mass, TopK(4, "pre"))
+
+
+def test_check_thresholds_fit_covers_the_sparsifier_and_the_calibrated_sdc_source():
+    """The check toptheta.sparsify runs: the Top-θ thresholds and a separate calibrated-SDC source alike."""
+    from toptheta import SDC, VMC, TopK, TopTheta
+
+    source = full()
+    check_thresholds_fit(config(), TopK(4, "pre"), [SDC("calibrated", thresholds=source), VMC()])
+    check_thresholds_fit(config(), TopTheta(source), [SDC("calibrated")])  # the sparsifier's own masses
+    check_thresholds_fit(config(), TopK(8, "pre"), [SDC("exact")])  # nothing calibrated to check
+    with pytest.raises(ValueError, match="k per layer"):
+        check_thresholds_fit(config(), TopK(8, "pre"), [SDC("calibrated", thresholds=source)])
+    with pytest.raises(ValueError, match="'layers': 3"):
+        check_thresholds_fit(config(layers=3), TopK(4, "pre"), [SDC("calibrated", thresholds=source)])
+    with pytest.raises(ValueError, match="'layers': 3"):
+        check_thresholds_fit(config(layers=3), TopTheta(source), [])

@@ -430,6 +430,7 @@ def build_tiny_tokenizer() -> Any:
 
 
 TINY_VOCAB_SIZE = len(_TINY_SPECIALS) + 256
+TINY_LOADED_LAYERS = 6  # depth of `load_model("tiny-<arch>")` (conf/model/tiny-llama.yaml)
 
 
 def build_tiny_model(
@@ -642,8 +643,8 @@ def load_model(
         arch = spec.removeprefix("tiny-")
         if arch not in TINY_ARCHS:
             raise ValueError(f"unknown tiny model {spec!r}; choose one of {', '.join('tiny-' + a for a in TINY_ARCHS)}")
-        model = build_tiny_model(
-            arch, dtype=torch.float32 if torch_dtype == "auto" else torch_dtype,
+        model = build_tiny_model(  # 6 layers: the usual layer_k {0: 512, 1: 512} leaves 4 of them sparse
+            arch, num_layers=TINY_LOADED_LAYERS, dtype=torch.float32 if torch_dtype == "auto" else torch_dtype,
             attn_implementation=attn_implementation,
         )
         model = model.to(device)  # built in memory: device_map (a from_pretrained option) does not apply

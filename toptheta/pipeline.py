@@ -21,10 +21,6 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("toptheta")
 
-SPARSIFIERS = ("dense", "topk", "toptheta")
-SDC_ESTIMATORS = (None, "exact", "exp-threshold", "calibrated")
-TASK_KINDS = ("lm_eval", "humaneval", "passkey")
-
 
 @dataclass
 class RunSpec:
@@ -35,58 +31,46 @@ class RunSpec:
     label: str = ""
     thresholds: dict | None = None  # calibration settings when the run needs thresholds
     notes: list = field(default_factory=list)
+    log_samples: bool = False  # keep lm-eval's per-sample outputs (not part of the run id)
 
 
 # ---- validation: everything that can fail without a model ------------------------------------------
 
 def resolve_data_dir(value) -> str | None:
-    """``auto``: $TOPTHETA_DATA_DIR, else ../shared/data beside the checkout if present, else None (hub)."""
-    if value not in (None, "auto"):
-        path = Path(str(value)).expanduser().resolve()
-        if not path.is_dir():
-            raise ValueError(f"data_dir={value} is not a directory; point it at a folder laid out like "
-                             "../shared/data, or set data_dir=null to use the Hugging Face hub")
-        return str(path)
-    if value is None:
-        return None
-    if os.environ.get("TOPTHETA_DATA_DIR"):
-        return resolve_data_dir(os.environ["TOPTHETA_DATA_DIR"])
-    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return str(beside) if beside.is_dir() else None
+    """``auto``: $TOPTHETA_DATA_DIR, else the data shipped in toptheta/data; ``hub`` or null: the hub (None)."""
+    from .evaluation.tasks import resolve_data_dir as resolve
+
+    path = resolve(value)
+    return None if path is None else str(path)
 
 
 def resolve_placement(sparsifier: dict, comp: dict) -> str | None:
     if sparsifier["name"] == "dense":
         return None
-    placement = sparsifier.get("placement") or "auto"
+    placement = sparsifier.get("placement") or "auto"  # pre | post | auto (the schema allows nothing else)
     if placement == "auto":
         return "pre" if comp.get("sdc") else "post"
-    placement = {"pre-softmax": "pre", "post-softmax": "post"}.get(placement, placement)
-    if placement not in ("pre", "post"):
-        raise ValueError(f"sparsifier.placement={placement!r}: use pre, post or auto")
     return placement
 
 
 def plan(cfg: DictConfig) -> list[RunSpec]:
-    """Validate the configuration and list the runs it asks for (baseline first)."""
+    """Validate the configuration and list the runs it asks for (baseline first).
+
+    Types and choices were checked when Hydra composed `cfg` into toptheta.config's schema; ranges are
+    checked here first, then combinations, tasks and data files, all before any model loads.
+    """
+    from .config import OPTIONAL_TASK_FIELDS, check
     from .results.store import RunStore
 
-    c = OmegaConf.to_container(cfg, resolve=True)
+    check(cfg)
+    c = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     sparsifier, comp, task, calib = c["sparsifier"], dict(c["comp"]), c["task"], c["calib"]
-    if sparsifier["name"] not in SPARSIFIERS:
-        raise ValueError(f"sparsifier.name={sparsifier['name']!r}; valid: {', '.join(SPARSIFIERS)}")
-    if task.get("kind") not in TASK_KINDS:
-        raise ValueError(f"task.kind={task.get('kind')!r}; valid: {', '.join(TASK_KINDS)}")
-    if comp.get("sdc") not in SDC_ESTIMATORS:
-        raise ValueError(f"comp.sdc={comp.get('sdc')!r}; valid: null, exact, exp-threshold, calibrated")
+    # Fields only some task kinds use stay out of the run identity when unset (stable ids across schema growth).
+    task = {key: v for key, v in task.items() if not (v is None and key in OPTIONAL_TASK_FIELDS)}
     notes = []
     if sparsifier["name"] == "dense" and (comp.get("sdc") or comp.get("vmc")):
         notes.append("dense attention drops nothing: compensation ignored (comp=none)")
         comp = {"sdc": None, "sdc_scale": 1.0, "vmc": False}
-    if sparsifier["name"] != "dense":
-        k = sparsifier.get("k")
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"sparsifier.k={k!r}: give a positive integer, e.g. sparsifier.k=64")
     placement = resolve_placement(sparsifier, comp)
     _check_combination(sparsifier["name"], placement, comp)
 
@@ -99,7 +83,7 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
                                                   "max_length", "chat_template")}
     evaluation = {key: v for key, v in task.items()}
     base = {"model": model, "task": evaluation, "data_dir": "local" if data_dir else "hub", "seed": c.get("seed")}
-    store = RunStore(c.get("results_dir", "results"))
+    store = RunStore(c["results_dir"])
     specs = []
     if c.get("baseline", True) and sparsifier["name"] != "dense":
         specs.append(_spec(store, base, {"name": "dense", "placement": None, "k": None, "layer_k": {}},
@@ -111,10 +95,13 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
                      else task.get("num_fewshot")}
     label = sparsifier["name"] if sparsifier["name"] == "dense" else f"{sparsifier['name']}-{placement}"
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}
+    if sparse.get("empty_rows") is None:  # only Top-θ has the rule: other run ids stay as they were
+        sparse.pop("empty_rows", None)
     specs.append(_spec(store, base, sparse, comp, calib_cfg, label))
     specs[-1].notes = notes
     for spec in specs:
         spec.config["data_dir_path"] = data_dir  # not part of the run id: the same data can live anywhere
+        spec.log_samples = bool(c["log_samples"])
     return specs
 
 
@@ -136,14 +123,44 @@ def _check_combination(name: str, placement: str | None, comp: dict) -> None:
 
 
 def _check_tasks(task: dict, calib_task: str | None, data_dir: str | None) -> None:
-    """Task names and data files, checked by the task catalog before any model loads."""
+    """Task names and data files, checked by the task catalog before any model loads.
+
+    A name outside our catalogue is any lm-eval task (its own data source) or one of the user's YAMLs under
+    task.include_path; thresholds are always calibrated on one of ours (calib.task / task.calib_task).
+    """
+    from .evaluation.lm_eval_adapter import check_external_tasks, is_catalogued
     from .evaluation.tasks import calibration_name, check_tasks
 
     root = Path(data_dir) if data_dir else None
-    if task["kind"] == "lm_eval":
+    if task["kind"] == "lm_eval" and is_catalogued(task["lm_eval_task"]):
         check_tasks([task["lm_eval_task"]], root, task.get("num_fewshot"))
+    elif task["kind"] == "lm_eval":
+        log.info("%s is not in toptheta's catalogue: looking it up among lm-eval's tasks", task["lm_eval_task"])
+        check_external_tasks([task["lm_eval_task"]], task.get("include_path"))
     if calib_task:
         check_tasks([calibration_name(calib_task)], root, None)
+
+
+def check_sparsifies(sparsifier: dict, num_layers: int, longest_row: int | None, model_name: str) -> None:
+    """Refuse a sparse run that cannot drop anything: every layer's k is at least the longest possible row.
+
+    Called once the model's depth is known, before it evaluates. Also warns when `layer_k` names every
+    layer, so the global `sparsifier.k` applies to none.
+    """
+    if sparsifier["name"] == "dense":
+        return
+    layer_k = sparsifier.get("layer_k") or {}
+    ks = [layer_k.get(layer, sparsifier["k"]) for layer in range(num_layers)]
+    if longest_row is not None and min(ks) >= longest_row:
+        raise ValueError(
+            f"nothing would be sparsified: {model_name} has {num_layers} layers and every one keeps k >= "
+            f"{longest_row} keys (sparsifier.k={sparsifier['k']}, sparsifier.layer_k={layer_k}), while no row is "
+            f"longer than {longest_row} tokens. Lower sparsifier.k, or free layers from layer_k "
+            f"(sparsifier.layer_k=null, or a model with more than {len(layer_k)} layers)"
+        )
+    if all(layer in layer_k for layer in range(num_layers)):
+        log.warning("sparsifier.layer_k=%s sets k for all %d layers of %s, so sparsifier.k=%s applies to none; "
+                    "sparsifier.layer_k=null applies it everywhere", layer_k, num_layers, model_name, sparsifier["k"])
 
 
 # ---- building library objects from plain dicts ----------------------------------------------------------
@@ -166,17 +183,27 @@ def build_sparsifier(sparsifier: dict, thresholds=None):
         return Dense()
     if sparsifier["name"] == "topk":
         return TopK(sparsifier["k"], sparsifier["placement"], sparsifier.get("layer_k"))
-    return TopTheta(thresholds, sparsifier["placement"])
+    return TopTheta(thresholds, sparsifier["placement"], empty_rows=sparsifier.get("empty_rows") or "keep-max")
 
 
 # ---- thresholds: calibrated once per key, cached ------------------------------------------------------------
 
 def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
-    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma")}
+    """Hash of every setting that changes the calibrated thresholds (run-time lookup options excluded).
+
+    The compensation enters as what calibration applies (e.g. ["VMC"]), not as calib.compensation or the
+    run's comp, so settings that calibrate alike share one file.
+    """
+    from .calibration import calibration_compensation, compensation_labels
+
+    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma", "compensation")}
     sparsifier = spec.config["sparsifier"]
+    applied = calibration_compensation(_compensation(spec.config["comp"]), sparsifier["placement"],
+                                       spec.thresholds.get("compensation", "run"), spec.thresholds.get("tac", True))
     identity = {"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
                 "dtype": spec.config["model"]["dtype"], "fingerprint": fingerprint, "k": sparsifier["k"],
                 "layer_k": sparsifier.get("layer_k"), "placement": sparsifier["placement"], "calib": calib,
+                "calibration_compensation": compensation_labels(applied),
                 "data": spec.config["data_dir"], "max_length": spec.config["model"]["max_length"]}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -208,6 +235,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
         layer_k=sparsifier.get("layer_k"), statistic=calib.get("statistic", "order"),
         sigma_add=calib.get("sigma_add", 0.1), granularity=calib.get("granularity", "layer-head-n"),
         tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0), seed=calib.get("seed", 0),
+        compensations=_compensation(spec.config["comp"]), compensation=calib.get("compensation", "run"),
         generate_tokens=int(calib.get("decode_tokens") or 0),
         metadata={"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
                   "calibration_task": calib["task"], "calibration_split": "train",
@@ -221,44 +249,81 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
 
-def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict) -> dict:
+def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict, log_samples: bool = False) -> dict:
     """lm-eval's results dict (or the same shape for our generation tasks)."""
     if task["kind"] == "lm_eval":
-        from .evaluation.lm_eval_adapter import evaluate_tasks
+        from .evaluation.lm_eval_adapter import clip_samples, evaluate_tasks
         from .evaluation.tasks import is_longbench
 
         # Chat models get their template on generation tasks (LongBench's convention), never on
         # multiple-choice ones, whose scores compare loglikelihoods of raw continuations.
         chat = bool(model_cfg.get("chat_template")) and is_longbench(task["lm_eval_task"])
-        return evaluate_tasks(model, tokenizer, [task["lm_eval_task"]], data_dir=data_dir,
-                              num_fewshot=task.get("num_fewshot"), limit=task.get("limit"),
-                              batch_size=task.get("batch_size", 1), max_length=task.get("max_length"),
-                              chat_template=chat)
+        results = evaluate_tasks(model, tokenizer, [task["lm_eval_task"]], data_dir=data_dir,
+                                 num_fewshot=task.get("num_fewshot"), limit=task.get("limit"),
+                                 batch_size=task.get("batch_size", 1), max_length=task.get("max_length"),
+                                 chat_template=chat, include_path=task.get("include_path"), log_samples=log_samples)
+        if results.get("samples"):  # stored per run: few-shot prompts and long contexts clipped
+            results["samples"] = clip_samples(results["samples"])
+        return results
     from .evaluation.generation import evaluate_generation
 
     return evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")))
 
 
-def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None) -> list[dict]:
+def _thresholds_claim(spec: RunSpec, model):
+    """The claim on calibrating this thresholds key: parallel jobs calibrate it once, the others wait and reuse."""
+    from .calibration import model_fingerprint
+    from .results.claims import claim
+
+    key = thresholds_key(spec, model_fingerprint(model))
+    return claim(thresholds_dir() / spec.config["model"]["name"] / f"{key}.lock", f"thresholds {key}")
+
+
+def job_invocation() -> dict:
+    """How this job was started (command line, Hydra overrides, sweep), saved in each run directory."""
+    import socket
+    import sys
+
+    info = {"argv": list(sys.argv), "cwd": os.getcwd(), "host": socket.gethostname(), "pid": os.getpid()}
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        info.update(overrides=list(hc.overrides.task), mode=str(hc.mode), job=hc.job.get("num"),
+                    output_dir=hc.runtime.output_dir)
+        if "MULTIRUN" in str(hc.mode):
+            info["sweep"] = hc.sweep.dir
+    return info
+
+
+def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, invocation: dict | None = None) -> list[dict]:
     from . import sparsify
     from .results.store import summary_rows
 
     thresholds, thresholds_ref = (None, None)
     if spec.thresholds is not None:
-        thresholds, thresholds_ref = obtain_thresholds(spec, model, tokenizer)
+        with _thresholds_claim(spec, model):
+            thresholds, thresholds_ref = obtain_thresholds(spec, model, tokenizer)
     sparsifier = build_sparsifier(spec.config["sparsifier"], thresholds)
     comp = _compensation(spec.config["comp"], thresholds)
     log.info("evaluating %s: %r + %s", spec.label, sparsifier, comp or "no compensation")
     t0 = time.time()
     with sparsify(model, sparsifier, comp, chunk_size=chunk_size) as stats:
-        results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"])
+        results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"],
+                           log_samples=spec.log_samples)
     summary = {**stats.summary(), "seconds": time.time() - t0}
+    if spec.config["sparsifier"]["name"] != "dense" and summary.get("kept_attention_fraction") == 1.0:
+        log.warning("%s kept every attention element: no row was longer than its layer's k (sparsifier.k=%s, "
+                    "layer_k=%s). Lower sparsifier.k or evaluate longer prompts", spec.label,
+                    spec.config["sparsifier"]["k"], spec.config["sparsifier"].get("layer_k"))
     config = {k: v for k, v in spec.config.items() if k != "data_dir_path"}
-    store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, **stats.per_layer()},
-                    thresholds_ref=thresholds_ref, extra={"label": spec.label})
+    store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, "per_layer": stats.per_layer()},
+                    thresholds_ref=thresholds_ref, extra={"label": spec.label},
+                    texts={"invocation.json": json.dumps(invocation or {}, indent=2, default=str) + "\n"},
+                    copies={"thresholds.safetensors": thresholds_ref} if thresholds_ref else None)
     rows = summary_rows(spec.run_id, config, results, summary)
     store.append_summary(rows)
-    logger.log_run(spec, rows, stats)
+    logger.log_run(spec, rows, stats, thresholds_ref)
     return rows
 
 
@@ -269,6 +334,7 @@ def run(cfg: DictConfig):
     from .results.tables import comparison_table
     from .results.wandb_logger import make_logger
 
+    started = time.time()
     specs = plan(cfg)  # fails here, in seconds, on anything wrong with the configuration
     for spec in specs:
         for note in spec.notes:
@@ -278,24 +344,44 @@ def run(cfg: DictConfig):
     for spec in specs:
         if spec not in todo:
             log.info("%s: identical run %s already finished; skipping (force=true reruns it)", spec.label, spec.run_id)
+    if todo and cfg.task.kind == "humaneval":  # refuse unisolated code execution before loading anything
+        from .evaluation.sandbox import require_isolation
+
+        require_isolation(bool(cfg.task.get("allow_unsafe_code", False)))
     if todo:
         m = cfg.model
         model, tokenizer, info = load_model(m.source, dtype=m.dtype, device=m.device, device_map=m.device_map,
                                             revision=m.revision)
         model.eval()
+        longest_row = cfg.task.max_length or m.max_length or info.max_position_embeddings
+        check_sparsifies(specs[-1].config["sparsifier"], info.num_layers, longest_row, m.name)
         if cfg.task.kind != "lm_eval":
             from .evaluation.generation import check_context
 
-            check_context(OmegaConf.to_container(cfg.task, resolve=True), info.max_position_embeddings, m.name)
-        logger = make_logger(OmegaConf.to_container(cfg.logger, resolve=True), OmegaConf.to_container(cfg, resolve=True))
+            check_context(OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True),
+                          info.max_position_embeddings, m.name)
+        job = job_invocation()
+        logger = make_logger(OmegaConf.to_container(cfg.logger, resolve=True, enum_to_str=True),
+                             {"sweep": job.get("sweep"), "job": f"job{job['job']}" if job.get("sweep") else None})
         try:
             import torch
 
             with torch.no_grad():
                 for spec in todo:
-                    execute(spec, model, tokenizer, store, logger, chunk_size=cfg.get("chunk_size"))
+                    # The claim makes parallel jobs (a sweep's launcher, several shells) compute each run once:
+                    # a job that finds it claimed waits, then reuses what the other one stored.
+                    with store.claim(spec.run_id):
+                        if store.exists(spec.run_id) and (not cfg.force or store.finished_since(spec.run_id, started)):
+                            log.info("%s: run %s was computed by another job meanwhile; reusing it",
+                                     spec.label, spec.run_id)
+                            continue
+                        execute(spec, model, tokenizer, store, logger, chunk_size=cfg.get("chunk_size"),
+                                invocation=job)
         finally:
             logger.finish()
     table = comparison_table(load_summary(cfg.results_dir), [s.run_id for s in specs])
     print(table.to_string(index=False))
+    where = Path(cfg.results_dir).resolve()
+    print(f"results: {where / 'summary.csv'} and {where / 'runs'}/<run_id>/ "
+          f"(runs {', '.join(s.run_id for s in specs)})")
     return table

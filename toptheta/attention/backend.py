@@ -5,6 +5,16 @@ function and one mask function under the name ``"toptheta"`` (the mask function 
 it transformers builds no causal mask for an unknown implementation name). Registration happens on
 first use, not on import. Inside ``sparsify`` the model's attention implementation is switched to
 ``"toptheta"``; on exit (also on exceptions) the previous one is restored.
+
+Two things the kernel cannot see from tensor shapes are settled here:
+
+* **Causal alignment.** The kernel reads ``valid=None`` as "causal, the queries are the last Q keys".
+  transformers also passes None for an upper-left aligned causal mask (a static cache's prefill: K = cache
+  length > Q, the empty slots after the prompt). Our mask function asks the cache where the queries sit
+  (``q_offset``) and materialises the mask unless the queries really end at the last key.
+* **Phase.** Prefill or decode is decided by what the model is doing, not by Q: the forwards of
+  ``model.generate`` after the prompt are decode steps, everything else (the prompt, every scoring pass,
+  continuations scored against a cached context, one-token prompts) is prefill. See :class:`_Phases`.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ class _Session:
     stats: SparsityStats
     observer: Callable | None
     chunk_size: int | None
+    phase: str = "prefill"  # of the model's current forward; set by _Phases
+    forced_phase: str | None = None  # set by decoding()
 
 
 # Attention module -> active session. Weak keys: a model that goes away takes its entry with it.
@@ -60,6 +72,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         chunk_size=session.chunk_size,
         softcap=kwargs.get("softcap"),
         bias=bias,
+        phase=session.forced_phase or session.phase,
     )
     return out, None
 
@@ -77,12 +90,37 @@ def _split_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.T
 def register() -> None:
     """Register the attention and mask functions with transformers (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, _attention_forward)
-    # sdpa's boolean mask, including its "None when purely causal" shortcut: the kernel then builds the
-    # causal mask chunk by chunk, so a 32k-token prefill never holds a 32k × 32k mask.
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, _mask)
+
+
+def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, *args, allow_is_causal_skip=True, **kwargs):
+    """sdpa's boolean mask, with its "None when purely causal" shortcut only where the kernel reads None right.
+
+    None lets the kernel build the causal mask chunk by chunk (a 32k-token prefill never holds a 32k × 32k mask),
+    but the kernel reads None as lower-right aligned: query i sits at key K − Q + i. sdpa's None also covers
+    upper-left alignment (a static cache's prefill: queries at 0..Q−1 of a longer, partly empty cache), so the
+    shortcut is kept only when the cache says the queries end at the last key. A bidirectional None (no mask at
+    all) is never kept.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_bidirectional_skip"] = False
+    if allow_is_causal_skip:
+        allow_is_causal_skip = _queries_end_at_last_key(q_offset, q_length, kv_offset, kv_length)
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, *args,
+                     allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def _queries_end_at_last_key(q_offset, q_length: int, kv_offset: int, kv_length: int) -> bool:
+    """Whether the last query sits at the last key (positions from the cache: q_offset is its length before this call)."""
+    if isinstance(q_offset, torch.Tensor):  # static caches hand a tensor; under tracing it cannot be read
+        if q_offset.numel() != 1 or torch.compiler.is_compiling():
+            return False
+        q_offset = int(q_offset)
+    return q_offset + q_length == kv_offset + kv_length
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -133,7 +171,9 @@ def sparsify(
     check_compensation(sparsifier, compensation)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
-    _check_thresholds_fit(model, sparsifier)
+    from ..calibration.thresholds import check_thresholds_fit  # calibration imports this module
+
+    check_thresholds_fit(model, sparsifier, compensation)
     register()
     modules = attention_modules(model)
     if any(m in _SESSIONS for m in modules):
@@ -146,11 +186,97 @@ def sparsify(
         _SESSIONS[m] = session
     try:
         model.set_attn_implementation(IMPLEMENTATION)
-        yield session.stats
+        with _Phases(model, session):
+            yield session.stats
     finally:
         for m in modules:
             _SESSIONS.pop(m, None)
         model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def decoding(model: torch.nn.Module) -> Iterator[None]:
+    """Inside a ``sparsify`` block, count every forward of ``model`` as a decode step (hand-written decoding loops).
+
+    ``model.generate`` needs nothing: its steps after the prompt are decode steps on their own.
+    """
+    session = _SESSIONS.get(attention_modules(model)[0])
+    if session is None:
+        raise RuntimeError("toptheta.decoding(model) needs the model inside a toptheta.sparsify(...) block")
+    previous, session.forced_phase = session.forced_phase, "decode"
+    try:
+        yield
+    finally:
+        session.forced_phase = previous
+
+
+class _Phases:
+    """Sets ``session.phase`` before each forward of the model: decode for the steps of ``generate`` after the prompt.
+
+    ``model.generate`` is wrapped for the block (an instance attribute, removed on exit), so the session knows that a
+    generation runs and how long its prompt is; a forward pre-hook then marks a forward as a decode step when it is
+    not the generation's first forward and the cache already holds the whole prompt. A chunked prefill, a restart
+    from a cache and the prompt of assisted decoding therefore stay prefill, and assisted or speculative
+    verification steps (several tokens at once) are decode. Outside ``generate`` every forward is prefill: a scoring
+    pass, a continuation scored against a cached context, a one-token prompt. Without a KV cache every step of
+    ``generate`` recomputes the whole sequence and counts as prefill. Only public pieces of transformers are used:
+    ``generate``, forward pre-hooks and the cache's ``get_seq_length``.
+    """
+
+    def __init__(self, model: torch.nn.Module, session: _Session):
+        self.model, self.session = model, session
+        self.prompt_end: int | None = None  # while generate runs: positions [0, prompt_end) are the prompt
+        self.forwards = 0  # forwards of the running generate call so far
+
+    def __enter__(self):
+        model, self.wrapper, self.hook = self.model, None, None
+        self.shadowed = vars(model).get("generate")  # an instance attribute of the same name, restored on exit
+        original = getattr(model, "generate", None)
+        if callable(original):
+            @functools.wraps(original)
+            def generate(*args, **kwargs):
+                saved = self.prompt_end, self.forwards
+                self.prompt_end, self.forwards = _prompt_length(args, kwargs), 0
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.prompt_end, self.forwards = saved
+                    self.session.phase = "prefill"
+
+            self.wrapper = model.generate = generate
+        self.hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.hook.remove()
+        if self.wrapper is not None and vars(self.model).get("generate") is self.wrapper:
+            if self.shadowed is None:
+                del self.model.generate
+            else:
+                self.model.generate = self.shadowed
+        self.session.phase = "prefill"
+
+    def _before_forward(self, module, args, kwargs):
+        self.session.phase = self.session.forced_phase or self._phase(kwargs)
+
+    def _phase(self, kwargs) -> str:
+        if self.prompt_end is None:
+            return "prefill"
+        first, self.forwards = self.forwards == 0, self.forwards + 1
+        if first:
+            return "prefill"
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        try:
+            cached = int(cache.get_seq_length()) if cache is not None else 0
+        except (AttributeError, TypeError):  # a cache we cannot ask: every step after the first is decode
+            cached = self.prompt_end
+        return "decode" if cached >= self.prompt_end else "prefill"
+
+
+def _prompt_length(args, kwargs) -> int:
+    """Prompt length of a ``generate`` call: the widest of its input ids, embeddings and attention mask (≥ 1)."""
+    given = [kwargs.get(name) for name in ("input_ids", "inputs", "inputs_embeds", "attention_mask")] + list(args[:1])
+    return max((t.shape[1] for t in given if isinstance(t, torch.Tensor) and t.dim() >= 2), default=1)
 
 
 def _check_thresholds_fit(model, sparsifier) -> None:

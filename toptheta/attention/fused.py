@@ -18,7 +18,7 @@ import os
 import torch
 
 log = logging.getLogger("toptheta")
-_VERSION = 1  # bump when _SOURCE changes: the build cache is keyed by name
+_VERSION = 2  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -26,10 +26,18 @@ _SOURCE = r"""
 #include <cmath>
 #include <limits>
 
+// Built without -ffast-math: masked keys hold -inf and rely on exp(-inf) = 0 and IEEE comparisons. GCC still
+// vectorises expf through glibc's libmvec when told the vector variants exist (glibc declares them only under
+// __FAST_MATH__); libmvec handles -inf and the other special inputs exactly like the scalar expf.
+#if defined(__x86_64__) && defined(__GLIBC__)
+extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
+#endif
+
 // s: (R, K) float32 contiguous scaled logits, -inf where invalid. theta: (R) float32. whole: (R) bool.
 // In place, each row becomes w = p * [p > cut] with p = softmax(row) and cut = min(theta, just below the
 // row's largest p) (so the maximum is always kept); rows marked whole keep every p (invalid keys hold 0).
-// Returns (kept_sum (R) float32: sum of w, kept_count (R) int32: kept keys of rows not marked whole).
+// Returns (kept_sum (R) float32: sum of w, kept_count (R) int32: kept keys of rows not marked whole,
+// empty (R) bool: rows not marked whole where no p passes theta, i.e. only the maximum was kept).
 std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, torch::Tensor whole) {
   TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
   TORCH_CHECK(theta.scalar_type() == torch::kFloat32 && theta.is_contiguous() && theta.numel() == s.size(0), "theta: (R) float32");
@@ -37,19 +45,22 @@ std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, 
   const int64_t R = s.size(0), K = s.size(1);
   auto kept_sum = torch::empty({R}, s.options());
   auto kept_count = torch::empty({R}, s.options().dtype(torch::kInt32));
+  auto empty = torch::empty({R}, s.options().dtype(torch::kBool));
   float* S = s.data_ptr<float>();
   const float* T = theta.data_ptr<float>();
   const bool* W = whole.data_ptr<bool>();
   float* KS = kept_sum.data_ptr<float>();
   int32_t* KC = kept_count.data_ptr<int32_t>();
+  bool* E = empty.data_ptr<bool>();
   at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* x = S + r * K;
       float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max:m)
       for (int64_t j = 0; j < K; ++j) m = x[j] > m ? x[j] : m;
-      if (!(m > -3.0e38f)) {  // no valid key: weights 0
+      if (!(m > -std::numeric_limits<float>::infinity())) {  // no valid key (or NaN): weights 0
         for (int64_t j = 0; j < K; ++j) x[j] = 0.0f;
-        KS[r] = 0.0f; KC[r] = 0;
+        KS[r] = 0.0f; KC[r] = 0; E[r] = false;
         continue;
       }
       float sum = 0.0f;
@@ -57,6 +68,7 @@ std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, 
       for (int64_t j = 0; j < K; ++j) { float e = expf(x[j] - m); x[j] = e; sum += e; }
       const float inv = 1.0f / sum;
       float cut = W[r] ? -1.0f : std::fmin(T[r], std::nextafter(inv, 0.0f));  // the max has p = 1 * inv
+      E[r] = !W[r] && !(inv > T[r]);
       float ks = 0.0f; int32_t kc = 0;
 #pragma omp simd reduction(+:ks, kc)
       for (int64_t j = 0; j < K; ++j) {
@@ -68,7 +80,7 @@ std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, 
       KS[r] = ks; KC[r] = kc;
     }
   });
-  return {kept_sum, kept_count};
+  return {kept_sum, kept_count, empty};
 }
 """
 
@@ -96,9 +108,8 @@ def extension():
             name=f"toptheta_fused_v{_VERSION}_{suffix}",
             cpp_sources=_SOURCE,
             functions=["post_threshold"],
-            # -ffast-math lets GCC vectorise expf through glibc's libmvec. The code never relies on IEEE
-            # infinities after that: a row's maximum is compared with a large finite bound.
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *flags],
+            # No -ffast-math: -inf must stay -inf (exp(-inf) = 0 for masked keys); expf is vectorised anyway (_SOURCE).
+            extra_cflags=["-O3", "-fno-math-errno", "-fopenmp-simd", *flags],
             verbose=False,
         )
     except Exception as err:  # noqa: BLE001 (any build failure means: use the torch path)
@@ -114,12 +125,13 @@ def enabled() -> bool:
 
 def post_threshold(s: torch.Tensor, theta: torch.Tensor, whole: torch.Tensor):
     """In place on ``s`` (B, H, Q, K): dense probabilities zeroed where not kept. Returns (kept_sum (B, H, Q, 1),
-    kept_count (B, H, Q)), or None when the fused kernel is unavailable (``s`` is then untouched)."""
+    kept_count (B, H, Q), empty (B, H, Q) bool: rows where nothing passed θ and only the maximum was kept), or None
+    when the fused kernel is unavailable (``s`` is then untouched)."""
     ext = extension()
     if ext is None or s.device.type != "cpu" or not s.is_contiguous():
         return None
     B, H, Q, K = s.shape
     theta = theta.expand(B, H, Q).float().contiguous()
     whole = whole.expand(B, H, Q).contiguous()
-    kept_sum, kept_count = ext.post_threshold(s.view(-1, K), theta.view(-1), whole.view(-1))
-    return kept_sum.view(B, H, Q, 1), kept_count.view(B, H, Q)
+    kept_sum, kept_count, empty = ext.post_threshold(s.view(-1, K), theta.view(-1), whole.view(-1))
+    return kept_sum.view(B, H, Q, 1), kept_count.view(B, H, Q), empty.view(B, H, Q)

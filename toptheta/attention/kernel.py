@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..compensation import SDC, VMC
-from . import fused
+from . import decode, fused, prefill
 from ..sparsifiers.base import RowBlock, Sparsifier
 
 # Score elements per chunk. A small budget keeps each float32 temporary near cache size (4 MB) and lowers the
@@ -42,7 +42,8 @@ def sparse_attention(
     query: torch.Tensor,  # (B, H, Q, D)
     key: torch.Tensor,  # (B, Hkv, K, D)
     value: torch.Tensor,  # (B, Hkv, K, Dv)
-    valid: torch.Tensor | None,  # (B or 1, 1, Q, K) bool; None = causal, the queries being the last Q keys
+    valid: torch.Tensor | None,  # (B or 1, 1, Q, K) bool; None = causal, the queries being the last Q keys (the
+    # backend passes None only when the cache says so: upper-left alignment, e.g. a static cache, comes as a mask)
     *,
     scaling: float,
     layer: int,
@@ -53,24 +54,40 @@ def sparse_attention(
     chunk_size: int | None = None,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,  # (B or 1, 1 or H, Q, K) additive float bias, rarely used
+    phase: str | None = None,
 ) -> torch.Tensor:
-    """Attention output (B, Q, H, Dv) in the query's dtype (transformers' layout)."""
+    """Attention output (B, Q, H, Dv) in the query's dtype (transformers' layout).
+
+    ``phase`` ("prefill" or "decode") is what the model is doing, for the statistics; the backend knows it (the
+    steps of ``generate`` after the prompt are decode). None: decode when Q == 1, for direct callers.
+    """
     B, H, Q, D = query.shape
+    phase = phase or ("prefill" if Q > 1 else "decode")
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
     Hkv, K, Dv = key.shape[1], key.shape[2], value.shape[-1]
     if H % Hkv:
         raise ValueError(f"{H} query heads are not a multiple of {Hkv} KV heads")
+    # Fast paths with this function's numbers (decode.py: Q == 1; prefill.py: one-pass rules); None = not theirs.
+    # TOPTHETA_FAST=0 (or decode.ENABLED / prefill.ENABLED = False) keeps everything here, the reference.
+    fast = decode if Q == 1 and phase == "decode" else prefill
+    if fast.ENABLED:
+        out = fast.attention(query, key, value, valid, scaling=scaling, layer=layer, sparsifier=sparsifier,
+                             compensations=compensations, stats=stats, observer=observer, chunk_size=chunk_size,
+                             softcap=softcap, bias=bias, phase=phase)
+        if out is not None:
+            return out
     G = H // Hkv
     if valid is not None:
         valid = valid.expand(B, 1, Q, K)
     sdc = next((c for c in compensations if isinstance(c, SDC)), None)
     vmc = any(isinstance(c, VMC) for c in compensations)
     pre = sparsifier.placement == "pre"
-    phase = "prefill" if Q > 1 else "decode"
     counting = stats is not None and stats.enabled
     # The fused kernel serves post-softmax threshold rules in prefill without observers (decode steps need the
     # keep-mask itself for the V-row statistics; observers see every view of the rows). It is built only when
     # such a rule first asks for it, so dense and pre-softmax runs never wait for a compiler.
-    fuse = not pre and Q > 1 and observer is None and query.device.type == "cpu"
+    fuse = not pre and phase == "prefill" and observer is None and query.device.type == "cpu"
 
     # One contiguous float32 copy of K/V at most (no-ops for contiguous float32 inputs), so every chunk's
     # matmul is a strided view: the G query heads of a KV head are stacked as G·Qc rows of one bmm.
@@ -114,7 +131,7 @@ def sparse_attention(
         else:
             s.masked_fill_(~vm, float("-inf"))
 
-        done = None  # (kept_sum, counts) when the fused kernel did the selection
+        done = None  # (kept_sum, counts, empty rows) when the fused kernel did the selection
         if pre:  # selection on logits; weights exp(s − m) / denominator
             m = s.amax(-1, keepdim=True)  # (B, H, Qc, 1)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -132,7 +149,7 @@ def sparse_attention(
                         p.masked_fill_(dead, 0.0)
                 rows._probs = p
         if done is not None:  # s now holds the kept weights
-            kept_sum, counts = done
+            kept_sum, counts, rows.empty = done
             rows.kept_counts = torch.where(rule[1], n, counts)  # whole rows keep their n valid keys
             rows.keep = keep = None
         else:
@@ -161,6 +178,8 @@ def sparse_attention(
                 denom = kept_sum if sdc is None else kept_sum + sdc.dropped_mass(rows, kept_sum, sparsifier)
                 denom = denom.clamp_min(tiny)
                 o = o / denom
+                if sdc is None and getattr(sparsifier, "empty_rows", None) == "reference" and rows.empty is not None:
+                    o = _uniform_over_padded_row(o, rows.empty, vf)
                 if counting:
                     rows.kept_mass = kept_sum / rows.row_sum.clamp_min(tiny)
             else:
@@ -187,6 +206,19 @@ def sparse_attention(
 def default_rows_per_chunk(row_elements: int) -> int:
     """Query rows per chunk when the caller gives none; ``row_elements`` = B·H·K scores per query row."""
     return max(1, DEFAULT_CHUNK_ELEMENTS // row_elements, min(MIN_CHUNK_ROWS, MAX_CHUNK_ELEMENTS // row_elements))
+
+
+def _uniform_over_padded_row(o: torch.Tensor, empty: torch.Tensor, vf: torch.Tensor) -> torch.Tensor:
+    """The reference code's empty pre-softmax rows (method.md §9, 10a; ``TopTheta(empty_rows="reference")``).
+
+    Every logit of such a row, valid or not, became the dtype minimum, so its softmax is uniform over all K keys
+    of the call, the causal future included. o (B, H, Qc, Dv), empty (B, H, Qc) bool, vf (B, Hkv, K, Dv).
+    """
+    if not bool(empty.any()):
+        return o
+    H, Hkv = o.shape[1], vf.shape[1]
+    v_all = vf.mean(2).repeat_interleave(H // Hkv, 1)[:, :, None]  # (B, H, 1, Dv)
+    return torch.where(empty.unsqueeze(-1), v_all, o)
 
 
 def _causal_mask(B: int, first: int, Qc: int, Kc: int, device) -> torch.Tensor:

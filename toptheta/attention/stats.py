@@ -7,6 +7,8 @@ reductions per chunk and reading is free. The paper's headline ratios are ratios
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..sparsifiers.base import RowBlock
@@ -15,9 +17,12 @@ from ..sparsifiers.base import RowBlock
 class SparsityStats:
     """Counters of one ``toptheta.sparsify`` session.
 
-    Prefill rows (calls with more than one query) count attention elements per (layer, head);
-    decode steps (one query) count V rows per (layer, KV head), a V row being kept when any query
-    head of the group keeps it (the union the paper reports), plus attention elements per head.
+    Prefill rows (the prompt and every scoring pass) count attention elements per (layer, head);
+    decode steps (the steps of ``generate`` after the prompt, one or more new tokens) count V rows per
+    (layer, KV head), a V row being kept when any query head of the group keeps it (the union the
+    paper reports), plus attention elements per head. ``empty_rows`` counts the Top-θ rows of either
+    phase where no valid score passed θ (per layer and head; what happened to them is the sparsifier's
+    ``empty_rows`` rule).
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, enabled: bool = True):
@@ -33,6 +38,7 @@ class SparsityStats:
         self.vrow_kept, self.vrow_valid = zeros(L, Hkv), zeros(L, Hkv)
         self.dropped_mass, self.rows = zeros(L, H), zeros(L, H)  # Σ dropped dense probability, Σ rows
         self.decode_steps = zeros(L)
+        self.empty_rows = zeros(L, H)  # Top-θ rows (sparsified, any phase) where no valid score passed θ
         self.clamped_rows = 0
 
     def update(self, rows: RowBlock) -> None:
@@ -64,6 +70,8 @@ class SparsityStats:
             kept_mass = rows.kept_mass if rows.kept_mass is not None else (rows.probs * keep).sum(-1, keepdim=True)
             dropped = (1.0 - kept_mass.squeeze(-1)).clamp_min(0.0).masked_fill(~live, 0.0)  # (B, H, Q)
             self.dropped_mass[layer] += dropped.sum((0, 2)).double().cpu()
+        if rows.empty is not None:
+            self.empty_rows[layer] += rows.empty.sum((0, 2)).double().cpu()
         self.clamped_rows += rows.clamped_rows
 
     # --- the paper's ratios -------------------------------------------------------------------
@@ -95,6 +103,7 @@ class SparsityStats:
             "kept_attention_fraction": frac(self.prefill_kept, self.prefill_valid),
             "kept_vrow_fraction": frac(self.vrow_kept, self.vrow_valid),
             "mean_dropped_mass": frac(self.dropped_mass, self.rows),
+            "empty_rows": self.empty_rows.sum(1).tolist(),
         }
 
     def per_head(self) -> dict[str, list]:
@@ -117,12 +126,30 @@ class SparsityStats:
             "prefill_attention_elements": float(self.prefill_valid.sum()),
             "decode_steps": float(self.decode_steps.max()) if self.num_layers else 0.0,
             "clamped_rows": int(self.clamped_rows),
+            "empty_rows": int(self.empty_rows.sum()),
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         names = ["prefill_kept", "prefill_valid", "decode_kept", "decode_valid", "vrow_kept", "vrow_valid",
-                 "dropped_mass", "rows", "decode_steps"]
+                 "dropped_mass", "rows", "decode_steps", "empty_rows"]
         return {name: getattr(self, name).clone() for name in names}
+
+    @contextlib.contextmanager
+    def repeated(self, times: int):
+        """Count what is recorded inside the block ``times`` times.
+
+        For rows computed once on behalf of ``times`` forwards that would each compute them (a shared
+        context scored against several continuations): the ratios then equal the unshared run's.
+        """
+        if times < 1:
+            raise ValueError(f"times must be >= 1, got {times}")
+        before, clamped = self.state_dict(), self.clamped_rows
+        yield self
+        if times > 1:
+            for name, old in before.items():
+                counter = getattr(self, name)
+                counter.add_((counter - old) * (times - 1))
+            self.clamped_rows += (self.clamped_rows - clamped) * (times - 1)
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float | None:

@@ -2,25 +2,61 @@
 
 One straight path: check every argument, build a streaming collector, run the model over the
 calibration batches inside ``toptheta.sparsify`` with the collector as observer (exact top-k during
-calibration with TAC, dense otherwise), reduce the sums at the requested granularity, and wrap the
-result with its provenance.
+calibration with TAC, dense otherwise, with the compensation of ``calibration_compensation``), reduce
+the sums at the requested granularity, and wrap the result with its provenance.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
 from ..attention.backend import model_shape, sparsify
+from ..compensation import SDC, VMC
 from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
 from .collector import PHASES, OrderStatCollector
 from .target_k import TargetKCollector
-from .thresholds import GRANULARITIES, LOOKUPS, Thresholds, model_fingerprint, stamp
+from .thresholds import GRANULARITIES, LOOKUPS, Thresholds, model_fingerprint, model_identity, stamp
 
 STATISTICS = ("order", "target-k")
+COMPENSATION_MODES = ("run", "reference", "none")
+
+
+def calibration_compensation(compensations: Sequence, placement: str, mode: str = "run", tac: bool = True) -> list:
+    """The compensation calibration forwards apply, given the run's (method.md §2.2 step 5).
+
+    With TAC, calibration drops mass like the run will, so what is put back shapes the inputs of every
+    deeper layer, and with them its thresholds.
+
+    * ``"run"`` (default): the run's own compensation, so deeper layers calibrate on the activations
+      they will see. SDC estimators that need calibration output (``exp-threshold``: θ; ``calibrated``:
+      the masses) are applied as the exact dropped mass they estimate, with the run's λ.
+    * ``"reference"``: the reference code's rule: VMC as in the run, SDC never. With pre-softmax
+      selection and no SDC the rows are renormalised, β = 0 and VMC does nothing, so it is left out.
+    * ``"none"``: nothing put back.
+
+    Without TAC calibration forwards are dense: nothing is dropped, and nothing is compensated.
+    """
+    if mode not in COMPENSATION_MODES:
+        raise ValueError(f"calibration compensation must be one of {COMPENSATION_MODES}, got {mode!r}")
+    bad = [c for c in compensations if not isinstance(c, (SDC, VMC))]
+    if bad:
+        raise TypeError(f"compensations must be SDC or VMC instances, got {bad}")
+    if not tac or mode == "none":
+        return []
+    sdc = next((c for c in compensations if isinstance(c, SDC)), None)
+    out = [SDC("exact", scale=sdc.scale)] if sdc is not None and mode == "run" else []
+    if any(isinstance(c, VMC) for c in compensations) and (placement == "post" or out):
+        out.append(VMC())
+    return out
+
+
+def compensation_labels(compensations: Sequence) -> list[str]:
+    """Short stable names, e.g. ["SDC(exact, λ=1.0)", "VMC"], for metadata and cache keys."""
+    return [f"SDC({c.estimator}, λ={float(c.scale)})" if isinstance(c, SDC) else "VMC" for c in compensations]
 
 
 def calibrate(
@@ -34,6 +70,8 @@ def calibrate(
     sigma_add: float = 0.1,
     granularity: str = "layer-head-n",
     tac: bool = True,
+    compensations: Sequence = (),
+    compensation: str = "run",
     sample_frac: float = 1.0,
     seed: int = 0,
     generate_tokens: int = 0,
@@ -56,6 +94,10 @@ def calibrate(
         sigma_add: σ_add of the "order" statistic (0.1 in every paper run; unused by "target-k").
         granularity: "layer", "layer-n", "layer-head" or "layer-head-n" (the paper's).
         tac: apply exact top-k during calibration, so deeper layers calibrate on sparsified inputs.
+        compensations: the compensation the thresholds will run with, e.g. ``[SDC("exact"), VMC()]``.
+        compensation: how calibration forwards apply it (with ``tac``): "run" (the run's, SDC as its
+            exact mass), "reference" (the reference code: VMC, never SDC) or "none"; see
+            ``calibration_compensation``.
         sample_frac, seed: each eligible row is used with probability ``sample_frac`` (seeded).
         generate_tokens: G > 0 calibrates on greedy generation of G tokens per batch, so decode rows
             (KV length N, sharing key n = N with prefill rows) are sampled too (method.md §2.4).
@@ -74,6 +116,7 @@ def calibrate(
     layer_k = {int(layer): int(v) for layer, v in (layer_k or {}).items()}
     _check_arguments(k, layer_k, L, statistic, granularity, lookup, smooth_sigma, generate_tokens, phases)
     k_per_layer = [layer_k.get(layer, k) for layer in range(L)]
+    applied = calibration_compensation(compensations, placement, compensation, tac)
     options = dict(sample_frac=sample_frac, seed=seed, phases=tuple(phases), max_n=max_n, topk_keep=tac)
     if statistic == "order":
         collector = OrderStatCollector(k_per_layer, H, placement, sigma_add=sigma_add, **options)
@@ -81,7 +124,7 @@ def calibrate(
         collector = TargetKCollector(k_per_layer, H, placement, **options)
     sparsifier = TopK(k, placement, layer_k) if tac else Dense()
 
-    sequences, tokens = _run(model, inputs, sparsifier, collector, generate_tokens, progress)
+    sequences, tokens = _run(model, inputs, sparsifier, applied, collector, generate_tokens, progress)
     if collector.rows_sampled.sum() == 0:
         raise ValueError(
             f"no calibration row was longer than k (k per layer {sorted(set(k_per_layer))}, longest row "
@@ -96,6 +139,7 @@ def calibrate(
         "k": k, "layer_k": layer_k, "k_per_layer": k_per_layer, "placement": placement,
         "granularity": granularity, "statistic": statistic,
         "sigma_add": sigma_add if statistic == "order" else None, "tac": tac,
+        "compensation": compensation, "calibration_compensation": compensation_labels(applied),
         "sample_frac": sample_frac, "seed": seed, "generate_tokens": generate_tokens, "phases": list(phases),
         "max_n": max_n, "sequences": sequences, "tokens": tokens,
         "rows_eligible": collector.rows_eligible.long().tolist(),  # per layer, before sampling
@@ -107,7 +151,9 @@ def calibrate(
         provenance.update(grid_size=collector.grid_size, grid_range=grid,
                           grid_clamped=collector.grid_clamped, exact_n=collector.exact_n,
                           per_octave=collector.per_octave)
-    return Thresholds(values, k_per_layer, placement, stamp({**provenance, **(metadata or {})}),
+    # The identity is read off the model itself, whatever ``metadata`` says: Thresholds.check_model compares it.
+    provenance = stamp({**provenance, **(metadata or {}), "identity": model_identity(model)})
+    return Thresholds(values, k_per_layer, placement, provenance,
                       counts=counts, sdc_mass=sdc_mass, lookup=lookup, smooth_sigma=smooth_sigma)
 
 
@@ -134,7 +180,7 @@ def _check_arguments(k, layer_k, num_layers, statistic, granularity, lookup, smo
         raise ValueError("phases=('decode',) needs decode rows: pass generate_tokens > 0")
 
 
-def _run(model, inputs, sparsifier, collector, generate_tokens: int, progress: bool) -> tuple[int, int]:
+def _run(model, inputs, sparsifier, compensations, collector, generate_tokens: int, progress: bool) -> tuple[int, int]:
     """Calibration forwards (or greedy generations) under no_grad; returns (sequences, tokens)."""
     from tqdm.auto import tqdm
 
@@ -144,7 +190,7 @@ def _run(model, inputs, sparsifier, collector, generate_tokens: int, progress: b
     sequences = tokens = 0
     skip_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
-        with torch.no_grad(), sparsify(model, sparsifier, [], stats=False, observer=collector):
+        with torch.no_grad(), sparsify(model, sparsifier, compensations, stats=False, observer=collector):
             for batch in tqdm(inputs, desc="calibrating", unit="batch", disable=not progress):
                 input_ids, attention_mask = as_batch(batch)
                 input_ids = input_ids.to(device)

@@ -11,6 +11,10 @@ rows of every layer. The collector
 3. scatter-adds their statistics into float64 sums indexed by (layer, head, key), vectorised over
    rows, so the memory depends on the number of keys, never on the number of rows seen.
 
+Each layer's sums live on the device of that layer's rows (a model split over GPUs by
+``device_map="auto"`` keeps every layer's statistics beside it) and meet on the CPU only in
+``reduce``. Which rows to use is decided on the CPU from their lengths, one small (B, Q) copy per call.
+
 The key is the row length n (:class:`OrderStatCollector`) or a bucket of row lengths
 (``target_k.TargetKCollector``). Prefill row i and the decode step with KV length i + 1 share key
 n = i + 1 (method.md §2.1, §2.4).
@@ -43,9 +47,9 @@ class SampledRows:
     it in one pass instead of a second top-k.
     """
 
-    def __init__(self, rows: RowBlock, pick: torch.Tensor, k: int, topk_keep: bool = False):
+    def __init__(self, rows: RowBlock, pick: torch.Tensor, n: torch.Tensor, k: int, topk_keep: bool = False):
         self.k = k
-        q = pick.any(0).nonzero().flatten()  # pick: (B, Q) bool
+        q = pick.any(0).nonzero().flatten()  # pick, n: (B, Q) on the CPU; the rows stay on their device
         q0, q1 = int(q[0]), int(q[-1]) + 1
         if bool(pick[:, q0:q1].all()):
             take = lambda t: t[:, :, q0:q1]  # noqa: E731
@@ -53,7 +57,7 @@ class SampledRows:
             b, q = pick.nonzero(as_tuple=True)
             take = lambda t: t[b, :, q].transpose(0, 1)[None]  # noqa: E731  (S, H, ...) -> (1, H, S, ...)
         self._rows, self._take = rows, take
-        self.n = take(rows.n)[:, 0]  # (R, Q')
+        self.n = take(n[:, None])[:, 0]  # (R, Q') on the CPU
         self.logits = take(rows.logits)  # (R, H, Q', K)
         self.keep = take(rows.keep) if topk_keep and rows.keep is not None else None  # (R, H, Q', K)
         self._top: torch.Tensor | None = None
@@ -144,7 +148,8 @@ class Collector:
         self.rows_eligible = torch.zeros(L, dtype=torch.float64)  # per layer, before sampling
         self.rows_sampled = torch.zeros(L, dtype=torch.float64)
         self.max_n_seen = 0
-        self.sums: dict[str, torch.Tensor] = {}  # name -> (L, H, keys, *extra) float64
+        # name -> one (H, keys, *extra) float64 tensor per layer, on that layer's device (None until it has rows)
+        self.sums: dict[str, list[torch.Tensor | None]] = {}
         self._extra: dict[str, tuple[int, ...]] = {"count": (), **({"sdc": ()} if self.placement == "pre" else {})}
 
     # --- what a subclass defines ----------------------------------------------------------------
@@ -153,7 +158,7 @@ class Collector:
         return n
 
     def add(self, layer: int, rows: SampledRows, keys: torch.Tensor) -> None:
-        """Add the statistic of the sampled rows (keys: (S,)) to ``self.sums``."""
+        """Add the statistic of the sampled rows (keys: (S,) on the CPU) to ``self.sums``."""
         raise NotImplementedError
 
     def finalise(self, sums: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -165,7 +170,7 @@ class Collector:
         if rows.phase not in self.phases:
             return
         layer, k = rows.layer, self.k[rows.layer]
-        n = rows.n[:, 0]  # (B, Q)
+        n = rows.n[:, 0].cpu()  # (B, Q)
         pick = n > k
         if self.max_n is not None:
             pick &= n <= self.max_n
@@ -174,52 +179,72 @@ class Collector:
             return
         self.rows_eligible[layer] += eligible
         if self.sample_frac < 1.0:  # drawn on the CPU generator: the same draws on any device
-            pick &= (torch.rand(n.shape, generator=self.generator) < self.sample_frac).to(n.device)
+            pick &= torch.rand(n.shape, generator=self.generator) < self.sample_frac
             if not bool(pick.any()):
                 return
-        sampled = SampledRows(rows, pick, k, self.topk_keep)
+        sampled = SampledRows(rows, pick, n, k, self.topk_keep)
         self.rows_sampled[layer] += sampled.n.numel()
         self.max_n_seen = max(self.max_n_seen, int(sampled.n.max()))
-        keys = self.key_of(sampled.n.flatten())  # (S,), in the order of SampledRows.per_row
-        self._ensure(int(keys.max()) + 1, rows.logits.device)
-        self.scatter("count", layer, keys, torch.ones(keys.numel(), self.num_heads, device=keys.device))
+        keys = self.key_of(sampled.n.flatten())  # (S,) on the CPU, in the order of SampledRows.per_row
+        device = rows.logits.device
+        self._ensure(layer, int(keys.max()) + 1, device)
+        self.scatter("count", layer, keys, torch.ones(keys.numel(), self.num_heads, device=device))
         if "sdc" in self.sums:
             self.scatter("sdc", layer, keys, sampled.per_row(sampled.dropped_mass()))
         self.add(layer, sampled, keys)
 
-    def flat_index(self, keys: torch.Tensor) -> torch.Tensor:
-        """Position of (head h, key of row s) in the flattened (H, keys) table of a layer: (S, H)."""
-        num_keys = self.sums["count"].shape[2]
-        return torch.arange(self.num_heads, device=keys.device) * num_keys + keys[:, None]
+    def flat_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Position of (head h, key of row s) in the flattened (H, keys) table of a layer: (S, H), on its device."""
+        table = self.sums["count"][layer]  # (H, keys)
+        heads = torch.arange(self.num_heads, device=table.device)
+        return heads * table.shape[1] + keys.to(table.device)[:, None]
 
     def scatter(self, name: str, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """sums[name][layer, h, keys[s]] += values[s, h] for every sampled row s and head h."""
-        table = self.sums[name][layer]  # (H, keys, *extra), contiguous
-        flat = self.flat_index(keys).flatten()  # (S·H,)
+        """sums[name][layer][h, keys[s]] += values[s, h] for every sampled row s and head h."""
+        table = self.sums[name][layer]  # (H, keys, *extra), contiguous, on the layer's device
+        flat = self.flat_index(layer, keys).flatten()  # (S·H,)
         target = table.flatten(0, 1)  # (H·keys, *extra), a view
         target.index_add_(0, flat, values.reshape(flat.numel(), *target.shape[1:]).double())
 
-    def _ensure(self, num_keys: int, device) -> None:
-        """Allocate or widen the key axis; with ``max_n`` it is allocated once at full size."""
+    def _ensure(self, layer: int, num_keys: int, device) -> None:
+        """Allocate or widen a layer's key axis on ``device``; with ``max_n`` it is allocated once at full size."""
         if self.max_n is not None:
             num_keys = max(num_keys, int(self.key_of(torch.tensor([self.max_n]))[0]) + 1)
-        current = next(iter(self.sums.values())).shape[2] if self.sums else 0
-        if num_keys <= current:
+        if not self.sums:
+            self.sums = {name: [None] * len(self.k) for name in self._extra}
+        current = self.sums["count"][layer]
+        width = 0 if current is None else current.shape[1]
+        if num_keys <= width:
             return
-        L, H = len(self.k), self.num_heads
         for name, extra in self._extra.items():
-            grown = torch.zeros(L, H, num_keys, *extra, dtype=torch.float64, device=device)
-            if name in self.sums:
-                grown[:, :, :current] = self.sums[name]
-            self.sums[name] = grown
+            grown = torch.zeros(self.num_heads, num_keys, *extra, dtype=torch.float64, device=device)
+            if width:
+                grown[:, :width] = self.sums[name][layer]
+            self.sums[name][layer] = grown
 
     # --- results --------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes held by the running sums (what grows with row length, never with sample count)."""
-        return sum(t.numel() * t.element_size() for t in self.sums.values())
+        return sum(t.numel() * t.element_size() for per_layer in self.sums.values() for t in per_layer if t is not None)
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(t.shape) for name, t in self.sums.items()}
+    def shapes(self) -> dict[str, list[tuple[int, ...] | None]]:
+        """Shape of each layer's sums (None for a layer without rows so far)."""
+        return {name: [None if t is None else tuple(t.shape) for t in per_layer]
+                for name, per_layer in self.sums.items()}
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """Every layer's sums on the CPU, zero-padded to the widest key axis: name -> (L, H, keys, *extra)."""
+        width = max((t.shape[1] for t in self.sums.get("count", []) if t is not None), default=0)
+        if width == 0:
+            raise ValueError("the collector saw no row longer than k; calibrate on longer sequences or a smaller k")
+        out = {}
+        for name, extra in self._extra.items():
+            full = torch.zeros(len(self.k), self.num_heads, width, *extra, dtype=torch.float64)
+            for layer, t in enumerate(self.sums[name]):
+                if t is not None:
+                    full[layer, :, :t.shape[1]] = t.cpu()
+            out[name] = full
+        return out
 
     def reduce(self, granularity: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(values, counts, sdc_mass) at a granularity, each (L, H|1, N|1) float32 on the CPU.
@@ -230,12 +255,9 @@ class Collector:
         """
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
-        if not self.sums:
-            raise ValueError("the collector saw no row longer than k; calibrate on longer sequences or a smaller k")
         per_head, per_n = GRANULARITIES[granularity]
         pooled = {}
-        for name, t in self.sums.items():
-            t = t.cpu()
+        for name, t in self.stacked().items():
             if not per_head:
                 t = t.sum(1, keepdim=True)
             if not per_n:

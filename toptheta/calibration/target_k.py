@@ -94,7 +94,7 @@ class TargetKCollector(Collector):
         bins = u.div_(float(self.step[layer])).ceil_().clamp_(0, self.grid_size).long()  # (R, H, Q', K)
         R, H, Q = rows.logits.shape[:3]
         slots = self.grid_size + 1
-        row_index = self.flat_index(keys).view(R, Q, H).transpose(1, 2)  # (R, H, Q') position in (H, keys)
+        row_index = self.flat_index(layer, keys).view(R, Q, H).transpose(1, 2)  # (R, H, Q') position in (H, keys)
         flat = bins.add_(row_index[..., None] * slots).flatten()  # slot in the flattened (H, keys, slots)
         table = self.sums["hist"][layer].view(-1)
         table += torch.bincount(flat, minlength=table.numel()).to(table.dtype)

@@ -8,6 +8,9 @@ the nearest calibrated one (the paper's rule; ties go to the shorter) or by line
 optionally smoothed along n with a Gaussian. Rows longer than the longest calibrated length use the
 last value (clamped), and every clamp is counted so a run can report it. A (layer, head) with no
 calibrated length at all (every calibration row had n ≤ k) gets θ = −inf: it never drops.
+
+A file records the model it was calibrated on (name and revision, see ``model_identity``) and its
+shape; loading it for another model is refused unless the caller says ``allow_other_model=True``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ def model_fingerprint(model_or_config) -> dict:
     }
 
 
+def model_identity(model_or_config) -> dict:
+    """Which checkpoint a model is, as far as its config knows: {"name", "revision"}, None where unknown.
+
+    The name is the hub id, or the folder name of a local checkout (not its path, so a moved cache still
+    matches); the revision is the hub commit. A model built in code has neither.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    name = str(getattr(config, "_name_or_path", "") or "").rstrip("/\\")
+    if name and (os.path.isabs(name) or name.startswith((".", "~")) or os.path.isdir(name)):
+        name = os.path.basename(os.path.normpath(os.path.expanduser(name)))
+    return {"name": name or None, "revision": getattr(config, "_commit_hash", None) or None}
+
+
 class Thresholds:
     """Calibrated thresholds for one model, k schedule and placement.
 
@@ -58,11 +74,13 @@ class Thresholds:
         sdc_mass: mean dropped exponent mass per entry, for calibrated SDC (optional).
         lookup: "nearest" (the paper) or "linear" for row lengths that were not calibrated.
         smooth_sigma: Gaussian smoothing along n, in row lengths (0 = off).
+        allow_other_model: apply them to a model whose name or revision differs from the one recorded
+            in ``metadata["identity"]`` (the shape must still match).
     """
 
     def __init__(self, values: torch.Tensor, k: list[int], placement: str, metadata: dict | None = None,
                  counts: torch.Tensor | None = None, sdc_mass: torch.Tensor | None = None,
-                 lookup: str = "nearest", smooth_sigma: float = 0.0):
+                 lookup: str = "nearest", smooth_sigma: float = 0.0, allow_other_model: bool = False):
         values = torch.as_tensor(values, dtype=torch.float32)
         if values.ndim != 3:
             raise ValueError(f"threshold values must be (layers, heads or 1, row lengths or 1), got {tuple(values.shape)}")
@@ -79,6 +97,7 @@ class Thresholds:
         self.k = [int(x) for x in k]
         self.placement = placement
         self.lookup_rule, self.smooth_sigma = lookup, float(smooth_sigma)
+        self.allow_other_model = bool(allow_other_model)
         self.metadata = dict(metadata or {})
         self.metadata.setdefault("granularity", _granularity_of(values))
         self._tables: dict = {}
@@ -123,7 +142,20 @@ class Thresholds:
 
     # --- checks ---------------------------------------------------------------------------------
     def check_model(self, model) -> None:
-        """Refuse to apply thresholds to a model of another shape, naming both."""
+        """Refuse to apply thresholds to another checkpoint or a model of another shape, naming both.
+
+        Name and revision are compared where both sides know them (``model_identity``); the
+        ``allow_other_model`` flag lifts that check (e.g. base thresholds on the instruct model), never
+        the shape check.
+        """
+        recorded, actual_id = self.metadata.get("identity") or {}, model_identity(model)
+        differs = [f for f in ("name", "revision") if recorded.get(f) and actual_id[f] and recorded[f] != actual_id[f]]
+        if differs and not self.allow_other_model:
+            raise ValueError(
+                f"these thresholds were calibrated on {recorded.get('name')} (revision {recorded.get('revision')}), "
+                f"but this model is {actual_id['name']} (revision {actual_id['revision']}); calibrate for this "
+                "model, or load with allow_other_model=True to apply them anyway"
+            )
         expected = self.metadata.get("fingerprint")
         actual = model_fingerprint(model)
         if expected is not None and {k: expected.get(k) for k in actual} != actual:
@@ -164,8 +196,12 @@ class Thresholds:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model=None, **overrides) -> "Thresholds":
-        """Read a file written by :meth:`save`; with ``model``, check it fits that model."""
+    def load(cls, path: str | os.PathLike, model=None, *, allow_other_model: bool = False,
+             **overrides) -> "Thresholds":
+        """Read a file written by :meth:`save`; with ``model``, check it is that model's (see ``check_model``).
+
+        ``overrides``: ``lookup`` and ``smooth_sigma``, which only change how lengths are filled at run time.
+        """
         from safetensors import safe_open
 
         path = Path(path)
@@ -177,11 +213,18 @@ class Thresholds:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as err:  # safetensors raises several error types for damaged files
             raise ValueError(f"{path} is not a readable toptheta thresholds file ({err}); delete it and calibrate again") from err
+        if not isinstance(header, dict):
+            raise ValueError(f"{path} has no toptheta header; delete it and calibrate again")
         if header.get("format") != FORMAT_VERSION:
             raise ValueError(f"{path} has thresholds format {header.get('format')}, this toptheta reads {FORMAT_VERSION}")
+        missing = [f for f in ("k", "placement") if f not in header] + (["values"] if "values" not in tensors else [])
+        if missing:
+            raise ValueError(f"{path} lacks {', '.join(missing)}, so it was not written by Thresholds.save; "
+                             "delete it and calibrate again")
         options = {"lookup": header.get("lookup", "nearest"), "smooth_sigma": header.get("smooth_sigma", 0.0), **overrides}
         thresholds = cls(tensors["values"], header["k"], header["placement"], header.get("metadata"),
-                         counts=tensors.get("counts"), sdc_mass=tensors.get("sdc_mass"), **options)
+                         counts=tensors.get("counts"), sdc_mass=tensors.get("sdc_mass"),
+                         allow_other_model=allow_other_model, **options)
         if model is not None:
             thresholds.check_model(model)
         return thresholds
@@ -189,6 +232,38 @@ class Thresholds:
     def __repr__(self) -> str:
         return (f"Thresholds(shape={tuple(self.values.shape)}, granularity={self.metadata.get('granularity')!r}, "
                 f"placement={self.placement!r}, max_n={self.max_n}, k={sorted(set(self.k))})")
+
+
+def check_sdc_source(source, sparsifier, model=None) -> None:
+    """Refuse calibrated-SDC masses that were not measured for this sparsifier (and model), naming the fix.
+
+    The masses of (layer, head, n) are the mean dropped mass of the k per layer and placement they were
+    calibrated with (method.md §3.1): another k drops another mass, so k and placement must match the
+    sparsifier's, and the shape must match the model's.
+    """
+    if source is None or getattr(source, "sdc_mass", None) is None:
+        raise ValueError("SDC('calibrated') needs thresholds calibrated with the dropped-mass statistic "
+                         "(toptheta.calibrate collects it for placement='pre'); pass SDC('calibrated', thresholds=...)")
+    if source.placement != sparsifier.placement:
+        raise ValueError(f"the calibrated SDC masses are for placement={source.placement!r}, the sparsifier selects "
+                         f"{sparsifier.placement!r}; calibrate with placement={sparsifier.placement!r}")
+    wanted = [sparsifier.k_for(layer) for layer in range(source.num_layers)]
+    if wanted != source.k:
+        raise ValueError(f"the calibrated SDC masses were measured with k per layer {source.k}, the sparsifier keeps "
+                         f"{wanted}; calibrate with the sparsifier's k and layer_k")
+    if model is not None:
+        source.check_model(model)
+
+
+def check_thresholds_fit(model, sparsifier, compensations=()) -> None:
+    """Every thresholds object a ``toptheta.sparsify`` block reads fits the model and the sparsifier:
+    the sparsifier's own (``check_model``) and each calibrated SDC's source (``check_sdc_source``)."""
+    own = getattr(sparsifier, "thresholds", None)
+    if own is not None:
+        own.check_model(model)
+    for c in compensations:
+        if getattr(c, "estimator", None) == "calibrated":
+            check_sdc_source(getattr(c, "thresholds", None) or own, sparsifier, model)
 
 
 def stamp(metadata: dict) -> dict:
@@ -234,8 +309,7 @@ def _fill(values: torch.Tensor, rule: str, sigma: float) -> torch.Tensor:
 
 def _fill_row(known_values: torch.Tensor, known_n: torch.Tensor, n_axis: torch.Tensor, rule: str) -> torch.Tensor:
     if rule == "nearest":
-        distance = (n_axis[:, None] - known_n[None, :]).abs()  # (N, known); argmin picks the shorter on ties
-        return known_values[distance.argmin(1)]
+        return known_values[_nearest(known_n, n_axis)]
     # linear inside the calibrated range, clamped to the end values outside it
     idx = torch.searchsorted(known_n, n_axis.clamp(known_n[0], known_n[-1]), right=True).clamp(1, len(known_n) - 1)
     if len(known_n) == 1:
@@ -244,6 +318,17 @@ def _fill_row(known_values: torch.Tensor, known_n: torch.Tensor, n_axis: torch.T
     y0, y1 = known_values[idx - 1], known_values[idx]
     t = ((n_axis.clamp(known_n[0], known_n[-1]) - x0) / (x1 - x0)).clamp(0, 1)
     return y0 + t * (y1 - y0)
+
+
+def _nearest(known_n: torch.Tensor, n_axis: torch.Tensor) -> torch.Tensor:
+    """Index of the calibrated length nearest to every n, ties to the shorter (method.md §2.1); O(N) memory.
+
+    known_n (known,) ascending, n_axis (N,) -> (N,) indices into known_n. Only the two calibrated lengths
+    around n can be nearest: the first one ≥ n (searchsorted) and the one before it.
+    """
+    above = torch.searchsorted(known_n, n_axis).clamp(max=len(known_n) - 1)  # (N,) first known ≥ n, or the last
+    below = (above - 1).clamp(min=0)
+    return torch.where((known_n[above] - n_axis).abs() < (n_axis - known_n[below]).abs(), above, below)
 
 
 def _gaussian_smooth(x: torch.Tensor, sigma: float) -> torch.Tensor:

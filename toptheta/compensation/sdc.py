@@ -23,7 +23,7 @@ class SDC:
 
     Args:
         estimator: ``"exact"`` (the dropped logits' own mass), ``"exp-threshold"`` (an upper bound:
-            every dropped logit is below θ, so E ≤ (n − |S|)·exp(θ − m); top-θ pre-softmax only), or
+            every dropped logit is ≤ min(θ, m), so E ≤ (n − |S|)·exp(min(θ, m) − m); top-θ pre-softmax only), or
             ``"calibrated"`` (the mean dropped mass per layer, head and row length measured during
             calibration and stored in the thresholds).
         scale: λ, multiplying E (1.0 in every paper run).
@@ -66,8 +66,10 @@ class SDC:
         elif self.estimator == "exp-threshold":
             # Only valid dropped keys count (the reference code also counted masked future slots).
             n_dropped = (rows.n.unsqueeze(-1) - rows.counts().unsqueeze(-1)).float()  # (B, H, Q, 1)
-            # θ is a logit (pre-softmax only); the exponent is capped so a huge θ stays finite.
-            bound = torch.exp((rows.theta - rows.row_max).clamp(max=80.0))
+            # θ is a logit (pre-softmax only). Every dropped logit is ≤ θ and ≤ the row's maximum m, so each adds at
+            # most exp(min(θ, m) − m) ≤ 1. This matters on rows where nothing beats θ (θ > m): they keep their maximum
+            # (TopTheta's empty-row rule), and exp(θ − m) per dropped key would overshoot by orders of magnitude.
+            bound = torch.exp(torch.minimum(rows.theta, rows.row_max) - rows.row_max)
             mass = torch.where(n_dropped > 0, n_dropped * bound, torch.zeros_like(bound))
         else:
             source = self.thresholds or sparsifier.thresholds

@@ -48,7 +48,10 @@ def _result(task: str, metric: str, values: list[float], samples: list[dict], sc
 def run_humaneval(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
     """Pass@1 with greedy decoding; prompt + completion ≤ max_length tokens (2048 in the paper)."""
     from .humaneval import evaluate_completions, extract_code, load_problems, truncate_at_stop
+    from .sandbox import require_isolation
 
+    allow_unsafe = bool(task.get("allow_unsafe_code", False))
+    require_isolation(allow_unsafe)  # refuse in a second, before any generation, if code cannot be isolated
     problems = load_problems(limit=task.get("limit"))
     max_length = int(task.get("max_length") or 2048)
     completions, samples = {}, []
@@ -63,7 +66,8 @@ def run_humaneval(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
         completions[task_id] = [completion]
         samples.append({"task_id": task_id, "generation": text, "completion": completion,
                         "seconds": round(time.time() - t0, 2)})
-    report = evaluate_completions(problems, completions, ks=(1,), limits=_sandbox_limits(task))
+    report = evaluate_completions(problems, completions, ks=(1,), limits=_sandbox_limits(task),
+                                  allow_unsafe_code=allow_unsafe)
     verdicts = {r.task_id: r for r in report.results}
     for s in samples:
         s.update(passed=verdicts[s["task_id"]].passed, status=verdicts[s["task_id"]].status)
@@ -92,10 +96,10 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
         hits.append(hit)
         samples.append({"id": record["id"], "length_tokens": n_prompt, "depth": record["depth"], "generation": text,
                         "correct": bool(hit)})
-    out = _result("passkey", "accuracy", hits, samples, scale=100.0)
+    out = _result("passkey", "accuracy", hits, samples)  # a fraction, like every accuracy in the store
     for length in sorted({r["target_tokens"] for r in records}):
         sub = [s["correct"] for s, r in zip(samples, records) if r["target_tokens"] == length]
-        out["results"][f"passkey_{length}"] = {"accuracy,none": 100.0 * sum(sub) / len(sub)}
+        out["results"][f"passkey_{length}"] = {"accuracy,none": sum(sub) / len(sub)}
     return out
 
 

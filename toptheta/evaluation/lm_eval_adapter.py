@@ -2,8 +2,9 @@
 sequences a task's calibration split would feed it.
 
 Tasks come from toptheta.evaluation.tasks (stock lm-eval tasks with a local or hub data source,
-their `_calibration` variants, and `smoke`). The data source is resolved once per call:
-the `data_dir` argument, else the TOPTHETA_DATA_DIR environment variable, else None (hub).
+their `_calibration` variants, and `smoke`). The data source is resolved once per call by
+tasks.resolve_data_dir: a directory, `"auto"` ($TOPTHETA_DATA_DIR, else the copy shipped in
+toptheta/data), or None / `"hub"` (the Hugging Face hub).
 All argument, task-name and data-file checks run before lm-eval builds anything and before the
 model is touched, so a typo fails in milliseconds rather than after model loading.
 """
@@ -18,11 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from toptheta.evaluation.longbench import NO_CHAT_TEMPLATE
 from toptheta.evaluation.tasks import (
+    DATA_DIR_ENV,
     base_name,
     calibration_name,
     check_tasks,
     fewshot_source,
     is_longbench,
+    resolve_data_dir,
+    task_names,
     task_include_paths,
     task_spec,
 )
@@ -32,31 +36,7 @@ if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-DATA_DIR_ENV = "TOPTHETA_DATA_DIR"
-
 log = logging.getLogger(__name__)
-
-
-def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path | None:
-    """The data dir to use: `data_dir`, else $TOPTHETA_DATA_DIR, else None (Hugging Face hub).
-
-    Returned absolute, so rendered YAMLs and recorded configs do not depend on the working
-    directory. An empty environment variable counts as unset.
-    """
-    source = "data_dir"
-    if data_dir is None:
-        data_dir = os.environ.get(DATA_DIR_ENV) or None
-        source = f"${DATA_DIR_ENV}"
-    if data_dir is None:
-        return None
-    path = Path(data_dir).expanduser().resolve()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"data dir {path} (from {source}) is not a directory. Pass the directory holding "
-            f"arc_easy/, hellaswag/, ... (e.g. ../shared/data), or data_dir=None with "
-            f"{DATA_DIR_ENV} unset to use the Hugging Face hub."
-        )
-    return path
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -79,21 +59,80 @@ def _check_run_args(num_fewshot: Any, limit: Any, batch_size: Any, max_length: A
                 f"a float limit is a fraction of the documents and must be in (0, 1), got {limit}; "
                 f"use an int for a document count"
             )
-    if not _is_int(batch_size, 1):
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if not (_is_int(batch_size, 1) or batch_size == "auto"):
+        raise ValueError(f"batch_size must be an int >= 1 or 'auto', got {batch_size!r}")
     if max_length is not None and not _is_int(max_length, 2):
         raise ValueError(f"max_length must be None (model default) or an int >= 2, got {max_length!r}")
 
 
-def _task_manager(include_paths: list[str]) -> TaskManager:
-    """A TaskManager that indexes only our task dirs.
+def _task_manager(include_paths: list[str], stock: bool = False) -> TaskManager:
+    """A TaskManager that indexes our task dirs (and lm-eval's own tasks only if `stock`).
 
-    include_defaults=False: indexing lm-eval's ~15k stock YAMLs costs ~20 s per call, and our
-    YAMLs reach the stock ones through absolute `include:` paths anyway.
+    Indexing lm-eval's ~15k stock YAMLs costs ~20 s per call, and our YAMLs reach the stock ones
+    through absolute `include:` paths anyway, so it happens only for tasks outside our catalogue.
     """
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_paths, include_defaults=False)
+    return TaskManager(include_path=include_paths, include_defaults=stock)
+
+
+def is_catalogued(task: str) -> bool:
+    """Whether `task` is one of ours (an offline variant, a calibration variant, smoke)."""
+    return isinstance(task, str) and task in task_names()
+
+
+def _user_paths(include_path: str | os.PathLike[str] | None) -> list[str]:
+    if include_path is None:
+        return []
+    path = Path(include_path).expanduser().resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"task include_path {path} does not exist; point it at a folder of lm-eval task YAMLs")
+    return [str(path)]
+
+
+def _needs_stock(external: list[str], user_paths: list[str]) -> bool:
+    """Whether the external tasks need lm-eval's own index (not all of them are in the user's YAMLs)."""
+    return bool(external) and not set(external) <= set(_task_manager(user_paths).all_tasks if user_paths else [])
+
+
+def check_external_tasks(tasks: list[str], include_path: str | os.PathLike[str] | None = None) -> list[str]:
+    """Check that `tasks` (names outside our catalogue) are lm-eval tasks; return the include paths to use.
+
+    Looks in `include_path` first, then lm-eval's own tasks (indexing those takes ~20 s, still before any
+    model work). Unknown names raise ValueError with the closest known names.
+    """
+    import difflib
+
+    paths = _user_paths(include_path)
+    known = set(_task_manager(paths, stock=_needs_stock(tasks, paths)).all_tasks)
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        close = sorted({m for t in unknown for m in difflib.get_close_matches(t, known, n=5)})
+        raise ValueError(
+            f"unknown lm-eval task(s) {unknown}: neither ours ({', '.join(task_names())}) nor lm-eval's"
+            f"{' nor under ' + paths[0] if paths else ''}. Close names: {', '.join(close) or 'none'}. "
+            f"`lm_eval ls tasks` lists lm-eval's tasks; task.include_path=<folder> adds your own YAMLs."
+        )
+    return paths
+
+
+def clip_samples(samples: dict[str, list[dict]], max_chars: int = 2000) -> dict[str, list[dict]]:
+    """lm-eval's per-sample logs with every string longer than `max_chars` clipped (head and tail kept).
+
+    Few-shot prompts and LongBench contexts repeat kilobytes per choice; clipped, a run's samples.json
+    stays a few MB while keeping each document's id, target, responses, metrics and hashes.
+    """
+    def clip(value: Any) -> Any:
+        if isinstance(value, str) and len(value) > max_chars:
+            half = max_chars // 2
+            return f"{value[:half]} [... {len(value) - max_chars} characters clipped ...] {value[-half:]}"
+        if isinstance(value, dict):
+            return {key: clip(v) for key, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clip(v) for v in value]
+        return value
+
+    return {task: [clip(sample) for sample in rows] for task, rows in samples.items()}
 
 
 def _load_tasks(manager: TaskManager, tasks: list[str], data_dir: Path | None) -> dict[str, Task]:
@@ -101,11 +140,11 @@ def _load_tasks(manager: TaskManager, tasks: list[str], data_dir: Path | None) -
     try:
         return manager.load(tasks)["tasks"]
     except Exception as err:
-        if data_dir is not None or all(not task_spec(base_name(t)).needs_data for t in tasks):
+        if data_dir is not None or all(is_catalogued(t) and not task_spec(base_name(t)).needs_data for t in tasks):
             raise
         raise RuntimeError(
             f"loading {tasks} from the Hugging Face hub failed ({type(err).__name__}: {err}). "
-            f"Offline, pass data_dir (e.g. ../shared/data) or set {DATA_DIR_ENV}."
+            f"Offline, use data_dir='auto' (the copy shipped with toptheta, or ${DATA_DIR_ENV}) or a data dir."
         ) from err
 
 
@@ -113,6 +152,9 @@ def _data_sources(tasks: list[str], data_dir: Path | None) -> dict[str, str]:
     """Where each task's documents came from, for the results record."""
     out = {}
     for task in tasks:
+        if not is_catalogued(task):
+            out[task] = "lm-eval task (its own data source, usually the Hugging Face hub)"
+            continue
         spec = task_spec(base_name(task))
         if not spec.needs_data:
             out[task] = "toptheta (generated in code)"
@@ -153,15 +195,22 @@ def evaluate_tasks(
     data_dir: str | os.PathLike[str] | None,
     num_fewshot: int | None,
     limit: int | float | None,
-    batch_size: int = 1,
+    batch_size: int | str = 1,
     max_length: int | None = None,
+    scoring: str = "shared",
     log_samples: bool = False,
     seed: int = 1234,
     bootstrap_iters: int = 100_000,
     chat_template: bool = False,
     gen_kwargs: dict[str, Any] | None = None,
+    include_path: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` on `tasks` with lm-eval and return lm-eval's results dict.
+
+    A task of our catalogue (task_names()) runs our offline variant; any other name is an lm-eval
+    task, looked up in `include_path` (a folder of the user's task YAMLs) and lm-eval's own tasks, with
+    its own data source (usually the hub). `log_samples` keeps per-sample outputs under `samples`
+    (clip_samples shortens them for storage).
 
     The model is used as given (no copy, no device move, whatever attention implementation it
     has), wrapped in lm-eval's HFLM. `num_fewshot=None` keeps each task's default (0 for ours);
@@ -172,6 +221,12 @@ def evaluate_tasks(
     apply_chat_template; LongBench's few-shot and code subsets stay raw, see _use_chat_template).
     `gen_kwargs` updates generation tasks' generation_kwargs (e.g. {"max_gen_toks": 16}).
 
+    `scoring` picks the lm-eval model class for loglikelihood (multiple-choice) requests, all giving
+    the same log-likelihoods and sparsity statistics: "shared" (SharedContextHFLM: each distinct
+    context runs once, its choices are scored from the cached keys/values), "batched" (BatchedHFLM:
+    left-padded batches with an attention mask) or "stock" (lm-eval's HFLM; with batch_size > 1 its
+    right-padded rows would count in the statistics). `batch_size` ("auto": the largest batch within
+    a token budget on CPU) is contexts per forward for "shared", sequences per forward otherwise.
     LongBench tasks run through MiddleTruncatingHFLM: a prompt longer than max_length minus the
     generation budget keeps its head and tail (LongBench's rule) instead of HFLM's tail only.
 
@@ -181,24 +236,31 @@ def evaluate_tasks(
     from, for offline tasks without a train split; empty otherwise).
     """
     _check_run_args(num_fewshot, limit, batch_size, max_length)
+    if scoring not in SCORING:
+        raise ValueError(f"scoring must be one of {sorted(SCORING)}, got {scoring!r}")
     resolved = resolve_data_dir(data_dir)
     tasks = list(tasks) if isinstance(tasks, tuple) else tasks
-    check_tasks(tasks, resolved, num_fewshot)
+    if not isinstance(tasks, list) or not tasks:
+        check_tasks(tasks, resolved, num_fewshot)  # raises, naming the problem
+    ours = [t for t in tasks if is_catalogued(t)]
+    if ours:
+        check_tasks(ours, resolved, num_fewshot)
+    external = [t for t in tasks if t not in ours]
+    user_paths = check_external_tasks(external, include_path) if external else []
     use_chat = _use_chat_template(tasks, tokenizer, chat_template)
-    deviations = {t: s for t in tasks if (s := fewshot_source(t, resolved, num_fewshot))}
+    deviations = {t: s for t in ours if (s := fewshot_source(t, resolved, num_fewshot))}
     for task, source in deviations.items():
         log.warning("%s: %d-shot examples come from %s, not train as in stock lm-eval", task, num_fewshot, source)
 
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
 
     from toptheta.evaluation.longbench_lm import MiddleTruncatingHFLM
 
-    with task_include_paths(tasks, resolved) as include_paths:
-        manager = _task_manager(include_paths)
+    with task_include_paths(ours, resolved) as include_paths:
+        manager = _task_manager(include_paths + user_paths, stock=_needs_stock(external, user_paths))
         # Datasets load here, still before the model is wrapped: data errors surface first.
         loaded = _load_tasks(manager, tasks, resolved)
-        lm_class = MiddleTruncatingHFLM if any(is_longbench(t) for t in tasks) else HFLM
+        lm_class = MiddleTruncatingHFLM if any(is_longbench(t) for t in tasks) else _lm_class(scoring)
         lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
         results = simple_evaluate(
             model=lm,
@@ -223,6 +285,18 @@ def evaluate_tasks(
         "fewshot_deviations": deviations,
     }
     return results
+
+
+SCORING = ("shared", "batched", "stock")
+
+
+def _lm_class(scoring: str) -> type:
+    """The lm-eval model class of a `scoring` option (see evaluate_tasks)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from toptheta.evaluation.shared_context_lm import BatchedHFLM, SharedContextHFLM
+
+    return {"shared": SharedContextHFLM, "batched": BatchedHFLM, "stock": HFLM}[scoring]
 
 
 def hflm_max_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:

@@ -4,7 +4,8 @@ HFLM's generate_until keeps the last `max_length - max_gen_toks` tokens of a con
 truncation), which for LongBench would cut the instruction at the top of every prompt. LongBench
 (Bai et al. 2023, `pred.py`) keeps the first and the last half of the budget instead; this class
 does that to each context before HFLM sees it, so HFLM's own truncation never fires (it stays as a
-safety net). Loglikelihood requests are untouched.
+safety net). Loglikelihood requests are scored as BatchedHFLM scores them (which also keeps
+batch_size="auto" from probing max_length-sized batches on CPU).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import dataclasses
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import normalize_gen_kwargs
 
 from toptheta.evaluation.longbench import truncate_middle
+from toptheta.evaluation.shared_context_lm import BatchedHFLM
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
 
 
-class MiddleTruncatingHFLM(HFLM):
+class MiddleTruncatingHFLM(BatchedHFLM):
     """HFLM whose generate_until contexts over budget keep head and tail (see the module docstring).
 
     budget = max_length - max_gen_toks of the request: the room HFLM leaves for the prompt.

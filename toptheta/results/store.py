@@ -7,13 +7,16 @@ Layout under `results_dir`:
     runs/<run_id>/samples.json    lm-eval's per-sample logs (only when it produced them)
     runs/<run_id>/stats.json      sparsity statistics (kept fractions, ...)
     runs/<run_id>/meta.json       run_id, thresholds_ref, extra, git_commit, timestamp
+    runs/<run_id>/invocation.json the command line, Hydra overrides and job (written by the pipeline)
+    runs/<run_id>/thresholds.safetensors  a copy of the thresholds the run used (Top-θ runs)
     runs/<run_id>/DONE            written last: a run counts as complete only with it
     summary.csv                   one row per (run, task, metric); appended under a lock
 
 A run directory is assembled in a temporary sibling and renamed into place, so readers never
 see half a run, and a crash leaves no partial files behind. summary.csv is rewritten whole to a
-temporary file and os.replace'd while holding an fcntl lock on summary.csv.lock, so parallel
-jobs (e.g. a Hydra multirun) never lose or interleave rows.
+temporary file and os.replace'd while holding a lock on summary.csv.lock, so parallel
+jobs (e.g. a Hydra multirun) never lose or interleave rows. RunStore.claim(run_id) is the
+per-run claim (lock files in .claims/, see claims.py) that keeps two jobs from computing one run.
 
 The run id is a hash of the resolved config minus IGNORED_CONFIG_KEYS (settings that cannot
 change results), so rerunning an identical experiment finds the existing run.
@@ -24,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime as dt
-import fcntl
 import hashlib
 import io
 import json
@@ -37,6 +39,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .claims import claim
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -44,7 +48,10 @@ if TYPE_CHECKING:
 # overwrite, Hydra's own bookkeeping. Everything else (model, sparsifier, tasks, data_dir,
 # limit, seed, ...) is part of it: when in doubt a key stays in, since a spurious new run id
 # only costs a rerun while a missing key would silently reuse a different experiment's result.
-IGNORED_CONFIG_KEYS: tuple[str, ...] = ("logger", "force", "results_dir", "hydra", "wandb")
+IGNORED_CONFIG_KEYS: tuple[str, ...] = ("logger", "force", "results_dir", "hydra", "wandb",
+                                        # how code runs or how many contexts share a forward, not what it scores
+                                        # (batches score as batch 1 does: tests/test_shared_context.py)
+                                        "task.allow_unsafe_code", "task.batch_size")
 
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "run_id",
@@ -54,6 +61,14 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "k",
     "comp",
     "granularity",
+    "layer_k",
+    "calib_task",
+    "calib_statistic",
+    "sigma_add",
+    "tac",
+    "calib_documents",
+    "calib_compensation",
+    "empty_rows",
     "task",
     "num_fewshot",
     "limit",
@@ -62,6 +77,9 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "stderr",
     "kept_attention_fraction",
     "kept_vrow_fraction",
+    "clamped_rows",
+    "empty_row_count",
+    "stats_scope",
     "git_commit",
     "phase",
     "timestamp",
@@ -77,12 +95,30 @@ SUMMARY_FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "k": ("sparsifier.k", "k"),
     "comp": ("comp.label", "comp.name", "comp", "sparsifier.comp"),
     "granularity": ("calib.granularity", "sparsifier.granularity", "granularity"),
+    "layer_k": ("sparsifier.layer_k",),
+    "calib_task": ("calib.task",),
+    "calib_statistic": ("calib.statistic",),
+    "sigma_add": ("calib.sigma_add",),
+    "tac": ("calib.tac",),
+    "calib_documents": ("calib.num_samples",),
+    "calib_compensation": ("calib.compensation",),
+    "empty_rows": ("sparsifier.empty_rows",),
     "num_fewshot": ("task.num_fewshot", "eval.num_fewshot", "num_fewshot"),
     "limit": ("task.limit", "eval.limit", "limit"),
     "phase": ("phase",),
 }
 
-STAT_COLUMNS: tuple[str, ...] = ("kept_attention_fraction", "kept_vrow_fraction")
+# Columns that describe sparsification: empty for a dense run, whatever its config holds.
+SPARSE_ONLY_COLUMNS: tuple[str, ...] = ("placement", "k", "layer_k", "empty_rows")
+
+# Columns read from the run's statistics: column -> candidate keys of stats (the first present wins).
+STAT_SOURCES: dict[str, tuple[str, ...]] = {
+    "kept_attention_fraction": ("kept_attention_fraction",),
+    "kept_vrow_fraction": ("kept_vrow_fraction",),
+    "clamped_rows": ("clamped_rows",),  # rows longer than the calibrated lengths (θ of the longest one used)
+    "empty_row_count": ("empty_rows", "empty_row_count"),  # Top-θ rows where nothing passed θ
+}
+STAT_COLUMNS: tuple[str, ...] = tuple(STAT_SOURCES)
 
 DONE_MARKER = "DONE"
 
@@ -252,8 +288,11 @@ def summary_rows(
 
     metric is lm-eval's key, e.g. `acc,none` or `acc_norm,none`; stderr is the matching
     `acc_stderr,none` (None when lm-eval gives "N/A"). num_fewshot and limit come from what
-    lm-eval actually used (`n-shot`, `config.limit`), falling back to the config. The kept
-    fractions come from `stats[task][name]`, else `stats[name]`. Other columns: see
+    lm-eval actually used (`n-shot`, `config.limit`), falling back to the config. The statistics
+    (STAT_SOURCES) come from `stats[task]` when present, else from `stats` for the task the run
+    evaluated; a sub-task without its own numbers (a passkey length) gets none, and the
+    `stats_scope` column says which (`task`, `run`, empty). A dense run leaves the sparse-only
+    columns (SPARSE_ONLY_COLUMNS) empty. Other columns: see
     SUMMARY_FIELD_PATHS; `overrides` sets columns outright (applied last). `commit` defaults
     to git_commit(), `timestamp` to now (UTC).
     """
@@ -266,9 +305,14 @@ def summary_rows(
     if used_limit is not None:
         base["limit"] = used_limit
 
+    if _lookup(config, "sparsifier.name") == "dense":
+        base.update({column: None for column in SPARSE_ONLY_COLUMNS})
+
+    results = lm_eval_results.get("results") or {}
+    own_tasks = {_lookup(config, "task.lm_eval_task"), _lookup(config, "task.name")} - {None}
     rows = []
-    for task, metrics in (lm_eval_results.get("results") or {}).items():
-        task_stats = stats.get(task) if isinstance(stats.get(task), Mapping) else {}
+    for task, metrics in results.items():
+        task_stats, scope = _stats_for(task, stats, own=len(results) == 1 or task in own_tasks)
         fewshot = (lm_eval_results.get("n-shot") or {}).get(task)
         for key, value in metrics.items():
             if "," not in key or "_stderr," in key:
@@ -279,10 +323,25 @@ def summary_rows(
                 row["num_fewshot"] = fewshot
             row["value"] = _number_or_none(value)
             row["stderr"] = _number_or_none(metrics.get(f"{name}_stderr,{filt}"))
-            for stat in STAT_COLUMNS:
-                row[stat] = task_stats.get(stat, stats.get(stat))
+            for column, keys in STAT_SOURCES.items():
+                row[column] = next((task_stats[k] for k in keys if task_stats.get(k) is not None), None)
+            row["stats_scope"] = scope
             rows.append(row | dict(overrides or {}))
     return rows
+
+
+def _stats_for(task: str, stats: Mapping[str, Any], *, own: bool) -> tuple[Mapping[str, Any], str | None]:
+    """The statistics a row of `task` reports, and their scope.
+
+    `task`: stats[task] holds this task's own numbers (e.g. one passkey length; for the task the run
+    evaluated, the run's numbers fill what it lacks); `run`: the run's statistics, for the task the run
+    evaluated; None: a sub-task (a passkey length, a group member) without its own numbers gets no
+    statistics rather than the pooled ones of the whole run.
+    """
+    pooled = stats if own else {}
+    if isinstance(stats.get(task), Mapping):
+        return {**pooled, **stats[task]}, "task"
+    return pooled, ("run" if own else None)
 
 
 # ---------------------------------------------------------------- the store
@@ -337,8 +396,13 @@ class RunStore:
         stats: Mapping[str, Any],
         thresholds_ref: str | None,
         extra: Mapping[str, Any] | None = None,
+        texts: Mapping[str, str] | None = None,
+        copies: Mapping[str, str | os.PathLike[str]] | None = None,
     ) -> Path:
         """Store one run atomically and return its directory; an existing run is replaced.
+
+        ``texts`` adds files by name and content (e.g. ``invocation.json``); ``copies`` copies files in
+        by name and source path (e.g. the thresholds the run used), so the run directory stands alone.
 
         Files are written into a temporary directory next to the final one, DONE last, then
         the directory is renamed into place. Replacing an existing run moves the old directory
@@ -365,11 +429,17 @@ class RunStore:
         }
         if samples:
             files["samples.json"] = _dumps(samples)
+        files.update(texts or {})
+        for name in [*(texts or {}), *(copies or {})]:
+            if not name or "/" in name or name.startswith(".") or name == DONE_MARKER:
+                raise ValueError(f"run file name {name!r}: give a plain file name such as 'thresholds.safetensors'")
 
         staging = Path(tempfile.mkdtemp(dir=self.runs_dir, prefix=f".tmp-{run_id}-"))
         try:
             for name, text in files.items():
                 _write_text_atomic(staging / name, text)
+            for name, source in (copies or {}).items():
+                shutil.copyfile(source, staging / name)
             _write_text_atomic(staging / DONE_MARKER, _now() + "\n")
             self._swap_into_place(staging, final)
         except BaseException:
@@ -394,14 +464,19 @@ class RunStore:
 
     @contextlib.contextmanager
     def _summary_lock(self) -> Iterator[None]:
-        """Exclusive fcntl lock on a separate lock file (summary.csv itself gets replaced)."""
-        self.results_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.results_dir / "summary.csv.lock", "a", encoding="utf-8") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        """Exclusive lock on a separate lock file (summary.csv itself gets replaced); see claims.py."""
+        with claim(self.results_dir / "summary.csv.lock", "summary.csv"):
+            yield
+
+    def finished_since(self, run_id: str, since: float) -> bool:
+        """Whether run ``run_id`` is complete and was stored at or after time ``since`` (time.time())."""
+        done = self.run_dir(run_id) / DONE_MARKER
+        return done.is_file() and done.stat().st_mtime >= since
+
+    def claim(self, run_id: str, *, wait: bool = True) -> contextlib.AbstractContextManager[bool]:
+        """The claim on computing run ``run_id`` (see claims.claim): check exists() inside it."""
+        self.run_dir(run_id)  # validates the id
+        return claim(self.results_dir / ".claims" / f"{run_id}.lock", f"run {run_id}", wait=wait)
 
     def append_summary(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Append `rows` to summary.csv atomically, under a lock shared by all processes.
@@ -439,6 +514,11 @@ def load_summary(results_dir: str | os.PathLike[str] = "results") -> pd.DataFram
     if not path.exists():
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
     # Text columns pinned to str: a hex run id such as "1234e567..." would otherwise parse as a float.
-    text = ("run_id", "model", "sparsifier", "placement", "comp", "granularity", "task", "metric",
+    text = ("run_id", "model", "sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task",
+            "calib_statistic", "tac", "calib_compensation", "empty_rows", "task", "metric", "stats_scope",
             "git_commit", "phase", "timestamp")
-    return pd.read_csv(path, dtype={c: str for c in text})
+    summary = pd.read_csv(path, dtype={c: str for c in text})
+    for column in SUMMARY_COLUMNS:  # a store written before a column existed: the column, empty
+        if column not in summary:
+            summary[column] = None
+    return summary

@@ -31,12 +31,13 @@ class RowBlock:
                  probs: torch.Tensor | None = None, exp_scores: torch.Tensor | None = None,
                  row_sum: torch.Tensor | None = None, row_max: torch.Tensor | None = None):
         self.layer = layer
-        self.phase = phase  # "prefill" (the call had Q > 1 rows) or "decode" (one new token)
+        self.phase = phase  # "prefill" (a prompt or scoring pass) or "decode" (a generation step after the prompt)
         self.logits = logits  # (B, H, Q, K) scaled scores, -inf where invalid
         self.n = n  # (B, 1, Q) number of valid keys of each row
         self.keep: torch.Tensor | None = None  # (B, H, Q, K) bool once a sparsifier has chosen (None = all)
         self.theta: torch.Tensor | None = None  # (B, H, Q, 1) per-row threshold, set by threshold sparsifiers
         self.clamped_rows = 0  # rows longer than any calibrated row length (threshold lookups clamp)
+        self.empty: torch.Tensor | None = None  # (B, H, Q) bool: sparsified rows where no valid score passes θ
         self.kept_counts: torch.Tensor | None = None  # (B, H, Q) kept keys per row, when the sparsifier knows
         self.kept_mass: torch.Tensor | None = None  # (B, H, Q, 1) dense probability mass kept, set by the kernel
         self._valid = valid

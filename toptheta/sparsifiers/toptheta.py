@@ -6,6 +6,8 @@ import torch
 
 from .base import RowBlock, Sparsifier, check_placement, keep_whole_short_rows
 
+EMPTY_ROWS = ("keep-max", "reference")
+
 
 class TopTheta(Sparsifier):
     """Static-threshold selection with thresholds calibrated per layer, head and row length.
@@ -16,12 +18,21 @@ class TopTheta(Sparsifier):
             top-k, so the two sparsifiers touch the same rows.
         placement: ``"pre"`` or ``"post"``; defaults to the placement the thresholds were calibrated
             for. A mismatch is refused: logit thresholds mean nothing as probabilities.
+        empty_rows: what a sparsified row whose every valid score is ≤ θ (an *empty row*) attends to.
+            ``"keep-max"`` (default): its largest element, so it never attends to the future and never
+            becomes NaN or 0/0. ``"reference"``: as the reference code [R] (method.md §9, 10a) — it keeps
+            nothing; pre-softmax without SDC that is uniform attention over the whole padded row of width K,
+            future keys included (the kernel does it), with SDC (R = 0) and post-softmax a zero row, β = 1
+            with VMC. Either way the rows are counted (``rows.empty``, ``SparsityStats.empty_rows``).
 
-    A row whose every valid score is ≤ θ keeps its largest element,
-    rather than attending uniformly to the future as the reference code did (method.md §9, 10a).
+    With keep-max, exp-threshold SDC bounds each dropped key of such a row by exp(m − m) = 1, not exp(θ − m):
+    every dropped logit is ≤ the kept maximum m (see ``compensation/sdc.py``).
     """
 
-    def __init__(self, thresholds, placement: str | None = None):
+    def __init__(self, thresholds, placement: str | None = None, empty_rows: str = "keep-max"):
+        if empty_rows not in EMPTY_ROWS:
+            raise ValueError(f"empty_rows must be one of {EMPTY_ROWS}, got {empty_rows!r}")
+        self.empty_rows = empty_rows
         placement = check_placement(placement or thresholds.placement)
         if placement != thresholds.placement:
             raise ValueError(
@@ -44,19 +55,24 @@ class TopTheta(Sparsifier):
 
     def select(self, rows: RowBlock) -> torch.Tensor:
         self._theta(rows)
-        # One comparison keeps the scores above θ and each row's maximum (never an empty row, method.md §9,
-        # 10a): lowering θ to just below the row's maximum adds exactly the maximum.
-        top = rows.max_score(self.placement)
-        cut = torch.minimum(rows.theta, torch.nextafter(top, top.new_tensor(float("-inf"))))
+        top = rows.max_score(self.placement)  # (B, H, Q, 1)
+        # Keep-max: one comparison keeps the scores above θ and each row's maximum (never an empty row, method.md
+        # §9, 10a): lowering θ to just below the row's maximum adds exactly the maximum.
+        cut = rows.theta
+        if self.empty_rows == "keep-max":
+            cut = torch.minimum(cut, torch.nextafter(top, top.new_tensor(float("-inf"))))
         keep = rows.scores(self.placement) > cut
         # Invalid keys are never above the cut (logits are -inf there, probabilities 0 ≤ θ), except in rows whose
         # cut is negative in probability units (θ = -inf where uncalibrated, or no valid key): those keep
         # every valid key, like the short rows.
         negative = (cut < 0) if self.placement == "post" else None
-        return keep_whole_short_rows(keep, rows, self.k_for(rows.layer), also=negative)
+        k = self.k_for(rows.layer)
+        sparsified = (rows.n > k).unsqueeze(-1) if negative is None else (rows.n > k).unsqueeze(-1) & ~negative
+        rows.empty = ((top <= rows.theta) & sparsified).squeeze(-1)  # (B, H, Q): nothing passes θ
+        return keep_whole_short_rows(keep, rows, k, also=negative)
 
     def fused_rule(self, rows: RowBlock) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.placement != "post":
+        if self.placement != "post" or self.empty_rows != "keep-max":  # the fused kernel always keeps the maximum
             return None
         theta = self._theta(rows)  # (B, H, Q)
         return theta, (rows.n <= self.k_for(rows.layer)) | (theta < 0)  # as select: short or uncalibrated rows
@@ -64,7 +80,7 @@ class TopTheta(Sparsifier):
     def describe(self) -> dict:
         meta = self.thresholds.metadata
         return {"name": "toptheta", "placement": self.placement, "k": meta.get("k"),
-                "layer_k": meta.get("layer_k"), "granularity": meta.get("granularity")}
+                "layer_k": meta.get("layer_k"), "granularity": meta.get("granularity"), "empty_rows": self.empty_rows}
 
     def __repr__(self) -> str:
-        return f"TopTheta(placement={self.placement!r}, thresholds={self.thresholds!r})"
+        return f"TopTheta(placement={self.placement!r}, empty_rows={self.empty_rows!r}, thresholds={self.thresholds!r})"

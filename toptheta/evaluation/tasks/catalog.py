@@ -7,8 +7,9 @@ swapped, except `smoke`, which is ours. Each task `T` has a calibration variant
 except LongBench's `longbench_<subset>` tasks, one per stock lm-eval LongBench YAML: they read
 the original THUDM file `longbench/<subset>.jsonl` and have only a test split.
 
-Data source per run:
-- a data dir (e.g. ../shared/data): local JSON Lines files in the Hugging Face schemas;
+Data source per run (see resolve_data_dir):
+- a data dir: local JSON Lines files in the Hugging Face schemas, plain (`.jsonl`) or gzipped
+  (`.jsonl.gz`); the default is the copy shipped in toptheta/data (see its PROVENANCE.md);
 - no data dir: the Hugging Face hub (or its local cache), exactly as lm-eval defines the task.
 `smoke` never needs either.
 """
@@ -16,11 +17,46 @@ Data source per run:
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 CALIBRATION_SUFFIX = "_calibration"
 LONGBENCH_PREFIX = "longbench_"
+DATA_DIR_ENV = "TOPTHETA_DATA_DIR"
+SHIPPED_DATA_DIR = Path(__file__).resolve().parents[2] / "data"  # toptheta/data, package data
+
+
+def resolve_data_dir(value: str | os.PathLike[str] | None) -> Path | None:
+    """Where task documents come from: an absolute data dir, or None for the Hugging Face hub.
+
+    `"auto"`: $TOPTHETA_DATA_DIR when set (non-empty), else the copy shipped with toptheta;
+    `None` or `"hub"`: the hub; anything else: that directory, which must exist.
+    """
+    if value is None or str(value) == "hub":
+        return None
+    source = "data_dir"
+    if str(value) == "auto":
+        if not os.environ.get(DATA_DIR_ENV):
+            return SHIPPED_DATA_DIR
+        value, source = os.environ[DATA_DIR_ENV], f"${DATA_DIR_ENV}"
+    path = Path(value).expanduser().resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"data dir {path} (from {source}) is not a directory. Point it at a folder laid out like "
+            f"{SHIPPED_DATA_DIR} (arc_easy/test.jsonl[.gz], hellaswag/validation.jsonl[.gz], ...), use "
+            f"data_dir=auto for the shipped copy, or data_dir=hub for the Hugging Face hub."
+        )
+    return path
+
+
+def data_file(data_dir: Path, rel: str) -> Path:
+    """`data_dir/rel` if it exists, else its gzipped twin `rel.gz` if that exists, else `data_dir/rel`."""
+    plain = data_dir / rel
+    if plain.is_file():
+        return plain
+    gzipped = plain.with_name(plain.name + ".gz")
+    return gzipped if gzipped.is_file() else plain
 
 
 @dataclass(frozen=True)
@@ -58,7 +94,7 @@ BASE_TASKS: dict[str, TaskSpec] = {
         TaskSpec("smoke", None, {}),
         TaskSpec("arc_challenge", "arc/arc_challenge.yaml", _arc("arc_challenge")),
         TaskSpec("arc_easy", "arc/arc_easy.yaml", _arc("arc_easy")),
-        # Only validation exists offline for these two (see ../shared/data/PROVENANCE.md).
+        # Only validation exists offline for these two (see toptheta/data/PROVENANCE.md).
         TaskSpec("hellaswag", "hellaswag/hellaswag.yaml", {"validation": "hellaswag/validation.jsonl"}),
         TaskSpec("medmcqa", "medmcqa/medmcqa.yaml", {"validation": "medmcqa/validation.jsonl"}),
     )
@@ -139,13 +175,13 @@ def check_tasks(tasks: list[str], data_dir: Path | None, num_fewshot: int | None
             continue
         _check_offline_splits(task, spec)
         for split, rel in spec.data_files.items():
-            path = data_dir / rel
+            path = data_file(data_dir, rel)
             if not path.is_file():
                 raise FileNotFoundError(
-                    f"task {task!r} needs its {split} split file {rel!r} in the data dir, but "
-                    f"{path} does not exist{_files_beside(path)}. Point data_dir (or "
-                    f"TOPTHETA_DATA_DIR) at a directory holding {rel}, or use data_dir=None "
-                    f"for the Hugging Face hub."
+                    f"task {task!r} needs its {split} split file {rel!r} (or {rel}.gz) in the data dir, "
+                    f"but {path} does not exist{_files_beside(path)}. Point data_dir (or "
+                    f"{DATA_DIR_ENV}) at a directory holding {rel}, use data_dir=auto for the copy "
+                    f"shipped with toptheta, or data_dir=hub for the Hugging Face hub."
                 )
 
 
@@ -153,7 +189,7 @@ def _files_beside(path: Path) -> str:
     """`; <dir> holds: a.jsonl, b.jsonl` (or says it is missing), to point at a misnamed file."""
     if not path.parent.is_dir():
         return f" (no directory {path.parent})"
-    found = sorted(p.name for p in path.parent.iterdir() if p.suffix == ".jsonl")
+    found = sorted(p.name for p in path.parent.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
     return f"; {path.parent} holds: {', '.join(found) or 'no .jsonl files'}"
 
 
@@ -165,7 +201,7 @@ def _check_offline_splits(task: str, spec: TaskSpec) -> None:
         f"{task!r} cannot run offline: the data dir has no train split for {spec.name} "
         f"(only {', '.join(spec.data_files)}). Calibrate on another task's train split "
         f"instead (cross-dataset calibration, e.g. calibration task 'arc_challenge'), or run "
-        f"with data_dir=None and hub access to use {spec.name}'s own train split."
+        f"with data_dir=hub and hub access to use {spec.name}'s own train split."
     )
 
 

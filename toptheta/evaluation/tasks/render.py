@@ -17,7 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from string import Template
 
-from toptheta.evaluation.tasks.catalog import base_name, is_calibration, is_longbench, stock_tasks_dir, task_spec
+from toptheta.evaluation.tasks.catalog import (
+    base_name,
+    data_file,
+    is_calibration,
+    is_longbench,
+    stock_tasks_dir,
+    task_spec,
+)
 
 TASKS_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = TASKS_DIR / "templates"
@@ -60,10 +67,10 @@ def write_task_dir(target: Path, tasks: list[str], data_dir: Path | None) -> Non
         stock = stock_dir / spec.stock_yaml
         if data_dir is None:
             text = _render("hub.yaml", stock=stock, task=base)
-        elif is_longbench(base):
-            text = _render("longbench.yaml", stock=stock, task=base, test=data_dir / spec.data_files["test"])
-        else:
-            text = _render(f"{base}.yaml", stock=stock, data=data_dir)
+        else:  # one placeholder per split: its file, plain .jsonl or gzipped .jsonl.gz
+            files = {split: data_file(data_dir, rel) for split, rel in spec.data_files.items()}
+            template = "longbench.yaml" if is_longbench(base) else f"{base}.yaml"
+            text = _render(template, stock=stock, task=base, **files)
         _write_atomic(target / f"{base}.yaml", text)
     for task in sorted(t for t in tasks if is_calibration(t) and base_name(t) in bases):
         text = _render("calibration.yaml", base=target / f"{base_name(task)}.yaml", task=task)

@@ -1,0 +1,151 @@
+"""Typed configuration (toptheta/config.py): every YAML composes into the schema, the command on each file's
+first line composes, and a bad type or value fails at composition (or, for ranges, in pipeline.plan's first
+step) with the valid values listed. Parametrised over the files and the schema, so new options are covered."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import typing
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from toptheta import config, pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+YAMLS = sorted(p.relative_to(CONF) for p in CONF.rglob("*.yaml") if p.parent != CONF)
+GROUPS = {"model": config.ModelConfig, "sparsifier": config.SparsifierConfig, "comp": config.CompConfig,
+          "calib": config.CalibConfig, "task": config.TaskConfig, "logger": config.LoggerConfig}
+
+
+def cfg(*overrides: str):
+    config.register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def first_command(path: Path) -> list[str]:
+    """The overrides of the `# python run.py ...` line a YAML starts with (sweep lists left out)."""
+    line = next(l for l in path.read_text().splitlines() if l.startswith("# python run.py"))
+    return [a for a in line.removeprefix("# python run.py").split() if a != "-m" and "," not in a]
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=str)
+def test_every_yaml_composes_into_the_schema_as_its_first_line_says(path):
+    group, option = path.parts[0], str(path.relative_to(path.parts[0]).with_suffix(""))
+    c = cfg(f"{group}={option}")
+    if group in GROUPS:
+        assert c[group]._metadata.object_type is GROUPS[group], "the group is typed by its schema"
+    overrides = first_command(CONF / path)
+    assert f"{group}={option}" in overrides or option == "paper", f"{path}: its first line must run it"
+    c = cfg(*overrides)
+    config.check(c)  # in range, as written
+
+
+def enum_fields() -> list[tuple[str, str, type]]:
+    out = []
+    for group, schema in GROUPS.items():
+        hints = typing.get_type_hints(schema)
+        for f in dataclasses.fields(schema):
+            kinds = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if isinstance(t, type)]
+            choice = next((t for t in kinds if issubclass(t, config.Choice)), None)
+            if choice is not None:
+                out.append((group, f.name, choice))
+    return out
+
+
+def test_the_schema_has_the_choices_the_issue_names():
+    fields = {f"{g}.{n}" for g, n, _ in enum_fields()}
+    assert {"calib.granularity", "sparsifier.placement", "sparsifier.name", "comp.sdc", "task.kind",
+            "model.dtype", "calib.lookup", "calib.statistic", "logger.name"} <= fields
+
+
+@pytest.mark.parametrize("group,name,choice", enum_fields(), ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_bad_choice_fails_at_composition_listing_the_valid_ones(group, name, choice):
+    base = ["logger=wandb"] if group == "logger" else []
+    with pytest.raises(ConfigCompositionException) as err:
+        cfg(*base, f"{group}.{name}=not-a-{name}")
+    message = str(err.value.__cause__)
+    assert f"Invalid value 'not-a-{name}'" in message
+    assert "expected one of [" + ", ".join(m.value for m in choice) + "]" in message
+    for member in choice:  # and every listed value composes
+        cfg(*base, f"{group}.{name}={member.value}")
+
+
+@pytest.mark.parametrize("override", ["sparsifier.k=abc", "comp.vmc=maybe", "calib.sigma_add=lots",
+                                      "sparsifier.layer_k={a:1}", "model.max_length=long", "sparsifier.kk=3"])
+def test_a_wrong_type_or_unknown_key_fails_at_composition(override):
+    with pytest.raises(ConfigCompositionException):
+        cfg(override)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("task.batch_size=-1", "task.batch_size=-1: an integer >= 1 or auto"),
+    ("task.batch_size=0", "task.batch_size=0"),
+    ("task.batch_size=many", "an integer >= 1 or auto"),
+    ("task.limit=1.5", "a float in (0, 1)"),
+    ("task.limit=0", "task.limit=0"),
+    ("task.num_fewshot=-1", "task.num_fewshot=-1"),
+    ("sparsifier.k=0", "sparsifier.k=0: give a positive integer"),
+    ("sparsifier.layer_k={0:0}", "map a layer index >= 0 to a k >= 1"),
+    ("calib.sample_frac=0", "calib.sample_frac=0.0"),
+    ("calib.num_samples=0", "calib.num_samples=0"),
+    ("comp.sdc_scale=0", "comp.sdc_scale=0.0"),
+    ("chunk_size=0", "chunk_size=0"),
+    ("model.max_length=1", "model.max_length=1"),
+])
+def test_out_of_range_values_fail_before_anything_loads(override, message, tmp_path):
+    c = cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", override)
+    with pytest.raises(ValueError, match="invalid configuration") as err:
+        pipeline.plan(c)
+    assert message in str(err.value)
+
+
+def test_batch_size_auto_and_fractional_limits_are_allowed(tmp_path):
+    c = cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", "task.batch_size=auto", "task.limit=0.5")
+    assert pipeline.plan(c)[-1].config["task"]["batch_size"] == "auto"
+
+
+def test_plan_sees_plain_strings_not_enums(tmp_path):
+    spec = pipeline.plan(cfg("model=tiny-llama", "task=smoke", "comp=sdc+vmc", f"results_dir={tmp_path}"))[-1]
+    assert type(spec.config["sparsifier"]["name"]) is str and type(spec.thresholds["granularity"]) is str
+    assert spec.config["sparsifier"]["placement"] == "pre" and type(spec.config["comp"]["sdc"]) is str
+
+
+def test_choices_print_as_their_values():
+    c = cfg("calib.granularity=layer-head")
+    assert f"{c.calib.granularity}" == str(c.calib.granularity) == "layer-head" == c.calib.granularity
+
+
+def test_run_ids_did_not_change_with_the_schema(tmp_path):
+    """Fields the schema added to every task (include_path, ...) stay out of the run id when unset: the
+    default run's task identity has exactly the keys of the committed store's run of it."""
+    import json
+
+    specs = pipeline.plan(cfg(f"results_dir={tmp_path}"))
+    stored = json.loads((ROOT / "results" / "runs" / "1ab878e002fa755b" / "config.json").read_text())
+    assert specs[0].label == "dense" and set(specs[0].config["task"]) == set(stored["task"])
+    assert set(specs[0].config["sparsifier"]) == set(stored["sparsifier"])
+    with_path = pipeline.plan(cfg(f"results_dir={tmp_path}", "task.include_path=/somewhere"))
+    assert with_path[0].run_id != specs[0].run_id  # when set, it is part of the identity
+
+
+def test_default_results_dir_is_local_and_git_ignored():
+    c = cfg()
+    assert c.results_dir == "outputs/results" and c.log_samples is True and c.data_dir == "auto"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "outputs/results/summary.csv"], cwd=ROOT)
+    assert ignored.returncode == 0
+
+
+def test_nothing_reads_the_shared_folder_beside_the_checkout():
+    """Code, configs and tests use the shipped data (toptheta/data), never ../shared."""
+    pattern = re.compile(r"\.\./shared|\"shared\" */ *\"data\"|parents\[\d\] */ *\"shared\"")
+    offenders = [str(p.relative_to(ROOT)) for folder in ("toptheta", "conf", "tests", "scripts")
+                 for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".yaml", ".sh") and p.name != Path(__file__).name
+                 and pattern.search(p.read_text(encoding="utf-8", errors="replace"))]
+    assert not offenders

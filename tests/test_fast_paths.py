@@ -1,0 +1,328 @@
+"""Fast paths (attention/decode.py, attention/prefill.py) against the plain kernel, the reference.
+
+Each test runs the same inputs through the fast path and through ``kernel.sparse_attention`` with the fast
+paths switched off, and asks for the same outputs (float tolerance), the same keep decisions and the same
+statistics.
+"""
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import toptheta
+from toptheta.attention import decode, prefill
+from toptheta.calibration import Thresholds
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+H, HKV = 6, 2  # GQA: 3 query heads per KV head
+
+
+def _thresholds(placement: str, layers: int = 1, k: int = 3, max_n: int = 80) -> Thresholds:
+    """θ per (layer, head, n) that keeps a part of each row of the random data below (not all, not one)."""
+    g = torch.Generator().manual_seed(7)
+    n = torch.arange(max_n + 1).clamp(min=1).float()
+    if placement == "pre":
+        values = 0.8 + 0.4 * torch.rand(layers, H, 1, generator=g) + 0.0 * n  # scaled logits
+    else:
+        values = (1.5 + torch.rand(layers, H, 1, generator=g)) / n  # a few times the uniform probability
+    values[..., :2] = float("nan")
+    sdc_mass = torch.rand(layers, H, max_n + 1, generator=g) * n
+    return Thresholds(values.contiguous(), [k] * layers, placement, sdc_mass=sdc_mass)
+
+
+def _configs(layers: int = 1):
+    """Every sparsifier × placement × compensation worth distinguishing."""
+    pre, post = _thresholds("pre", layers), _thresholds("post", layers)
+    return {
+        "dense": (toptheta.Dense(), []),
+        "topk-post": (toptheta.TopK(3, "post"), []),
+        "topk-post-vmc": (toptheta.TopK(3, "post"), [toptheta.VMC()]),
+        "topk-pre": (toptheta.TopK(3, "pre"), []),
+        "topk-pre-sdc-vmc": (toptheta.TopK(3, "pre"), [toptheta.SDC("exact"), toptheta.VMC()]),
+        "theta-post": (toptheta.TopTheta(post), []),
+        "theta-post-vmc": (toptheta.TopTheta(post), [toptheta.VMC()]),
+        "theta-pre": (toptheta.TopTheta(pre), []),
+        "theta-pre-sdc": (toptheta.TopTheta(pre), [toptheta.SDC("exact")]),
+        "theta-pre-sdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("exact"), toptheta.VMC()]),
+        "theta-pre-expsdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("exp-threshold"), toptheta.VMC()]),
+        "theta-pre-calsdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("calibrated"), toptheta.VMC()]),
+    }
+
+
+CONFIGS = list(_configs())
+
+
+def _run(fast: bool, monkeypatch, data, sparsifier, comp, **kw):
+    """(output, keep masks seen, stats) of one kernel call with the fast paths on or off."""
+    monkeypatch.setattr(decode, "ENABLED", fast)
+    monkeypatch.setattr(prefill, "ENABLED", fast)
+    q, k, v, valid = data
+    stats = toptheta.SparsityStats(num_layers=1, num_heads=q.shape[1], num_kv_heads=k.shape[1])
+    seen = []
+    out = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=sparsifier,
+                                    compensations=comp, stats=stats,
+                                    observer=(lambda rows: seen.append(rows.keep)) if kw.pop("observe", False) else None,
+                                    **kw)
+    return out, seen, stats
+
+
+def _assert_same_stats(a, b):
+    for name, x in a.state_dict().items():
+        torch.testing.assert_close(x, b.state_dict()[name], atol=1e-5, rtol=1e-5, msg=name)
+    for name in ("prefill_kept", "decode_kept", "vrow_kept", "vrow_valid", "prefill_valid", "decode_valid"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name  # counts: exactly
+    assert a.clamped_rows == b.clamped_rows
+
+
+def _decode_data(B=3, K=40, D=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, 1, D, generator=g) * 2
+    k = torch.randn(B, HKV, K, D, generator=g) * 2
+    v = torch.randn(B, HKV, K, D, generator=g)
+    valid = torch.ones(B, 1, 1, K, dtype=torch.bool)
+    if B > 2:
+        valid[1, ..., :5] = False  # left padding
+        valid[2, ..., :K - 2] = False  # a sequence with 2 valid keys: a short row, kept whole
+    return q.to(dtype), k.to(dtype), v.to(dtype), valid
+
+
+# ---- sparse decode -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("masked", [True, False])
+def test_decode_equals_the_plain_kernel(monkeypatch, name, masked):
+    decode.reset()
+    sparsifier, comp = _configs()[name]
+    q, k, v, valid = _decode_data()
+    data = (q, k, v, valid if masked else None)
+    fast, fast_keep, fast_stats = _run(True, monkeypatch, data, sparsifier, comp, observe=True)
+    slow, slow_keep, slow_stats = _run(False, monkeypatch, data, sparsifier, comp, observe=True)
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
+    assert (fast_keep[0] is None) == (slow_keep[0] is None)
+    if fast_keep[0] is not None:
+        assert torch.equal(fast_keep[0], slow_keep[0])
+    _assert_same_stats(fast_stats, slow_stats)
+    if name != "dense":
+        assert 0 < fast_stats.kept_vrow_fraction < 1
+
+
+@pytest.mark.parametrize("name", ["theta-post-vmc", "topk-pre-sdc-vmc", "theta-pre-expsdc-vmc"])
+def test_decode_steps_with_a_growing_cropped_and_edited_cache(monkeypatch, name):
+    """The running V sum follows a growing cache and is rebuilt after a crop or an edit."""
+    decode.reset()
+    sparsifier, comp = _configs()[name]
+    q, k, v, valid = _decode_data(K=60, seed=1)
+    lengths = [30, 31, 32, 33, 28, 29, 29, 45]  # grow, crop, grow, same length again, jump
+    for step, K in enumerate(lengths):
+        kk, vv = k[:, :, :K].clone(), v[:, :, :K].clone()
+        if step == 6:
+            vv[:, :, 10] += 1.0  # an edited row in the prefix (same length as before)
+            vv[:, :, K - 1] += 1.0
+        data = (q, kk, vv, valid[..., -K:])
+        fast, _, fs = _run(True, monkeypatch, data, sparsifier, comp)
+        slow, _, ss = _run(False, monkeypatch, data, sparsifier, comp)
+        torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5, msg=f"step {step}, K={K}")
+        _assert_same_stats(fs, ss)
+
+
+def test_decode_gathers_only_the_kept_value_rows(monkeypatch):
+    """V rows nobody kept are never read: poisoning them with NaN leaves the output finite and unchanged."""
+    decode.reset()
+    sparsifier, comp = _configs()["theta-post-vmc"]
+    q, k, v, valid = _decode_data(B=1, K=64)
+    seen = []
+    toptheta.sparse_attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=sparsifier,
+                              observer=lambda rows: seen.append(rows.keep))
+    union = seen[0].view(1, HKV, H // HKV, 64).any(2)  # (1, Hkv, K)
+    assert union.float().mean() < decode.DENSE_ABOVE
+    clean = toptheta.sparse_attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=sparsifier)
+    poisoned = v.masked_fill(~union[..., None], float("nan"))
+    got = toptheta.sparse_attention(q, k, poisoned, None, scaling=0.5, layer=0, sparsifier=sparsifier)
+    torch.testing.assert_close(got, clean)
+
+
+def test_decode_low_precision_cache_matches_within_rounding(monkeypatch):
+    decode.reset()
+    sparsifier, comp = _configs()["topk-post-vmc"]
+    data = _decode_data(dtype=torch.bfloat16)
+    monkeypatch.setattr(decode, "BLOCK_KEYS", 16)  # several conversion blocks
+    fast, fast_keep, fs = _run(True, monkeypatch, data, sparsifier, comp, observe=True)
+    slow, slow_keep, ss = _run(False, monkeypatch, data, sparsifier, comp, observe=True)
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), slow.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(fast_keep[0], slow_keep[0])
+    _assert_same_stats(fs, ss)
+
+
+def tiny(arch: str, layers: int = 2) -> torch.nn.Module:
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(vocab_size=97, hidden_size=96, intermediate_size=96, num_hidden_layers=layers,
+                        num_attention_heads=H, num_key_value_heads=HKV, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+@pytest.mark.parametrize("arch,name", [("llama", "theta-post-vmc"), ("llama", "topk-pre-sdc-vmc"),
+                                       ("qwen2", "theta-pre-sdc-vmc"), ("qwen2", "dense")])
+def test_generate_with_fast_decode_gives_the_same_tokens_and_stats(monkeypatch, arch, name):
+    model = tiny(arch)
+    sparsifier, comp = _configs(layers=2)[name]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (2, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    results = []
+    for fast in (True, False):
+        decode.reset()
+        monkeypatch.setattr(decode, "ENABLED", fast)
+        monkeypatch.setattr(prefill, "ENABLED", fast)
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        results.append((out, stats))
+    (fast_out, fast_stats), (slow_out, slow_stats) = results
+    assert torch.equal(fast_out.sequences, slow_out.sequences)
+    torch.testing.assert_close(torch.stack(fast_out.scores), torch.stack(slow_out.scores), atol=1e-4, rtol=1e-4)
+    _assert_same_stats(fast_stats, slow_stats)
+    assert fast_stats.decode_steps.max() == 5
+    if name != "dense":
+        assert 0 < fast_stats.kept_vrow_fraction < 1
+
+
+# ---- one-pass prefill ----------------------------------------------------------------------------------
+
+PREFILL_CONFIGS = ["dense", "theta-pre", "theta-pre-sdc", "theta-pre-sdc-vmc", "theta-pre-expsdc-vmc",
+                   "theta-pre-calsdc-vmc"]
+
+
+def _prefill_data(B=2, Q=50, K=50, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Q, D, generator=g) * 2
+    k = torch.randn(B, HKV, K, D, generator=g) * 2
+    v = torch.randn(B, HKV, K, D, generator=g)
+    valid = torch.ones(Q, K, dtype=torch.bool).tril(K - Q)[None, None].repeat(B, 1, 1, 1)
+    valid[1, ..., :5] = False  # left padding
+    return q, k, v, valid
+
+
+@pytest.fixture
+def one_thread():
+    """The one-pass kernel serves single-threaded torch only for now (prefill.MAX_THREADS)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _needs_kernel():
+    from toptheta.attention import fused_prefill
+
+    if fused_prefill.extension() is None:
+        pytest.skip("the one-pass prefill kernel could not be built here (no C++ compiler?)")
+
+
+@pytest.mark.parametrize("name", PREFILL_CONFIGS)
+@pytest.mark.parametrize("shape", ["causal", "masked", "context"])
+def test_prefill_equals_the_plain_kernel(monkeypatch, one_thread, name, shape):
+    _needs_kernel()
+    monkeypatch.setattr(prefill, "KEY_BLOCK", 16)  # several key blocks: the online softmax rescales
+    sparsifier, comp = _configs()[name]
+    q, k, v, valid = _prefill_data(K=70 if shape == "context" else 50)  # context: 20 cached keys before the queries
+    data = (q, k, v, valid if shape == "masked" else None)
+    calls = []
+    monkeypatch.setattr(prefill.fused_prefill, "extension", _counting(prefill.fused_prefill.extension, calls))
+    assert prefill.attention(*data, scaling=0.5, layer=0, sparsifier=sparsifier, compensations=comp) is not None
+    fast, _, fast_stats = _run(True, monkeypatch, data, sparsifier, comp)
+    assert calls, "the one-pass kernel did not run"
+    slow, _, slow_stats = _run(False, monkeypatch, data, sparsifier, comp)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    _assert_same_stats(fast_stats, slow_stats)
+    if name != "dense":
+        assert 0 < fast_stats.kept_attention_fraction < 1
+
+
+def _counting(fn, calls):
+    def wrapped():
+        calls.append(1)
+        return fn()
+    return wrapped
+
+
+def test_prefill_empty_and_clamped_rows_match(monkeypatch, one_thread):
+    """Rows where nothing passes θ keep their maximum; rows longer than any calibrated length clamp θ."""
+    _needs_kernel()
+    monkeypatch.setattr(prefill, "KEY_BLOCK", 16)
+    values = torch.full((1, H, 31), 1.0)
+    values[:, :3] = 40.0  # far above every logit: empty rows on half the heads
+    thresholds = Thresholds(values, [3], "pre", sdc_mass=torch.ones(1, H, 31))
+    for comp in ([], [toptheta.SDC("exact"), toptheta.VMC()], [toptheta.SDC("exp-threshold"), toptheta.VMC()]):
+        data = _prefill_data(seed=3)
+        sparsifier = toptheta.TopTheta(thresholds)
+        for _ in range(2):  # the second call reads the cached θ lookup of the first
+            fast, _, fs = _run(True, monkeypatch, data, sparsifier, comp)
+            slow, _, ss = _run(False, monkeypatch, data, sparsifier, comp)
+            torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+            _assert_same_stats(fs, ss)
+            assert fs.empty_rows.sum() > 0 and fs.clamped_rows > 0
+
+
+def test_paths_the_one_pass_kernel_does_not_serve_run_the_plain_kernel(monkeypatch):
+    pre = _thresholds("pre")
+    assert not prefill.supports(toptheta.TopK(3, "pre"))
+    assert not prefill.supports(toptheta.TopTheta(_thresholds("post")))
+    assert not prefill.supports(toptheta.TopTheta(pre), observer=print)
+    assert not prefill.supports(toptheta.TopTheta(pre, empty_rows="reference"))
+    assert not prefill.supports(toptheta.TopTheta(pre), phase="decode")  # decode stats need the keep mask
+    assert prefill.supports(toptheta.TopTheta(pre)) and prefill.supports(toptheta.Dense())
+    monkeypatch.setattr(prefill, "MAX_THREADS", 0)  # torch on more threads than the path serves: the plain kernel
+    q, k, v, _ = _prefill_data()
+    assert prefill.attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=toptheta.TopTheta(pre)) is None
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch, caplog, one_thread):
+    """No compiler: one warning, then the plain kernel's numbers, never a crash."""
+    import torch.utils.cpp_extension as cpp
+
+    from toptheta.attention import fused_prefill
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: g++ not found")
+
+    fused_prefill.extension.cache_clear()
+    monkeypatch.setattr(cpp, "load_inline", no_compiler)
+    try:
+        sparsifier, comp = _configs()["theta-pre-sdc-vmc"]
+        data = _prefill_data()
+        with caplog.at_level(logging.INFO, logger="toptheta"):
+            first, _, _ = _run(True, monkeypatch, data, sparsifier, comp)
+            second, _, _ = _run(True, monkeypatch, data, sparsifier, comp)
+        slow, _, _ = _run(False, monkeypatch, data, sparsifier, comp)
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "could not be built" in warnings[0].getMessage()
+        assert torch.equal(first, slow) and torch.equal(second, slow)
+    finally:
+        fused_prefill.extension.cache_clear()  # the next caller loads the real build again
+
+
+@pytest.mark.parametrize("arch,name", [("llama", "theta-pre-sdc-vmc"), ("qwen2", "theta-pre-expsdc-vmc"),
+                                       ("qwen2", "dense")])
+def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch, one_thread, arch, name):
+    _needs_kernel()
+    model = tiny(arch)
+    sparsifier, comp = _configs(layers=2)[name]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 97, (2, 30), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(prefill, "ENABLED", fast)
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        results.append((logits, stats))
+    (a, sa), (b, sb) = results
+    real = mask.bool()
+    torch.testing.assert_close(a[real], b[real], atol=1e-4, rtol=1e-4)
+    _assert_same_stats(sa, sb)

@@ -1,0 +1,185 @@
+"""Paired statistics against known answers and brute force (synthetic data, no model)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from toptheta.results import paired
+
+
+def test_mcnemar_known_answer():
+    # 8 questions right only in a, 2 right only in b, 90 concordant: p = 2 · P(X ≤ 2 | n=10, 1/2) = 112/1024.
+    a = [1] * 8 + [0] * 2 + [1] * 50 + [0] * 40
+    b = [0] * 8 + [1] * 2 + [1] * 50 + [0] * 40
+    p, a_only, b_only = paired.mcnemar(a, b)
+    assert (a_only, b_only) == (8, 2) and p == pytest.approx(112 / 1024)
+    assert paired.mcnemar(a, a)[0] == 1.0  # no discordant question: no evidence
+    assert paired.binomial_two_sided(5, 10) == 1.0
+
+
+def test_mcnemar_against_brute_force():
+    """The exact p-value equals the probability, under fair coins, of a split at least as lopsided."""
+    for n in range(1, 12):
+        for k in range(n + 1):
+            extreme = abs(k - n / 2)
+            brute = sum(math.comb(n, i) for i in range(n + 1) if abs(i - n / 2) >= extreme - 1e-12) / 2**n
+            assert paired.binomial_two_sided(min(k, n - k), n) == pytest.approx(min(1.0, brute))
+
+
+def test_bootstrap_matches_the_exact_bootstrap_distribution():
+    """With 6 questions all 6^6 resamples can be enumerated: the seeded bootstrap's interval matches the exact one."""
+    a = np.array([1, 1, 0, 1, 0, 1], float)
+    b = np.array([1, 0, 0, 0, 0, 1], float)
+    d = a - b
+    exact = np.array([d[list(idx)].mean() for idx in itertools.product(range(6), repeat=6)])
+    low, high = paired.paired_bootstrap(a, b, resamples=40_000, seed=1)
+    step = 1 / 6  # the resampled means live on a grid of 1/6
+    assert abs(low - np.quantile(exact, 0.025)) <= step + 1e-9
+    assert abs(high - np.quantile(exact, 0.975)) <= step + 1e-9
+    assert low <= d.mean() <= high
+
+
+def test_bootstrap_is_seeded_and_paired():
+    rng = np.random.default_rng(0)
+    dense = (rng.random(500) < 0.6).astype(float)
+    sparse = dense.copy()
+    flip = rng.choice(500, 20, replace=False)  # the sparse run disagrees on 20 of 500 questions
+    sparse[flip] = 1 - sparse[flip]
+    one = paired.compare(sparse, dense, seed=3)
+    assert one == paired.compare(sparse, dense, seed=3)  # a rerun gives the same interval
+    assert one.ci_low <= one.diff <= one.ci_high and one.n == 500
+    # Paired: the interval reflects 20 discordant questions, far tighter than two independent stderrs.
+    se = math.sqrt(0.6 * 0.4 / 500)
+    independent = paired.unpaired(sparse.mean(), se, dense.mean(), se)
+    assert (one.ci_high - one.ci_low) < 0.4 * (independent.ci_high - independent.ci_low)
+    same = paired.compare(dense, dense)
+    assert (same.ci_low, same.ci_high, same.p_mcnemar) == (0.0, 0.0, 1.0)
+
+
+def test_unpaired_normal_interval():
+    diff = paired.unpaired(0.5, 0.03, 0.4, 0.04)
+    assert diff.diff == pytest.approx(0.1)
+    assert diff.ci_high - diff.diff == pytest.approx(1.959964 * 0.05, rel=1e-5)
+    assert diff.method == "independent stderrs"
+
+
+def test_scores_that_are_not_binary_get_no_mcnemar():
+    diff = paired.compare([0.3, 0.5, 0.2], [0.25, 0.5, 0.1])
+    assert diff.p_mcnemar is None and diff.diff == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="0/1 outcomes"):
+        paired.mcnemar([0.3], [0.2])
+    with pytest.raises(ValueError, match="equally long"):
+        paired.paired_bootstrap([1, 0], [1])
+
+
+def test_outcomes_from_each_sample_format(tmp_path):
+    lm_eval = {"arc_easy": [{"doc_id": 3, "acc": 1.0, "acc_norm": 0.0}, {"doc_id": 1, "acc": 0.0, "acc_norm": 1.0}]}
+    assert paired.question_outcomes(lm_eval, "arc_easy", "acc_norm,none") == {3: 0.0, 1: 1.0}
+    humaneval = [{"task_id": "HumanEval/0", "passed": True}, {"task_id": "HumanEval/1", "passed": False}]
+    assert paired.question_outcomes(humaneval, "humaneval", "pass@1,none") == {"HumanEval/0": 1.0, "HumanEval/1": 0.0}
+    passkey = [{"id": "p-1", "correct": True}]
+    assert paired.question_outcomes(passkey, "passkey", "accuracy,none") == {"p-1": 1.0}
+    # Two run directories: compared on their common questions only, in question order of the first.
+    for name, outcomes in (("sparse", {0: 1, 1: 0, 2: 1, 3: 1}), ("dense", {1: 1, 2: 1, 3: 1, 9: 0})):
+        (tmp_path / name).mkdir()
+        samples = {"arc_easy": [{"doc_id": q, "acc_norm": float(v)} for q, v in outcomes.items()]}
+        (tmp_path / name / "samples.json").write_text(json.dumps(samples))
+    diff = paired.compare_runs(tmp_path / "sparse", tmp_path / "dense", "arc_easy", "acc_norm,none")
+    assert diff.n == 3 and diff.diff == pytest.approx(-1 / 3) and (diff.a_only, diff.b_only) == (0, 1)
+    assert paired.compare_runs(tmp_path / "sparse", tmp_path / "nowhere", "arc_easy", "acc_norm,none") is None
+
+
+# ---------------------------------------------------------------- verdicts on a synthetic store
+
+
+def _store_with_verdict_cases(root):
+    """arc_easy, 400 questions: dense; Top-θ and Top-k post + VMC at k=8 agreeing with dense on all but 2
+    questions (claim 1 holds, claim 6 holds: kept 0.2); Top-k post at k=8 wrong on 60 questions Top-k pre gets
+    right (claim 2 fails); layers 0-1 at k without per-sample outputs and wide stderrs (claim 5 undecided)."""
+    from toptheta.results.store import RunStore, summary_rows
+
+    store = RunStore(root)
+    rng = np.random.default_rng(0)
+    dense = (rng.random(400) < 0.6).astype(float)
+
+    def add(sparsifier, placement, k, comp, outcomes, kept, layer_k=("0", 512), stderr=None, samples=True):
+        config = {"model": {"name": "tiny"}, "task": {"name": "arc_easy", "lm_eval_task": "arc_easy", "limit": 400},
+                  "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
+                                 "layer_k": dict([layer_k]) if layer_k and sparsifier != "dense" else {}},
+                  "comp": {"sdc": "exact" if "sdc" in comp else None, "sdc_scale": 1.0, "vmc": "vmc" in comp},
+                  "calib": {"task": "arc_easy", "granularity": "layer-head-n"} if sparsifier == "toptheta" else None}
+        run_id = store.run_id_for(config)
+        value = float(outcomes.mean())
+        se = stderr if stderr is not None else float(outcomes.std(ddof=1) / np.sqrt(len(outcomes)))
+        results = {"results": {"arc_easy": {"acc_norm,none": value, "acc_norm_stderr,none": se}},
+                   "n-shot": {"arc_easy": 0}, "config": {"limit": 400}}
+        if samples:
+            results["samples"] = {"arc_easy": [{"doc_id": i, "acc_norm": float(x)} for i, x in enumerate(outcomes)]}
+        stats = {"kept_attention_fraction": kept}
+        store.write_run(run_id, config=config, lm_eval_results=results, stats=stats, thresholds_ref=None)
+        store.append_summary(summary_rows(run_id, config, results, stats, commit="c", timestamp="t"))
+
+    add("dense", None, None, "none", dense, 1.0)
+    near = dense.copy()
+    near[[0, 1]] = 1 - near[[0, 1]]
+    add("toptheta", "post", 8, "vmc", near, 0.2)
+    add("topk", "post", 8, "vmc", dense.copy(), 0.2)
+    pre = dense.copy()
+    post = dense.copy()
+    right = np.nonzero(dense == 1)[0][:60]
+    post[right] = 0.0
+    add("topk", "pre", 8, "none", pre, 0.2)
+    add("topk", "post", 8, "none", post, 0.2)
+    add("topk", "post", 8, "vmc", dense.copy(), 0.18, layer_k=None, stderr=0.05, samples=False)
+
+
+def test_verdict_rules():
+    from toptheta.results import verdicts
+
+    assert verdicts.decide("superiority", 0.01, 0.05) == "holds"
+    assert verdicts.decide("superiority", -0.05, -0.01) == "fails"
+    assert verdicts.decide("superiority", -0.01, 0.05) == "undecided"
+    assert verdicts.decide("non-inferiority", -0.009, 0.02) == "holds"
+    assert verdicts.decide("non-inferiority", -0.05, -0.011) == "fails"
+    assert verdicts.decide("non-inferiority", -0.02, 0.02) == "undecided"
+    # Pooling: two equal-width intervals average; identical answers on n questions are not certainty.
+    d = paired.PairedDifference(n=100, mean_a=0.5, mean_b=0.5, diff=0.0, ci_low=0.0, ci_high=0.0, p_mcnemar=1.0)
+    mean, low, high = verdicts.pool([d])
+    assert mean == 0.0 and high == pytest.approx(3 / 100) and low == pytest.approx(-3 / 100)
+
+
+def test_verdicts_on_a_synthetic_store(tmp_path):
+    import importlib.util
+
+    from toptheta.results import verdicts
+    from toptheta.results.store import load_summary
+
+    _store_with_verdict_cases(tmp_path)
+    found = {v.claim.split(".")[0]: v for v in verdicts.verdicts(load_summary(tmp_path), tmp_path)}
+    assert found["1"].verdict == "holds" and abs(found["1"].effect) < 0.01
+    assert all(p["method"] == "paired bootstrap" for p in found["1"].pairs)
+    assert found["2"].verdict == "fails" and found["2"].effect == pytest.approx(-60 / 400, abs=1e-9)
+    # VMC vs none at the smallest k: + 0.15 against Top-k post, 0 against Top-k pre (renormalised): pooled, undecided
+    assert sorted(round(p["diff"], 3) for p in found["3"].pairs) == [0.0, 0.15] and found["3"].verdict == "undecided"
+    assert found["4"].verdict == "undecided" and not found["4"].pairs
+    assert found["5"].verdict == "undecided" and found["5"].pairs[0]["method"] == "independent stderrs"
+    assert found["6"].verdict == "holds" and found["6"].pairs[0]["kept_attention_fraction"] <= 1 / 3
+
+    spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = tmp_path / "README.md"
+    readme.write_text("# Results\n\nhand-written intro\n\n<!-- verdicts:start -->\nSTALE SECTION\n<!-- verdicts:end -->\n\ntail\n")
+    assert script.main(["--results", str(tmp_path)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# Results\n\nhand-written intro") and text.rstrip().endswith("tail") and "STALE SECTION" not in text
+    assert "| 2. post-softmax beats pre-softmax |" in text and "| fails |" in text
+    assert "2. post-softmax beats pre-softmax: measured -0.150" in text  # where the small models disagree
+    first = text
+    assert script.main(["--results", str(tmp_path)]) == 0 and readme.read_text() == first  # deterministic

@@ -1,0 +1,181 @@
+"""One-pass prefill for pre-softmax Top-θ (with or without SDC and VMC) and dense attention.
+
+The fast path of ``kernel.sparse_attention`` for prompt and scoring passes. Pre-softmax Top-θ needs no
+second pass over a row (method.md §2.1, §3): the threshold is a mask on the logits, and everything SDC and
+VMC need comes out of the same online softmax. For a row with running maximum m,
+
+    l = Σ_valid e^{s−m}  (the dense denominator),  R = Σ_{s>θ} e^{s−m},  o' = Σ_{s>θ} e^{s−m} v,
+
+rescaled whenever m grows. At the end: denominator R + λ·E (E = l − R for exact SDC, (n − |S|)·e^{min(θ,m)−m}
+for exp-threshold, the calibrated mass; 0 without SDC), o = o'/denominator + β·v̄ with β = 1 − R/denominator.
+A row where nothing passed θ keeps its maximum (``TopTheta``'s default), which the kernel tracks on the side.
+Dense attention is the same loop with every valid key kept. The loop is C++ (``fused_prefill.py``); the
+keep decisions, kept counts, kept mass and empty rows it reports feed the same statistics as the plain kernel.
+
+Everything else returns None and runs in the plain kernel: Top-k (no one-pass rule), post-softmax Top-θ (it
+needs the row's log-sum-exp first; the plain kernel's ``fused.py`` does it in two passes), observers
+(calibration wants the rows), soft-capping, additive biases, the reference code's empty-row rule, and machines
+where the C++ kernel cannot be built, and (for now) torch running on more than one thread (see MAX_THREADS).
+Set ``TOPTHETA_FAST=0`` (or ``prefill.ENABLED = False``) to compare.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Sequence
+
+import torch
+
+from ..compensation import SDC, VMC
+from ..sparsifiers import Dense, TopTheta
+from ..sparsifiers.base import RowBlock
+from . import fused_prefill
+
+ENABLED = os.environ.get("TOPTHETA_FAST", "1") != "0"
+KEY_BLOCK = 512  # keys per GEMM block: the (G·rows, keys) logits block stays in L2
+MAX_QUERY_BLOCK = 64  # queries per task (times G heads = rows of one GEMM)
+KEEP_ALL = -1.0e29  # θ that keeps every valid key (the kernel's "no key" sentinel is −1e30)
+_SDC_MODES = {None: 0, "exact": 1, "exp-threshold": 2, "calibrated": 3}
+# The C++ kernel runs its tasks in at::parallel_for with ATen GEMMs inside; on 2 threads that was 6-7x slower than on
+# one (and 40x with the tasks serial and threaded GEMMs), measured on 2 shared cores: MKL's threaded sgemm on these
+# small shapes, or barriers on a busy machine. Until the GEMMs call BLAS single-threaded (to do), the path serves
+# single-threaded torch only (torch.set_num_threads(1)); elsewhere the plain kernel runs. To measure it on more
+# threads (a quiet machine): TOPTHETA_PREFILL_MAX_THREADS=2.
+MAX_THREADS = int(os.environ.get("TOPTHETA_PREFILL_MAX_THREADS", "1"))
+
+
+def supports(sparsifier, compensations: Sequence = (), *, observer=None, softcap=None, bias=None,
+             device: str = "cpu", phase: str = "prefill") -> bool:
+    """Whether this path serves the call (cheap checks only; the kernel build is checked by :func:`attention`)."""
+    if observer is not None or softcap or bias is not None or device != "cpu":
+        return False
+    if type(sparsifier) is Dense:
+        return True
+    return (type(sparsifier) is TopTheta and sparsifier.placement == "pre" and phase == "prefill"
+            and getattr(sparsifier, "empty_rows", "keep-max") == "keep-max")
+
+
+def attention(
+    query: torch.Tensor,  # (B, H, Q, D)
+    key: torch.Tensor,  # (B, Hkv, K, D)
+    value: torch.Tensor,  # (B, Hkv, K, Dv)
+    valid: torch.Tensor | None,  # (B or 1, 1, Q, K) bool; None = causal, the queries being the last Q keys
+    *,
+    scaling: float,
+    layer: int,
+    sparsifier,
+    compensations: Sequence = (),
+    stats=None,
+    observer=None,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    phase: str | None = None,
+    **_,
+) -> torch.Tensor | None:
+    """Attention output (B, Q, H, Dv) like ``kernel.sparse_attention``, or None where this path does not apply."""
+    B, H, Q, D = query.shape
+    Hkv, K, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    phase = phase or ("prefill" if Q > 1 else "decode")
+    if not supports(sparsifier, compensations, observer=observer, softcap=softcap, bias=bias,
+                    device=query.device.type, phase=phase):
+        return None
+    if (valid is None and K < Q) or K == 0 or H % Hkv or torch.get_num_threads() > MAX_THREADS:
+        return None
+    ext = fused_prefill.extension()
+    if ext is None:
+        return None
+    sparse = type(sparsifier) is TopTheta
+    sdc = next((c for c in compensations if isinstance(c, SDC)), None) if sparse else None
+    vmc = sparse and any(isinstance(c, VMC) for c in compensations)
+    counting = stats is not None and stats.enabled
+
+    n = rows = None
+    if valid is None:  # row i has the keys 0..K−Q+i
+        mask = _NO_MASK
+        if sparse or counting:
+            n = torch.arange(K - Q + 1, K + 1, device=query.device).expand(B, 1, Q)
+    else:
+        vm = valid.expand(B, 1, Q, K)
+        n = vm.sum(-1)  # (B, 1, Q)
+        mask = vm[:, 0]  # (B, Q, K), any strides
+    if sparse or counting:
+        rows = RowBlock(layer, phase, _shape_only(B, H, Q, K, query.device), n)
+    theta = raw = cal = vbar = _EMPTY
+    vmc_mode = 0
+    if sparse:
+        theta, raw, rows.clamped_rows = _row_thresholds(sparsifier, rows, cache=valid is None)
+        if sdc is not None and sdc.estimator == "calibrated":
+            source = sdc.thresholds or sparsifier.thresholds
+            cal = source.lookup_sdc(layer, n).expand(B, H, Q).float().contiguous()
+        if vmc:  # v̄: prefix means in the kernel when causal, else from the mask here
+            vmc_mode = 2 if valid is None else 1
+            if valid is not None:
+                vbar = _value_means(value, valid, n)
+    kf, vf = key.float().contiguous(), value.float().contiguous()
+    q = (query.float() * scaling).contiguous()
+    # Queries per task: enough tasks to balance the threads, and short blocks on short prompts (a causal block of
+    # qb queries computes a qb × qb triangle in full; measured on 2 shared cores: qb = 16 beats 64 at 64-256 tokens).
+    tasks_wanted = 2 * torch.get_num_threads()
+    qb = max(16, min(MAX_QUERY_BLOCK, Q // 16, -(-B * Hkv * Q // tasks_wanted)))
+    out, rowstats = ext.prefill(q, kf, vf, mask, theta, raw, cal, vbar, vmc_mode,
+                                _SDC_MODES[sdc.estimator if sdc is not None else None],
+                                float(sdc.scale) if sdc is not None else 0.0, qb, KEY_BLOCK)
+    if counting:
+        if sparse:
+            rows.kept_counts = rowstats[..., 0].long()  # (B, H, Q)
+            rows.kept_mass = rowstats[..., 1:2]  # (B, H, Q, 1)
+            rows.empty = rowstats[..., 2].bool() & (n > sparsifier.k_for(layer))
+        stats.update(rows)
+    return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def _row_thresholds(sparsifier: TopTheta, rows: RowBlock, cache: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(θ the kernel compares with, θ as calibrated, rows clamped), each (B, H, Q) float32 contiguous.
+
+    The kernel's θ is finite: rows kept whole (n ≤ k, or θ = −inf where uncalibrated) get KEEP_ALL. A causal call's
+    row lengths depend only on (B, Q, K), so those lookups are cached per sparsifier: on short prompts the lookup
+    and its small tensor ops cost as much as the attention itself.
+    """
+    B, H, Q, K = rows.logits.shape
+    key = (rows.layer, B, Q, K, rows.n.device)
+    memo = _THETAS.setdefault(sparsifier, {}) if cache else {}
+    if key not in memo:
+        n = rows.n
+        raw = sparsifier.thresholds.lookup(rows.layer, n)  # (B, H|1, Q), as TopTheta looks it up
+        theta_raw, clamped = raw[0].expand(B, H, Q), raw[1]
+        whole = (n <= sparsifier.k_for(rows.layer)) | (theta_raw < KEEP_ALL)  # short rows, uncalibrated θ = −inf
+        finite = theta_raw.clamp(KEEP_ALL, 1.0e30)
+        if len(memo) > 256:  # lm-eval scores many lengths: keep the memo small
+            memo.clear()
+        memo[key] = (torch.where(whole, KEEP_ALL, finite).contiguous(), finite.contiguous(), clamped)
+    return memo[key]
+
+
+_THETAS: "weakref.WeakKeyDictionary[TopTheta, dict]" = weakref.WeakKeyDictionary()
+_EMPTY = torch.empty(0)
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+
+
+def _shape_only(B: int, H: int, Q: int, K: int, device) -> torch.Tensor:
+    """A (B, H, Q, K) stand-in for the logits, which this path never materialises (the statistics read the shape)."""
+    return torch.zeros((), device=device).expand(B, H, Q, K)
+
+
+def _value_means(value: torch.Tensor, valid: torch.Tensor | None, n: torch.Tensor) -> torch.Tensor:
+    """v̄ of every row: the mean V row over its valid keys (B, Hkv, Q, Dv) float32 (method.md §3.2)."""
+    B, Hkv, K, Dv = value.shape
+    Q = n.shape[-1]
+    if valid is None:  # causal: prefix sums
+        prefix = value[:, :, K - Q:].double().cumsum(2)  # (B, Hkv, Q, Dv)
+        if K > Q:
+            prefix += value[:, :, :K - Q].double().sum(2, keepdim=True)
+        return (prefix / n.unsqueeze(-1)).float().contiguous()
+    vf = value.float()
+    out = vf.new_empty(B, Hkv, Q, Dv)
+    step = max(1, (1 << 22) // max(1, B * K))  # rows per chunk: ~16 MB of float mask
+    vm = valid.expand(B, 1, Q, K)
+    for a in range(0, Q, step):
+        b = min(Q, a + step)
+        out[:, :, a:b] = (vm[:, :, a:b].float() @ vf) / n[..., a:b].clamp_min(1).unsqueeze(-1)
+    return out

@@ -1,0 +1,211 @@
+"""Typed configuration: one dataclass schema per config group (conf/<group>/*.yaml), in Hydra's ConfigStore.
+
+conf/config.yaml lists `config_schema` first in its defaults, so Hydra merges every group's YAML and every
+command-line override into these dataclasses: a wrong type (`sparsifier.k=abc`), an unknown key or an
+invalid choice (`calib.granularity=layerhead`) fails while the configuration is composed, in seconds, and
+OmegaConf's message lists the valid values. Ranges that types cannot express (`task.batch_size=-1`,
+`sparsifier.k=0`) are checked by `check(cfg)`, which pipeline.plan calls before anything else.
+
+Choices are Enums whose member names equal their values ("layer-head-n"), so a YAML, an override and an
+error message all spell a value the same way; they are `str` subclasses, so `cfg.task.kind == "lm_eval"`
+holds, and pipeline turns them into plain strings (`OmegaConf.to_container(..., enum_to_str=True)`).
+Only the pipeline reads these classes; library objects take plain arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+class Choice(str, Enum):
+    """Base of the choice Enums: prints as its value, so messages and paths read `post`, not `Placement.post`."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def _choices(name: str, *values: str) -> type[Choice]:
+    return Choice(name, {value: value for value in values})
+
+
+Dtype = _choices("Dtype", "float32", "float16", "bfloat16", "auto")
+SparsifierName = _choices("SparsifierName", "dense", "topk", "toptheta")
+Placement = _choices("Placement", "pre", "post", "auto")
+EmptyRows = _choices("EmptyRows", "keep-max", "reference")  # toptheta.sparsifiers.toptheta.EMPTY_ROWS
+SdcEstimator = _choices("SdcEstimator", "exact", "exp-threshold", "calibrated")
+EmptyRows = _choices("EmptyRows", "keep-max", "reference")
+Statistic = _choices("Statistic", "order", "target-k")
+Granularity = _choices("Granularity", "layer", "layer-n", "layer-head", "layer-head-n")
+Lookup = _choices("Lookup", "nearest", "linear")
+CalibCompensation = _choices("CalibCompensation", "run", "reference", "none")
+TaskKind = _choices("TaskKind", "lm_eval", "humaneval", "passkey")
+LoggerName = _choices("LoggerName", "none", "wandb")
+WandbMode = _choices("WandbMode", "offline", "online", "disabled")
+
+# Task fields only some kinds use: left out of a run's identity when null, so adding them to the schema did
+# not change the id of runs stored before (their YAMLs never had these keys).
+OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code")
+
+
+# Defaults below are placeholders: every option YAML sets its own values.
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    source: str = MISSING                 # packaged name, tiny-<arch>, local directory or hub id
+    dtype: Dtype = Dtype["float32"]
+    device: str = "cpu"                   # cpu, cuda, cuda:1, ...
+    device_map: Optional[str] = None      # auto: spread over the visible GPUs (accelerate)
+    revision: Optional[str] = None        # hub ids only
+    max_length: Optional[int] = None      # tokens of context; null = the model's own limit
+    chat_template: bool = False
+
+
+@dataclass
+class SparsifierConfig:
+    name: SparsifierName = MISSING
+    placement: Optional[Placement] = None  # null only for dense
+    k: Optional[int] = None                # null only for dense
+    layer_k: Optional[Dict[int, int]] = field(default_factory=dict)  # layer -> k overrides
+    empty_rows: Optional[EmptyRows] = None  # toptheta only: what a row with nothing above θ keeps
+    empty_rows: Optional[EmptyRows] = None  # toptheta only: keep-max | reference (method.md §9, 10a)
+
+
+@dataclass
+class CompConfig:
+    sdc: Optional[SdcEstimator] = None
+    sdc_scale: float = 1.0
+    vmc: bool = False
+
+
+@dataclass
+class CalibConfig:
+    statistic: Statistic = Statistic["order"]
+    granularity: Granularity = Granularity["layer-head-n"]
+    sigma_add: float = 0.1
+    tac: bool = True
+    compensation: CalibCompensation = CalibCompensation["run"]  # what calibration puts back (with tac)
+    task: Optional[str] = None
+    num_samples: Optional[int] = 120
+    num_fewshot: Optional[int] = None
+    sample_frac: float = 1.0
+    seed: int = 0
+    decode_tokens: int = 0
+    lookup: Lookup = Lookup["nearest"]
+    smooth_sigma: float = 0.0
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING
+    kind: TaskKind = MISSING
+    lm_eval_task: Optional[str] = None     # lm_eval kind: our catalogue's name or any lm-eval task name
+    include_path: Optional[str] = None     # lm_eval kind: a folder of the user's own task YAMLs
+    calib_task: Optional[str] = None
+    num_fewshot: Optional[int] = None
+    limit: Any = None                      # documents: int >= 1, a fraction in (0, 1), or null for all
+    batch_size: Any = 1                    # int >= 1 or "auto"
+    metric: Optional[str] = None
+    max_length: Optional[int] = None
+    timeout_s: Optional[float] = None      # humaneval
+    allow_unsafe_code: bool = False        # humaneval: run model code unisolated where no sandbox works
+    lengths: Optional[List[int]] = None    # passkey
+    depths: Optional[List[float]] = None   # passkey
+    seed: Optional[int] = None             # passkey
+    allow_unsafe_code: Optional[bool] = None  # humaneval: run completions without the sandbox
+
+
+@dataclass
+class LoggerConfig:
+    name: LoggerName = MISSING
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    mode: Optional[WandbMode] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    sparsifier: SparsifierConfig = MISSING
+    comp: CompConfig = MISSING
+    calib: CalibConfig = MISSING
+    task: TaskConfig = MISSING
+    logger: LoggerConfig = MISSING
+    data_dir: Optional[str] = "auto"       # auto | hub | a folder (see README, Offline data)
+    results_dir: str = "outputs/results"
+    baseline: bool = True
+    force: bool = False
+    seed: int = 1234
+    chunk_size: Optional[int] = None
+    log_samples: bool = True
+
+
+def register() -> None:
+    """Make `config_schema` (conf/config.yaml's first default) known to Hydra; idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+# ---- ranges: what types cannot say --------------------------------------------------------------------------
+
+def _int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check(cfg: Any) -> None:
+    """Raise ValueError listing every out-of-range value of a composed config (a DictConfig or plain dict)."""
+    def get(node: Any, key: str) -> Any:
+        return node.get(key)
+
+    model, sparsifier, comp, calib, task = (get(cfg, g) for g in ("model", "sparsifier", "comp", "calib", "task"))
+    problems = []
+
+    def need(ok: bool, key: str, value: Any, valid: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: {valid}")
+
+    k = get(sparsifier, "k")
+    if str(get(sparsifier, "name")) != "dense":
+        need(_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
+        need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
+    for layer, layer_k in dict(get(sparsifier, "layer_k") or {}).items():
+        need(_int(layer, 0) and _int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
+             "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
+    need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")
+    for key, minimum in (("num_samples", 1), ("num_fewshot", 0)):
+        value = get(calib, key)
+        need(value is None or _int(value, minimum), f"calib.{key}", value, f"null or an integer >= {minimum}")
+    need(0 < get(calib, "sample_frac") <= 1, "calib.sample_frac", get(calib, "sample_frac"), "a fraction in (0, 1]")
+    need(_int(get(calib, "decode_tokens"), 0), "calib.decode_tokens", get(calib, "decode_tokens"), "an integer >= 0")
+    need(get(calib, "smooth_sigma") >= 0, "calib.smooth_sigma", get(calib, "smooth_sigma"), "a width >= 0 (0 = off)")
+    _check_task(task, get, need)
+    for key, node, minimum in (("model.max_length", model, 2), ("chunk_size", cfg, 1)):
+        value = get(node, key.split(".")[-1])
+        need(value is None or _int(value, minimum), key, value, f"null or an integer >= {minimum}")
+    if problems:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _check_task(task: Any, get, need) -> None:
+    num_fewshot, limit, batch_size = get(task, "num_fewshot"), get(task, "limit"), get(task, "batch_size")
+    need(num_fewshot is None or _int(num_fewshot, 0), "task.num_fewshot", num_fewshot,
+         "null (the task's default) or an integer >= 0")
+    need(limit is None or _int(limit, 1) or (isinstance(limit, float) and 0 < limit < 1), "task.limit", limit,
+         "null (all documents), an integer >= 1 (a count) or a float in (0, 1) (a fraction)")
+    need(_int(batch_size, 1) or batch_size == "auto", "task.batch_size", batch_size, "an integer >= 1 or auto")
+    need(get(task, "max_length") is None or _int(get(task, "max_length"), 2), "task.max_length",
+         get(task, "max_length"), "null (the model's limit) or an integer >= 2")
+    if str(get(task, "kind")) == "lm_eval":
+        need(bool(get(task, "lm_eval_task")), "task.lm_eval_task", get(task, "lm_eval_task"),
+             "an lm-eval task name, e.g. task=lm_eval task.lm_eval_task=piqa")
+    elif get(task, "include_path") is not None:
+        need(False, "task.include_path", get(task, "include_path"), f"only lm_eval tasks read task YAMLs, not {get(task, 'kind')}")

@@ -1,0 +1,222 @@
+"""The lm-eval model ``toptheta``: lm-eval's HFLM with Top-θ (or Top-k) attention and compensation.
+
+From the shell (``toptheta-eval`` is lm-eval's own command line with this model registered; it takes
+every ``lm_eval`` flag)::
+
+    toptheta-eval --model toptheta --tasks arc_challenge \\
+        --model_args pretrained=smollm2-135m,sparsifier=toptheta,k=64,placement=post,comp=vmc,thresholds=t.safetensors
+
+From Python, after ``import toptheta`` (which puts the name in lm-eval's model registry)::
+
+    lm_eval.simple_evaluate(model="toptheta", model_args="pretrained=tiny-llama,k=16", tasks=[...])
+
+``model_args``, besides HFLM's own (``batch_size``, ``max_length``, ...):
+
+==================  =============================================================================================
+``pretrained``      a packaged name (``smollm2-135m``), ``tiny-<arch>``, a local directory or a hub id (load_model)
+``sparsifier``      ``toptheta`` (default), ``topk`` or ``dense``
+``k``, ``layer_k``  k (64) and per-layer exceptions as ``0:512+1:512`` (the default) or ``none``
+``placement``       ``auto`` (pre-softmax with SDC, else post), ``pre``, ``post``
+``comp``            ``none``, ``sdc``, ``vmc`` (default), ``sdc+vmc``; ``sdc`` = ``exact`` | ``exp-threshold`` |
+                    ``calibrated`` picks the SDC estimator, ``sdc_scale`` scales it
+``thresholds``      a thresholds file (``Thresholds.save``). Without one, Top-θ calibrates before the first request
+                    and caches the result (as ``run.py`` does; parallel jobs calibrate once)
+``calib_task``      the calibration task (its train split); default: the evaluated task when our catalogue has
+                    its train split, else ``arc_challenge``. Also ``calib_samples`` (120), ``calib_fewshot``,
+                    ``granularity`` (``layer-head-n``), ``sigma_add`` (0.1)
+``data_dir``        ``auto`` (shipped data / $TOPTHETA_DATA_DIR), ``hub`` or a folder: calibration data, and the
+                    data of the offline tasks ``toptheta-eval`` runs
+``dtype``, ``device``, ``revision``, ``chunk_size``: loading and attention chunking
+==================  =============================================================================================
+
+Every request runs inside ``toptheta.sparsify``, one block per task, so each task gets its own sparsity
+statistics. They land in lm-eval's results JSON under ``config.toptheta``: the settings, the thresholds
+file, and per task ``kept_attention_fraction``, ``kept_vrow_fraction``, ... (and per layer).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+log = logging.getLogger(__name__)
+
+SPARSIFIERS = ("dense", "topk", "toptheta")
+COMP_PARTS = ("sdc", "vmc")
+PLACEMENTS = ("auto", "pre", "post")
+DEFAULT_LAYER_K = "0:512+1:512"  # conf/sparsifier/*.yaml's default: the paper keeps layers 0-1 dense
+# conf/calib/paper.yaml's settings, so thresholds calibrated here and by run.py share the cache.
+CALIB_DEFAULTS = {"statistic": "order", "granularity": "layer-head-n", "sigma_add": 0.1, "tac": True,
+                  "compensation": "run", "task": None, "num_samples": 120, "num_fewshot": None,
+                  "sample_frac": 1.0, "seed": 0, "decode_tokens": 0, "lookup": "nearest", "smooth_sigma": 0.0}
+
+
+def parse_layer_k(value: Any) -> dict[int, int]:
+    """``0:512+1:512`` (or a dict) -> {0: 512, 1: 512}; ``none`` or empty -> {}."""
+    if value in (None, "", "none", "null", {}):
+        return {}
+    if isinstance(value, dict):
+        items = value.items()
+    else:
+        try:
+            items = [part.split(":") for part in str(value).split("+")]
+            items = [(int(a), int(b)) for a, b in items]
+        except ValueError:
+            raise ValueError(f"layer_k={value!r}: write layer:k pairs joined by '+', e.g. layer_k=0:512+1:512, "
+                             "or layer_k=none") from None
+    return {int(a): int(b) for a, b in items}
+
+
+def parse_comp(comp: Any, sdc: str, sdc_scale: float) -> dict:
+    """``sdc+vmc`` -> the pipeline's comp dict {"sdc": estimator or None, "sdc_scale", "vmc"}."""
+    parts = [] if comp in (None, "", "none") else str(comp).split("+")
+    unknown = [p for p in parts if p not in COMP_PARTS]
+    if unknown:
+        raise ValueError(f"comp={comp!r}: use none, sdc, vmc or sdc+vmc (the SDC estimator is the separate "
+                         f"model_arg sdc=exact|exp-threshold|calibrated)")
+    return {"sdc": sdc if "sdc" in parts else None, "sdc_scale": float(sdc_scale), "vmc": "vmc" in parts}
+
+
+@register_model("toptheta")
+class TopThetaLM(HFLM):
+    """HFLM over a model from ``toptheta.models.load_model``, every request inside ``toptheta.sparsify``."""
+
+    def __init__(self, pretrained: str, sparsifier: str = "toptheta", k: int = 64, layer_k: Any = DEFAULT_LAYER_K,
+                 placement: str = "auto", comp: str | None = "vmc", sdc: str = "exact", sdc_scale: float = 1.0,
+                 thresholds: str | None = None, calib_task: str | None = None, calib_samples: int = 120,
+                 calib_fewshot: int | None = None, granularity: str = "layer-head-n", sigma_add: float = 0.1,
+                 data_dir: str | None = "auto", dtype: str = "float32", device: str | None = None,
+                 revision: str | None = None, chunk_size: int | None = None, **hflm_kwargs):
+        from .. import pipeline
+        from ..models import load_model
+        from .tasks import resolve_data_dir
+
+        # Every setting is checked before the model loads.
+        if sparsifier not in SPARSIFIERS:
+            raise ValueError(f"sparsifier={sparsifier!r}; valid: {', '.join(SPARSIFIERS)}")
+        if sparsifier != "dense" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"k={k!r}: give a positive integer, e.g. k=64")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement={placement!r}: use pre, post or auto (pre when SDC is on, else post)")
+        self.comp = parse_comp(comp, sdc, sdc_scale) if sparsifier != "dense" else parse_comp(None, sdc, 1.0)
+        self.sparse_cfg = {"name": sparsifier, "k": k if sparsifier != "dense" else None,
+                           "layer_k": parse_layer_k(layer_k) if sparsifier != "dense" else {},
+                           "placement": placement}
+        self.sparse_cfg["placement"] = pipeline.resolve_placement(self.sparse_cfg, self.comp)
+        pipeline._check_combination(sparsifier, self.sparse_cfg["placement"], self.comp)
+        self.data_dir = resolve_data_dir(data_dir)
+        self.calib = {**CALIB_DEFAULTS, "task": calib_task, "num_samples": calib_samples,
+                      "num_fewshot": calib_fewshot, "granularity": granularity, "sigma_add": float(sigma_add)}
+        self.needs_thresholds = sparsifier == "toptheta" or self.comp["sdc"] == "calibrated"
+        self.chunk_size = chunk_size
+        if device and device.startswith("cuda") and not torch.cuda.is_available():
+            log.warning("device=%s but CUDA is not available: using the CPU", device)
+            device = "cpu"
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+        model, tokenizer, info = load_model(pretrained, dtype=dtype, device=device, revision=revision)
+        self.info = info
+        super().__init__(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
+        pipeline.check_sparsifies(self.sparse_cfg, info.num_layers, self.max_length, info.name)
+        self.thresholds, self.thresholds_path = None, None
+        if thresholds is not None:
+            from ..calibration import Thresholds
+
+            self.thresholds = Thresholds.load(thresholds, model, lookup=self.calib["lookup"])
+            self.thresholds_path = str(thresholds)
+        self.task_stats: dict[str, Any] = {}
+
+    # ---- requests: each task's requests inside one sparsify block ----------------------------------------------
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return self._sparsified(super().loglikelihood, requests, disable_tqdm)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return self._sparsified(super().loglikelihood_rolling, requests, disable_tqdm)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return self._sparsified(super().generate_until, requests, disable_tqdm)
+
+    def _sparsified(self, method: Callable, requests: list, disable_tqdm: bool) -> list:
+        from .. import sparsify
+
+        by_task: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            by_task.setdefault(request.task_name or "unnamed", []).append(i)
+        sparsifier, compensation = self._build(list(by_task))
+        out: list = [None] * len(requests)
+        for task, indices in by_task.items():
+            with torch.no_grad(), sparsify(self._model, sparsifier, compensation, chunk_size=self.chunk_size) as stats:
+                answers = method([requests[i] for i in indices], disable_tqdm=disable_tqdm)
+            self._accumulate(task, stats)
+            for i, answer in zip(indices, answers):
+                out[i] = answer
+        return out
+
+    def _build(self, tasks: list[str]):
+        from .. import pipeline
+
+        if self.needs_thresholds and self.thresholds is None:
+            self.thresholds, self.thresholds_path = self._calibrate(tasks)
+        sparsifier = pipeline.build_sparsifier(self.sparse_cfg, self.thresholds)
+        return sparsifier, pipeline._compensation(self.comp, self.thresholds)
+
+    def _calibrate(self, tasks: list[str]):
+        """Cached thresholds for these settings, calibrated now if no job has yet (pipeline.obtain_thresholds)."""
+        from .. import pipeline
+
+        calib = self.calib = {**self.calib, "task": self.calib["task"] or self._calibration_task(tasks)}
+        model_cfg = {"name": self.info.name, "source": self.info.source, "revision": self.info.revision,
+                     "dtype": str(self._model.dtype).removeprefix("torch."), "max_length": self.max_length}
+        spec = pipeline.RunSpec(config={"model": model_cfg, "sparsifier": self.sparse_cfg, "comp": self.comp,
+                                        "data_dir": "local" if self.data_dir else "hub",
+                                        "data_dir_path": str(self.data_dir) if self.data_dir else None},
+                                thresholds=calib)
+        log.info("toptheta: thresholds for k=%s, placement=%s from %s's train split", self.sparse_cfg["k"],
+                 self.sparse_cfg["placement"], calib["task"])
+        with torch.no_grad(), pipeline._thresholds_claim(spec, self._model):
+            return pipeline.obtain_thresholds(spec, self._model, self.tokenizer)
+
+    def _calibration_task(self, tasks: list[str]) -> str:
+        """The evaluated task when it is the only one and its train split is available, else arc_challenge."""
+        from .tasks import calibration_name, check_tasks
+
+        if len(tasks) == 1:
+            try:
+                check_tasks([calibration_name(tasks[0])], self.data_dir, None)
+                return tasks[0]
+            except (ValueError, FileNotFoundError) as err:
+                log.info("toptheta: cannot calibrate on %s (%s); using arc_challenge", tasks[0], err)
+        return "arc_challenge"
+
+    def _accumulate(self, task: str, stats) -> None:
+        total = self.task_stats.get(task)
+        if total is None:
+            self.task_stats[task] = stats
+            return
+        for name, value in vars(stats).items():  # counters: tensors of sums, and integer counts
+            if isinstance(value, torch.Tensor):
+                getattr(total, name).add_(value)
+            elif isinstance(value, int) and not isinstance(value, bool) and not name.startswith("num_"):
+                setattr(total, name, getattr(total, name) + value)
+
+    # ---- what lands in lm-eval's results JSON ------------------------------------------------------------------
+
+    def toptheta_report(self) -> dict:
+        """Settings, thresholds file and per-task sparsity statistics (results["config"]["toptheta"])."""
+        return {
+            "model": {"name": self.info.name, "source": self.info.source, "revision": self.info.revision},
+            "sparsifier": self.sparse_cfg,
+            "comp": self.comp,
+            "calibration": ({**self.calib, "thresholds": self.thresholds_path}
+                            if self.needs_thresholds else None),
+            "stats": {task: {**s.summary(), "per_layer": s.per_layer()} for task, s in self.task_stats.items()},
+        }
+
+    def get_model_info(self) -> dict:
+        return {**super().get_model_info(), "toptheta": self.toptheta_report()}

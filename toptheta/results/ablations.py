@@ -1,0 +1,229 @@
+"""Ablation tables and figures from the store: one setting varied, everything else equal.
+
+An ablation is a column of summary.csv (ABLATIONS): compensation, θ granularity, the larger k of layers
+0-1, the number of calibration documents, the empty-row rule, the softmax placement, the calibration
+task (cross-dataset transfer). Within one evaluation setting (model, task, metric, shots, limit), runs
+that agree on every other setting and k form a cell; a cell whose runs take two or more values of the
+column is an ablation. Each row of the table is one run, with its difference to the cell's reference
+value: paired per question when both run directories kept per-sample outputs (paired.py), otherwise
+from the two stderrs (labelled so). The figures plot the metric against the kept attention fraction
+(log scale), one curve per value, so "at equal kept fraction" comparisons are read off the x axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from . import figures, paired
+
+SETTINGS = ("sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task", "calib_statistic",
+            "sigma_add", "tac", "calib_documents", "calib_compensation", "empty_rows", "k")
+COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "setting", "value", "stderr",
+           "kept_attention_fraction", "kept_vrow_fraction", "empty_row_count", "diff", "ci_low", "ci_high",
+           "p_mcnemar", "n_paired", "diff_method", "reference", "run_id"]
+
+
+@dataclass(frozen=True)
+class Ablation:
+    name: str
+    column: str
+    title: str
+    reference: Any = None  # the value the others are compared with (None: the cell's most common/largest)
+    sparsifiers: tuple[str, ...] = ("topk", "toptheta")
+
+
+ABLATIONS = {a.name: a for a in (
+    Ablation("compensation", "comp", "Compensation: none, SDC estimators, SDC + VMC", "none"),
+    Ablation("granularity", "granularity", "Top-θ calibration granularity", "layer-head-n", ("toptheta",)),
+    Ablation("first_layers", "layer_k", "Layers 0-1 at a larger k", "none"),
+    Ablation("calib_size", "calib_documents", "Top-θ calibration-set size", None, ("toptheta",)),
+    Ablation("empty_rows", "empty_rows", "Top-θ empty-row rule: keep the maximum vs the reference code", "keep-max",
+             ("toptheta",)),
+    Ablation("placement", "placement", "Pre- vs post-softmax placement", "pre"),
+    Ablation("transfer", "calib_task", "Top-θ thresholds: self-calibrated vs cross-dataset", None, ("toptheta",)),
+)}
+
+
+def _prepared(summary: pd.DataFrame, model: str, task: str, metric: str, num_fewshot: Any, limit: Any) -> pd.DataFrame:
+    df = figures.tradeoff_table(summary, model=model, task=task, metric=metric, num_fewshot=num_fewshot, limit=limit)
+    if df.empty:
+        return df
+    theta = df["sparsifier"] == "toptheta"
+    if "empty_rows" in df:  # stores from before the option: the rule was keep-max
+        df.loc[theta & df["empty_rows"].isna(), "empty_rows"] = "keep-max"
+    if "granularity" in df:
+        df.loc[theta & df["granularity"].isna(), "granularity"] = figures.DEFAULT_GRANULARITY
+    return df
+
+
+def _key_frame(df: pd.DataFrame, ablation: Ablation) -> pd.DataFrame:
+    keys = pd.DataFrame({c: df[c].astype(str) if c in df else "" for c in SETTINGS if c != ablation.column},
+                        index=df.index).fillna("")
+    if ablation.column == "placement":  # pre + SDC (+VMC) pairs with post (+VMC): SDC is pre-softmax's own part
+        keys["comp"] = df["comp"].fillna("").map(lambda c: "vmc" if "vmc" in c else "none")
+    return keys.replace({"nan": "", "None": ""})
+
+
+def ablation_table(summary: pd.DataFrame, ablation: str | Ablation, *, model: str, task: str, metric: str,
+                   num_fewshot: Any = figures._ANY, limit: Any = figures._ANY,
+                   results_dir: str | Path | None = None) -> pd.DataFrame:
+    """The runs of one evaluation setting that vary `ablation`'s column, with differences to the reference."""
+    ab = ABLATIONS[ablation] if isinstance(ablation, str) else ablation
+    df = _prepared(summary, model, task, metric, num_fewshot, limit)
+    baseline = df[df["series"] == "Baseline"] if not df.empty else df
+    df = df[df["sparsifier"].isin(ab.sparsifiers)] if not df.empty else df
+    if df.empty or ab.column not in df:
+        return pd.DataFrame(columns=COLUMNS)
+    df = df.assign(setting=df[ab.column].astype(object).where(df[ab.column].notna(), "none"))
+    keys = _key_frame(df, ab)
+    out = []
+    for _, cell in df.groupby([keys[c] for c in keys.columns], dropna=False, sort=False):
+        if cell["setting"].astype(str).nunique() < 2:
+            continue
+        reference = _reference(cell, ab)
+        ref_row = cell[cell["setting"].astype(str) == str(reference)].iloc[0]
+        for row in cell.to_dict("records"):
+            out.append(_with_difference(row, ref_row, reference, ab, results_dir, task, metric))
+    if not out:
+        return pd.DataFrame(columns=COLUMNS)
+    table = pd.DataFrame(out)
+    table["series"] = [_base_label(r, ab) for r in table.to_dict("records")]
+    table = pd.concat([baseline.assign(setting="dense"), table], ignore_index=True) if len(baseline) else table
+    for col in COLUMNS:
+        if col not in table:
+            table[col] = None
+    order = sorted(table["setting"].astype(str).unique(), key=lambda v: (_num_or_inf(v), v))
+    table["_order"] = table["setting"].astype(str).map({v: i for i, v in enumerate(order)})
+    table = table.sort_values(["series", "k", "_order"], key=figures._sort_key, kind="stable")
+    return table[COLUMNS].reset_index(drop=True)
+
+
+def _num_or_inf(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return float("inf")
+
+
+def _reference(cell: pd.DataFrame, ab: Ablation) -> Any:
+    values = list(cell["setting"].astype(str))
+    if ab.reference is not None and str(ab.reference) in values:
+        return ab.reference
+    if ab.column == "calib_task":  # self-calibrated when there is one
+        own = [v for v in values if v == str(cell["task"].iloc[0])]
+        if own:
+            return own[0]
+    numeric = [v for v in values if _num_or_inf(v) != float("inf")]
+    return max(numeric, key=float) if numeric else max(set(values), key=values.count)
+
+
+def _base_label(row: dict, ab: Ablation) -> str:
+    label = {"topk": "Top-k", "toptheta": "Top-θ"}.get(row["sparsifier"], row["sparsifier"])
+    if ab.column != "placement":
+        label += f" {row.get('placement') or ''}".rstrip()
+    if ab.column not in ("comp",):
+        parts = figures._comp_parts(figures._text(row.get("comp")))
+        if ab.column == "placement":
+            parts = [p for p in parts if p == "VMC"]
+        label += (" (" + " ".join(f"+{p}" for p in parts) + ")") if parts else ""
+    return label
+
+
+def _with_difference(row: dict, ref: pd.Series, reference: Any, ab: Ablation, results_dir, task: str,
+                     metric: str) -> dict:
+    out = dict(row, reference=str(reference))
+    if str(row["setting"]) == str(reference):
+        return out
+    diff = None
+    if results_dir is not None:
+        runs = Path(results_dir) / "runs"
+        diff = paired.compare_runs(runs / row["run_id"], runs / ref["run_id"], task, metric)
+    if diff is None:
+        diff = paired.unpaired(row["value"], _zero(row["stderr"]), ref["value"], _zero(ref["stderr"]))
+    out.update(diff=diff.diff, ci_low=diff.ci_low, ci_high=diff.ci_high, p_mcnemar=diff.p_mcnemar,
+               n_paired=diff.n or None, diff_method=diff.method)
+    return out
+
+
+def _zero(value: Any) -> float:
+    return 0.0 if value is None or pd.isna(value) else float(value)
+
+
+def ablation_groups(summary: pd.DataFrame, ablation: str) -> list[dict[str, Any]]:
+    """The trade-off groups (figures.tradeoff_groups) holding at least one cell of this ablation."""
+    return [g for g in figures.tradeoff_groups(summary) if len(ablation_table(summary, ablation, **g))]
+
+
+def ablation_figure(table: pd.DataFrame, ablation: str | Ablation, title: str) -> Figure:
+    """The metric against the kept attention fraction (log scale; calibration size: against the number of
+    documents), one curve per (series, setting), the dense baseline dashed."""
+    ab = ABLATIONS[ablation] if isinstance(ablation, str) else ablation
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    x = "calib_documents" if ab.column == "calib_documents" else "kept_attention_fraction"
+    sparse = table[table["setting"] != "dense"]
+    groups = [("series", "k")] if x == "calib_documents" else [("series", "setting")]
+    colors = figures.series_colors([f"{a} · {b}" for a, b in sparse[list(groups[0])].astype(str).itertuples(index=False)])
+    for (a, b), rows in sparse.groupby(list(groups[0]), sort=False):
+        xs = rows["setting"].astype(float) if x == "calib_documents" else rows[x]
+        order = xs.argsort()
+        label = f"{a}, k={figures._num(b)}" if x == "calib_documents" else f"{a} · {ab.column}={b}"
+        ax.errorbar(xs.iloc[order], rows["value"].iloc[order], yerr=rows["stderr"].fillna(0.0).iloc[order], marker="o",
+                    ms=4, capsize=3, lw=1.2, color=colors[f"{a} · {b}"], label=label)
+    dense = table[table["setting"] == "dense"]
+    if len(dense):
+        ax.axhline(dense["value"].iloc[0], color="black", ls="--", lw=1.2, label="Baseline (dense)")
+    ax.set_xscale("log")
+    ax.set_xlabel("calibration documents (log scale)" if x == "calib_documents" else
+                  figures.X_LABELS[x] + " (log scale)")
+    ax.set_ylabel(str(table["metric"].dropna().iloc[0]).split(",")[0] if table["metric"].notna().any() else "metric")
+    ax.set_title(f"{ab.title}: {title}", fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6, loc="best")
+    return fig
+
+
+# ---------------------------------------------------------------- passkey: accuracy per context length
+
+
+def passkey_table(summary: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Per-length passkey rows (task passkey_<n>) of one model: series, k, length, accuracy and its statistics."""
+    df = figures.latest(summary)
+    df = df[(df["model"] == model) & df["task"].astype(str).str.fullmatch(r"passkey_\d+")].copy()
+    if df.empty:
+        return pd.DataFrame(columns=["series", "k", "length", "value", "kept_attention_fraction", "kept_vrow_fraction",
+                                     "stats_scope", "run_id"])
+    df["length"] = df["task"].str.removeprefix("passkey_").astype(int)
+    df["series"] = [figures.series_label(r) for r in df.to_dict("records")]
+    df = df.sort_values(["series", "k", "length"], key=figures._sort_key, kind="stable")
+    cols = ["series", "k", "length", "value", "kept_attention_fraction", "kept_vrow_fraction", "stats_scope", "run_id"]
+    return df[[c for c in cols if c in df]].reset_index(drop=True)
+
+
+def passkey_models(summary: pd.DataFrame) -> list[str]:
+    tasks = summary["task"].astype(str)
+    return sorted(summary.loc[tasks.str.fullmatch(r"passkey_\d+"), "model"].dropna().unique())
+
+
+def passkey_figure(table: pd.DataFrame, title: str) -> Figure:
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    colors = figures.series_colors([f"{s}, k={figures._num(k)}" for s, k in zip(table["series"], table["k"])])
+    for (series, k), rows in table.groupby(["series", "k"], sort=False, dropna=False):
+        label = series if pd.isna(k) else f"{series}, k={figures._num(k)}"
+        ax.plot(rows["length"], rows["value"], marker="o", ms=4, lw=1.2, label=label,
+                color="black" if series == "Baseline" else colors.get(label))
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("context length (tokens, log scale)")
+    ax.set_ylabel("passkey accuracy")
+    ax.set_title(f"Top-θ and Top-k long-context retrieval: {title}", fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="best")
+    return fig
+

@@ -1,0 +1,109 @@
+"""Rebuild summary.csv from the run directories, so older rows gain the columns added since.
+
+    python -m toptheta.results.migrate [--results results] [--dry-run]
+
+Every complete run directory (DONE present) is read back (config.json, lm_eval.json, stats.json,
+meta.json) and turned into summary rows by the current `summary_rows`, with the run's own commit and
+timestamp from meta.json. Rows of summary.csv whose run directory is gone are kept as they were. One
+conversion of old data: passkey accuracy was stored in percent before it became a fraction like every
+other accuracy; a passkey `accuracy` above 1 is divided by 100 (its stderr too). Nothing is recomputed;
+the file is replaced atomically under the store's lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .store import DONE_MARKER, STAT_COLUMNS, SUMMARY_COLUMNS, RunStore, _write_text_atomic, summary_rows
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _percent_to_fraction(config: dict, rows: list[dict]) -> list[dict]:
+    if (config.get("task") or {}).get("kind") != "passkey":
+        return rows
+    for row in rows:
+        if row["metric"].startswith("accuracy,") and isinstance(row["value"], (int, float)) and row["value"] > 1:
+            row["value"] /= 100.0
+            if isinstance(row.get("stderr"), (int, float)):
+                row["stderr"] /= 100.0
+    return rows
+
+
+def _restore_scalar_stats(rows: list[dict], old_rows: list[dict]) -> None:
+    """stats.json of older runs holds per-layer lists under the names of the run's scalar fractions (the
+    pipeline merged both dicts), so the scalar survives only in the old summary row: take it from there,
+    for rows that carry statistics (stats_scope set), never for a sub-task's row."""
+    old = {(r.get("run_id"), r.get("task"), r.get("metric")): r for r in old_rows}
+    for row in rows:
+        before = old.get((row["run_id"], row["task"], row["metric"]))
+        if before is None or not row.get("stats_scope"):
+            continue
+        for column in STAT_COLUMNS:
+            if row.get(column) is None and before.get(column) not in (None, ""):
+                row[column] = float(before[column])
+
+
+def rebuilt_rows(results_dir: str | Path) -> tuple[list[dict], set[str]]:
+    """Summary rows of every complete run directory, and the run ids they cover."""
+    rows, covered = [], set()
+    for run_dir in sorted(Path(results_dir, "runs").glob("*/")):
+        if not (run_dir / DONE_MARKER).is_file() or not (run_dir / "config.json").is_file():
+            continue
+        config, meta = _read(run_dir / "config.json"), _read(run_dir / "meta.json")
+        stats = _read(run_dir / "stats.json")
+        stats = {k: v for k, v in stats.items() if not isinstance(v, (list, dict))}  # per-layer lists are not row stats
+        new = summary_rows(run_dir.name, config, _read(run_dir / "lm_eval.json"), stats,
+                           commit=meta.get("git_commit") or "", timestamp=meta.get("timestamp"))
+        rows += _percent_to_fraction(config, new)
+        covered.add(run_dir.name)
+    return rows, covered
+
+
+def migrate(results_dir: str | Path, *, dry_run: bool = False) -> int:
+    """Rewrite summary.csv from the run directories; returns the number of rows written."""
+    store = RunStore(results_dir)
+    with store._summary_lock():
+        old_rows = []
+        if store.summary_path.exists():
+            with open(store.summary_path, newline="", encoding="utf-8") as fh:
+                old_rows = list(csv.DictReader(fh))
+        rows, covered = rebuilt_rows(results_dir)
+        _restore_scalar_stats(rows, old_rows)
+        kept = [r for r in old_rows if r.get("run_id") not in covered]
+        rows = sorted(kept + rows, key=lambda r: (str(r.get("timestamp") or ""), str(r["run_id"])))
+        columns = [*SUMMARY_COLUMNS, *sorted({k for r in rows for k in r} - set(SUMMARY_COLUMNS))]
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+        if not dry_run:
+            _write_text_atomic(store.summary_path, buffer.getvalue())
+    print(f"{'would write' if dry_run else 'wrote'} {store.summary_path}: {len(rows)} rows "
+          f"({len(covered)} runs rebuilt from their directories, {len(kept)} rows kept as they were)")
+    return len(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="results", help="the results store (holds summary.csv and runs/)")
+    parser.add_argument("--dry-run", action="store_true", help="report, write nothing")
+    args = parser.parse_args(argv)
+    if not Path(args.results, "runs").is_dir():
+        print(f"{args.results} has no runs/ directory: nothing to rebuild from", file=sys.stderr)
+        return 1
+    migrate(args.results, dry_run=args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Verdicts on the paper's claims, from the results store alone.
+
+Each claim compares pairs of runs that differ in one respect and agree on everything else (model, task,
+shots, questions, k, calibration). A pair's difference in the task metric comes with a 95 % interval:
+paired per question when both runs kept per-sample outputs (paired.py), else from the two stderrs.
+The pairs of a claim are pooled by inverse-variance weighting (a fixed-effect mean), and the pooled
+interval decides, with a margin δ of one point (0.01) where the claim is "no worse than":
+
+    superiority  (A beats B)          holds: low > 0       fails: high < 0      else undecided
+    non-inferiority (A ≈ B, ≤ δ loss) holds: low > −δ      fails: high < −δ     else undecided
+
+Claims (method.md §8; "paper" = what the paper reports):
+    1 Top-θ tracks Top-k: Top-θ − Top-k at equal k, same placement and compensation (non-inferiority).
+    2 post-softmax beats pre-softmax: post − pre, same sparsifier and k, kept fractions within ×1.25
+      (Top-k: equal by construction) (superiority).
+    3 SDC + VMC recovers accuracy under aggressive pruning: compensated − uncompensated at each
+      setting's smallest k (superiority).
+    4 thresholds transfer across datasets: cross-calibrated − self-calibrated Top-θ (non-inferiority).
+    5 the first two layers need a larger k: layers 0-1 at their larger k − at k (superiority).
+    6 several-fold fewer attention elements / V rows at ≤ 1 point: per evaluation setting, the best run
+      keeping ≤ 1/3 of the elements (or V rows) against dense (non-inferiority); holds if every setting
+      has one, fails if some setting has none that could be.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from . import figures, paired
+
+MARGIN = 0.01
+Z = 1.959963984540054
+SEVERAL_FOLD = 1 / 3
+
+
+@dataclass
+class Verdict:
+    claim: str
+    kind: str  # superiority | non-inferiority
+    pairs: list[dict[str, Any]] = field(default_factory=list)
+    effect: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    verdict: str = "undecided"
+    note: str = ""
+
+    def as_row(self) -> dict[str, Any]:
+        ci = "" if self.ci_low is None else f"[{self.ci_low:+.3f}, {self.ci_high:+.3f}]"
+        effect = "" if self.effect is None else f"{self.effect:+.3f}"
+        return {"claim": self.claim, "effect": effect, "95% CI": ci, "pairs": len(self.pairs),
+                "verdict": self.verdict if self.pairs else "undecided (no runs yet)", "note": self.note}
+
+
+def decide(kind: str, low: float, high: float, margin: float = MARGIN) -> str:
+    """The verdict rule of the module docstring."""
+    bound = 0.0 if kind == "superiority" else -margin
+    if low > bound:
+        return "holds"
+    if high < bound:
+        return "fails"
+    return "undecided"
+
+
+def standard_error(d: paired.PairedDifference) -> float:
+    """The pair's standard error, from its interval. Paired on n questions with no (or few) discordant ones,
+    the bootstrap interval shrinks to 0; the rule of three bounds the discordance rate by 3/n at 95 %,
+    so the error is at least 3/(z·n)."""
+    se = (d.ci_high - d.ci_low) / (2 * Z)
+    return max(se, 3 / (Z * d.n)) if d.n else se
+
+
+def usable(d: paired.PairedDifference) -> bool:
+    """A comparison from two stderrs of 0 (all right or all wrong, no per-question data) says nothing."""
+    return d.n > 0 or d.ci_high > d.ci_low
+
+
+def pool(diffs: Sequence[paired.PairedDifference]) -> tuple[float, float, float]:
+    """Inverse-variance weighted mean of pair differences and its 95 % interval (fixed effect)."""
+    weights, values = [], []
+    for d in diffs:
+        se = max(standard_error(d), 1e-6)
+        weights.append(1 / se**2)
+        values.append(d.diff)
+    total = sum(weights)
+    mean = sum(w * v for w, v in zip(weights, values)) / total
+    se = 1 / math.sqrt(total)
+    return mean, mean - Z * se, mean + Z * se
+
+
+# ---------------------------------------------------------------- the store as comparable rows
+
+
+def store_rows(summary: pd.DataFrame) -> pd.DataFrame:
+    """Every run of every trade-off group with its group keys, series (figures.series_label) and settings."""
+    frames = []
+    for group in figures.tradeoff_groups(summary):
+        if re.fullmatch(r"passkey_\d+", str(group["task"])):
+            continue  # per-length views of a passkey run: its questions already count under `passkey`
+        table = figures.tradeoff_table(summary, **group)
+        frames.append(table.assign(group=figures.group_title(**group), **{f"g_{k}": v for k, v in group.items()}))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _compare(a: pd.Series, b: pd.Series, results_dir: Path | None) -> paired.PairedDifference:
+    diff = None
+    if results_dir is not None:
+        runs = results_dir / "runs"
+        diff = paired.compare_runs(runs / a["run_id"], runs / b["run_id"], a["task"], a["metric"])
+    if diff is None:
+        diff = paired.unpaired(float(a["value"]), _se(a), float(b["value"]), _se(b))
+    return diff
+
+
+def _se(row: pd.Series) -> float:
+    return 0.0 if pd.isna(row["stderr"]) else float(row["stderr"])
+
+
+def _same(a: pd.Series, b: pd.Series, columns: Sequence[str]) -> bool:
+    return all(_norm(a.get(c)) == _norm(b.get(c)) for c in columns)
+
+
+def _norm(value: Any) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+CALIBRATION = ("calib_task", "calib_statistic", "sigma_add", "tac", "calib_documents", "granularity", "empty_rows",
+               "layer_k")
+
+
+def _pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir, accept=None) -> list[dict]:
+    out = []
+    for _, group in rows.groupby("group", sort=True):
+        for _, a in group[group.apply(pick_a, axis=1)].iterrows():
+            for _, b in group[group.apply(pick_b, axis=1)].iterrows():
+                if a["run_id"] == b["run_id"] or not _same(a, b, match) or (accept and not accept(a, b)):
+                    continue
+                d = _compare(a, b, results_dir)
+                if not usable(d):
+                    continue
+                out.append({"group": a["group"], "a": a["series"], "b": b["series"], "k": figures._num(a["k"]),
+                            "diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "method": d.method, "_d": d})
+    return out
+
+
+def _is(sparsifier: str, placement: str | None = None, comp: str | None = None):
+    def pick(row: pd.Series) -> bool:
+        return (row["sparsifier"] == sparsifier and (placement is None or row["placement"] == placement)
+                and (comp is None or _norm(row["comp"]) == comp) and figures.main_series(str(row["series"])))
+    return pick
+
+
+def _verdict(claim: str, kind: str, pairs: list[dict], note: str = "") -> Verdict:
+    v = Verdict(claim, kind, [{k: x for k, x in p.items() if k != "_d"} for p in pairs], note=note)
+    if pairs:
+        v.effect, v.ci_low, v.ci_high = pool([p["_d"] for p in pairs])
+        v.verdict = decide(kind, v.ci_low, v.ci_high)
+    return v
+
+
+# ---------------------------------------------------------------- the claims
+
+
+def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> list[Verdict]:
+    results_dir = Path(results_dir) if results_dir is not None else None
+    rows = store_rows(summary)
+    if rows.empty:
+        return [Verdict(c, k) for c, k in CLAIMS]
+    main = rows[[figures.main_series(str(s)) for s in rows["series"]]]
+    out = []
+
+    same_k = ["k", "calib_task"]
+    pairs = []
+    for placement, comp_theta, comp_k in (("post", "vmc", "vmc"), ("post", "none", "none"), ("pre", "none", "none"),
+                                          ("pre", "sdc=exact+vmc", None)):
+        if comp_k is None:  # Top-k pre + exact SDC + VMC is Top-k post + VMC (run once)
+            pairs += _pairs(main, _is("toptheta", "pre", comp_theta), _is("topk", "post", "vmc"), ["k"], results_dir)
+        else:
+            pairs += _pairs(main, _is("toptheta", placement, comp_theta), _is("topk", placement, comp_k), ["k"],
+                            results_dir)
+    out.append(_verdict(CLAIMS[0][0], CLAIMS[0][1], pairs, "Top-θ − Top-k at equal k"))
+
+    close = lambda a, b: _close(a["kept_attention_fraction"], b["kept_attention_fraction"])  # noqa: E731
+    pairs = _pairs(main, _is("topk", "post", "none"), _is("topk", "pre", "none"), ["k"], results_dir)
+    pairs += _pairs(main, _is("toptheta", "post", "vmc"), _is("toptheta", "pre", "sdc=exact+vmc"), same_k, results_dir,
+                    close)
+    pairs += _pairs(main, _is("toptheta", "post", "none"), _is("toptheta", "pre", "none"), same_k, results_dir, close)
+    out.append(_verdict(CLAIMS[1][0], CLAIMS[1][1], pairs, "post − pre; Top-θ pairs only where kept fractions are "
+                                                           "within ×1.25"))
+
+    smallest = main.groupby(["group", "sparsifier"])["k"].transform("min")
+    aggressive = main[main["k"] == smallest]
+    pairs = []
+    for sparsifier, a_comp, b_comp, placement_b in (("toptheta", "sdc=exact+vmc", "none", "pre"),
+                                                    ("toptheta", "vmc", "none", "post"),
+                                                    ("topk", "vmc", "none", "pre"), ("topk", "vmc", "none", "post")):
+        placement_a = "pre" if "sdc" in a_comp else "post"
+        pairs += _pairs(aggressive, _is(sparsifier, placement_a, a_comp), _is(sparsifier, placement_b, b_comp),
+                        same_k, results_dir)
+    out.append(_verdict(CLAIMS[2][0], CLAIMS[2][1], pairs, "compensated − uncompensated at each setting's smallest k"))
+
+    theta = rows[rows["sparsifier"] == "toptheta"]
+    cross = lambda r: _norm(r["calib_task"]) not in ("", _norm(r["task"]))  # noqa: E731
+    own = lambda r: _norm(r["calib_task"]) == _norm(r["task"])  # noqa: E731
+    pairs = _pairs(theta, cross, own, ["k", "placement", "comp", "granularity", "layer_k", "calib_documents"],
+                   results_dir)
+    out.append(_verdict(CLAIMS[3][0], CLAIMS[3][1], pairs, "cross-dataset − self-calibrated Top-θ"))
+
+    protected = lambda r: _norm(r["layer_k"]) not in ("", "none")  # noqa: E731
+    unprotected = lambda r: _norm(r["layer_k"]) == "none"  # noqa: E731
+    pairs = _pairs(rows[rows["sparsifier"] != "dense"], protected, unprotected,
+                   ["k", "sparsifier", "placement", "comp", "calib_task", "granularity", "calib_documents"], results_dir)
+    out.append(_verdict(CLAIMS[4][0], CLAIMS[4][1], pairs, "layers 0-1 at a larger k − at k"))
+
+    out.append(_several_fold(main, rows, results_dir))
+    return out
+
+
+def _close(x: Any, y: Any, ratio: float = 1.25) -> bool:
+    try:
+        x, y = float(x), float(y)
+    except (TypeError, ValueError):
+        return False
+    return x > 0 and y > 0 and max(x, y) / min(x, y) <= ratio
+
+
+def _several_fold(main: pd.DataFrame, rows: pd.DataFrame, results_dir: Path | None) -> Verdict:
+    claim, kind = CLAIMS[5]
+    v = Verdict(claim, kind)
+    per_group = []
+    for group, grp in rows.groupby("group", sort=True):
+        dense = grp[grp["series"] == "Baseline"]
+        x = "kept_vrow_fraction" if grp["kept_vrow_fraction"].notna().any() else "kept_attention_fraction"
+        sparse = main[(main["group"] == group) & (main[x] <= SEVERAL_FOLD)]
+        if dense.empty or sparse.empty:
+            continue
+        best = None
+        for _, run in sparse.iterrows():
+            d = _compare(run, dense.iloc[0], results_dir)
+            if not usable(d):
+                continue
+            if d.n:  # the rule-of-three floor, as in pool()
+                half = Z * standard_error(d)
+                d = paired.PairedDifference(**{**d.as_dict(), "ci_low": min(d.ci_low, d.diff - half),
+                                               "ci_high": max(d.ci_high, d.diff + half)})
+            if best is None or d.ci_low > best[1].ci_low:
+                best = (run, d)
+        if best is None:
+            continue
+        run, d = best
+        verdict = decide(kind, d.ci_low, d.ci_high)
+        per_group.append(verdict)
+        v.pairs.append({"group": group, "a": run["series"], "b": "Baseline", "k": figures._num(run["k"]),
+                        x: float(run[x]), "diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high,
+                        "method": d.method, "verdict": verdict})
+    if v.pairs:
+        worst = min(v.pairs, key=lambda p: p["ci_low"])
+        v.effect, v.ci_low, v.ci_high = worst["diff"], worst["ci_low"], worst["ci_high"]
+        v.verdict = "fails" if "fails" in per_group else ("holds" if set(per_group) == {"holds"} else "undecided")
+        v.note = ("best run keeping ≤ 1/3 (V rows for generation tasks) vs dense, per setting; effect shown: the "
+                  "weakest setting's")
+    return v
+
+
+CLAIMS = (
+    ("1. Top-θ tracks Top-k", "non-inferiority"),
+    ("2. post-softmax beats pre-softmax", "superiority"),
+    ("3. SDC + VMC recovers accuracy under aggressive pruning", "superiority"),
+    ("4. thresholds transfer across datasets", "non-inferiority"),
+    ("5. the first two layers need a larger k", "superiority"),
+    ("6. several-fold fewer attention elements / V rows at ≤ 1 point", "non-inferiority"),
+)
+
+
+def verdict_table(results: Sequence[Verdict]) -> pd.DataFrame:
+    return pd.DataFrame([v.as_row() for v in results])
+
+
+def pairs_table(results: Sequence[Verdict]) -> pd.DataFrame:
+    rows = [{"claim": v.claim.split(".")[0], **p} for v in results for p in v.pairs]
+    return pd.DataFrame(rows)
