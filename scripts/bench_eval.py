@@ -102,6 +102,19 @@ def accuracy(lm_task, instances, answers) -> dict[str, float]:
     return {name: statistics.fmean(m[name] for m in metrics) for name in ("acc", "acc_norm")}
 
 
+def forward_tokens(lm, instances) -> dict[str, int]:
+    """Token positions each method runs through the model (left-truncation ignored).
+
+    stock and batched: context + continuation per request; shared: each distinct context once, plus every
+    continuation. When the linear layers dominate (short rows, as here), stock / shared bounds the
+    speed-up that sharing can give.
+    """
+    pairs = [lm._encode_pair(*instance.args) for instance in instances]
+    per_request = sum(len(ctx) + len(cont) - 1 for ctx, cont in pairs)
+    shared = sum(len(ctx) for ctx in {tuple(ctx) for ctx, _ in pairs}) + sum(len(cont) - 1 for _, cont in pairs)
+    return {"stock": per_request, "batched": per_request, "shared": shared}
+
+
 def run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir) -> dict:
     lm_task = build_task(task, data_dir, num_fewshot, args.limit)
     instances = lm_task.instances
@@ -116,13 +129,15 @@ def run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir) -> dict:
             rows[m].update(answers=answers, stats=stats)
             print(f"{task} {num_fewshot}-shot {m}: {seconds:.1f} s", flush=True)
     stock = rows["stock"]
+    tokens = forward_tokens(lms["stock"], instances)
     out = {"task": task, "num_fewshot": num_fewshot, "k": k, "documents": len({i.doc_id for i in instances}),
            "requests": len(instances), "methods": {}}
     for m, row in rows.items():
         best, median = min(row["seconds"]), statistics.median(row["seconds"])
         out["methods"][m] = {
             "seconds_min": best, "seconds_median": median, "seconds": row["seconds"],
-            "speedup_min": min(stock["seconds"]) / best, "speedup_median": statistics.median(stock["seconds"]) / median,
+            "speedup_min": min(stock["seconds"]) / best,
+            "forward_tokens": tokens[m], "token_ratio": tokens["stock"] / tokens[m], "speedup_median": statistics.median(stock["seconds"]) / median,
             **accuracy(lm_task, instances, row["answers"]),
             "max_abs_loglikelihood_diff": max(abs(a[0] - b[0]) for a, b in zip(row["answers"], stock["answers"])),
             "same_greedy": all(a[1] == b[1] for a, b in zip(row["answers"], stock["answers"])),
@@ -135,13 +150,16 @@ def run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"`{report['command']}`", "",
              f"{report['model']}, Top-θ post-softmax + VMC, {report['threads']} threads, {report['date']}; "
-             f"speed-up = stock time / method time (min over {report['repeats']} repeats; median in brackets).", "",
-             "| task | method | seconds | speed-up | acc | acc_norm | max Δ loglik | kept attention |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             f"speed-up = stock time / method time (min over {report['repeats']} repeats; median in brackets); "
+             "token ratio = token positions stock runs / positions the method runs (the bound on the speed-up "
+             "where the linear layers dominate the cost).", "",
+             "| task | method | seconds | speed-up | token ratio | acc | acc_norm | max Δ loglik | kept attention |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in report["settings"]:
         for m, r in s["methods"].items():
             lines.append(f"| {s['task']} {s['num_fewshot']}-shot, k={s['k']}, {s['documents']} q | {m} | "
                          f"{r['seconds_min']:.1f} | {r['speedup_min']:.2f}× ({r['speedup_median']:.2f}×) | "
+                         f"{r['token_ratio']:.2f}× | "
                          f"{r['acc']:.3f} | {r['acc_norm']:.3f} | {r['max_abs_loglikelihood_diff']:.1e} | "
                          f"{r['kept_attention_fraction']:.4f} |")
     return "\n".join(lines) + "\n"

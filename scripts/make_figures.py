@@ -9,7 +9,8 @@ From the store alone (summary.csv and the run directories):
 - ablations (toptheta.results.ablations): compensation, θ granularity, layers 0-1 at a larger k,
   calibration-set size, empty-row rule, pre/post placement, cross-dataset transfer;
 - passkey accuracy per context length; threshold storage per model; per-layer kept fractions; calibrated
-  thresholds (histograms, θ against row length) from the threshold files the run directories keep;
+  thresholds (histograms, θ against row length) from the threshold files the run directories keep; V-row
+  popularity heatmaps of the runs that recorded it (task.vrow_popularity);
 - the verdict on each of the paper's claims (scripts/verdicts.py writes them into results/README.md).
 
 Every table is written as csv, Markdown and LaTeX, every figure as PNG and PDF with a Markdown sidecar;
@@ -185,6 +186,23 @@ def write_per_layer(outputs: Outputs, results: Path) -> None:
                                f"Numbers: `{name}.csv`.\n\n" + _runs_note(table))
 
 
+def write_vrow_popularity(outputs: Outputs, results: Path) -> None:
+    records = figures.vrow_popularity_records(results)
+    if not records:
+        return
+    table = figures.vrow_popularity_table(records)
+    for model, rows in table.groupby("model", sort=True):
+        outputs.table(slug("vrow_popularity", model), rows.drop(columns=["model"]),
+                      f"V-row popularity in a GQA group during decoding: {model}")
+    for item in records:
+        rec = item["record"]
+        title = f"{item['model']} · {item['task']} · {item['label']} · layer {rec['layer']}, KV group {rec['group']}"
+        label = item["label"].replace("θ", "theta").replace(", ", " ")
+        name = slug("vrow_popularity", item["model"], label, f"layer{rec['layer']}", f"group{rec['group']}")
+        outputs.figure(name, figures.vrow_popularity_figure(rec, title=title),
+                       f"V-row popularity: {title}", f"Run: `{item['run_id']}`.\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="results", help="the results store (holds summary.csv and runs/)")
@@ -205,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_passkey(outputs, summary)
     write_per_layer(outputs, results)
     write_thresholds(outputs, results)
+    write_vrow_popularity(outputs, results)
     if not outputs.written:
         print(f"nothing to plot: {results} holds {len(summary)} summary rows, but no (model, task) has both a "
               "dense baseline and a sparse run, and no sparse run has per-layer statistics. Nothing written.")

@@ -98,6 +98,8 @@ def test_a_wrong_type_or_unknown_key_fails_at_composition(override):
     ("comp.sdc_scale=0", "comp.sdc_scale=0.0"),
     ("chunk_size=0", "chunk_size=0"),
     ("model.max_length=1", "model.max_length=1"),
+    ("task.vrow_popularity={layer:0}", "only generation tasks"),  # smoke is a multiple-choice task
+    ("task.vrow_popularity={layer:-1}", "task.vrow_popularity.layer=-1: an integer >= 0"),
 ])
 def test_out_of_range_values_fail_before_anything_loads(override, message, tmp_path):
     c = cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", override)

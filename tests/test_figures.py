@@ -46,7 +46,8 @@ def _config(sparsifier, placement, k, comp, granularity, task, limit=5):
     }
 
 
-def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, per_layer=None, stamp=0):
+def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, per_layer=None, popularity=None,
+         stamp=0):
     sparsifier, placement, k, comp, granularity, value, stderr, attn = run
     config = _config(sparsifier, placement, k, comp, granularity, task, limit)
     run_id = store.run_id_for(config)
@@ -54,12 +55,17 @@ def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, 
                                   "acc,none": value - 0.1, "acc_stderr,none": stderr}},
                "n-shot": {task: 0}, "config": {"limit": limit}}
     stats = {"kept_attention_fraction": attn, "kept_vrow_fraction": vrow}
-    if per_layer is not None:  # as the pipeline does: stats.json holds the scalars and the per-layer lists beside them
-        store.write_run(run_id, config=config, lm_eval_results=lm_eval, stats=stats | {"per_layer": per_layer},
-                        thresholds_ref=None)
+    if per_layer is not None or popularity is not None:  # as the pipeline does: scalars, per-layer lists, records
+        extra = {"per_layer": per_layer} if per_layer is not None else {}
+        extra |= {"vrow_popularity": popularity} if popularity is not None else {}
+        store.write_run(run_id, config=config, lm_eval_results=lm_eval, stats=stats | extra, thresholds_ref=None)
     store.append_summary(summary_rows(run_id, config, lm_eval, stats, commit="abc123",
                                       timestamp=f"2025-01-01T00:00:{stamp:02d}+00:00"))
     return run_id
+
+
+# Two decode steps of a 2-head KV group: step 0 saw 3 keys, step 1 saw 4.
+POPULARITY = {"layer": 1, "group": 0, "heads_per_group": 2, "steps": 2, "counts": [[2, 0, 1, 0], [2, 1, 0, 2]]}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +85,8 @@ def results(tmp_path_factory):
     _add(store, ("topk", "post", 16, "vmc", None, 0.52, 0.04, 0.16), stamp=30)  # force=true rerun: latest wins
     for i, run in enumerate([("dense", None, None, "none", None, 0.30, 0.0, 1.0),
                              ("toptheta", "post", 64, "vmc", "layer-head-n", 0.25, 0.0, 0.3)]):
-        _add(store, run, task="humaneval", metric="pass@1", limit=None, vrow=1.0 if i == 0 else 0.2, stamp=40 + i)
+        _add(store, run, task="humaneval", metric="pass@1", limit=None, vrow=1.0 if i == 0 else 0.2, stamp=40 + i,
+             popularity=POPULARITY if i == 1 else None)
     return root
 
 
@@ -131,6 +138,7 @@ def test_expected_files_and_commands(made):
     assert {f"{gran}.csv", f"{gran}.tex", f"{gran}-fig.png", f"{gran}-fig.pdf", "index.md", "manifest.txt"} <= names
     assert {"threshold_storage.csv", "threshold_storage.tex", "verdicts.md", "verdicts.tex"} <= names
     assert "per_layer-tiny-llama-arc_easy-Top-theta_post_VMC-kept_attn.png" in names
+    assert {"vrow_popularity-tiny-llama.csv", "vrow_popularity-tiny-llama-Top-theta_post_VMC_k_64-layer1-group0.png"} <= names
     for md in made.glob("*.md"):
         assert "python scripts/make_figures.py --results" in md.read_text(), md.name
     for tex in made.glob("*.tex"):
@@ -138,6 +146,14 @@ def test_expected_files_and_commands(made):
         assert "\\begin{tabular}" in text and "\\bottomrule" in text and "python scripts/make_figures.py" in text
     assert all((made / n).read_bytes().startswith(b"%PDF") for n in names if n.endswith(".pdf"))
     assert all((made / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
+
+
+def test_vrow_popularity_table_numbers(made):
+    row = pd.read_csv(made / "vrow_popularity-tiny-llama.csv").iloc[0]
+    assert (row["layer"], row["group"], row["heads_per_group"], row["decode_steps"]) == (1, 0, 2, 2)
+    assert row["mean_keys"] == 3.5  # 3 then 4 keys
+    assert row["mean_vrows_read"] == 2.5 and row["mean_vrows_per_head"] == 2.0  # unions 2, 3; per head 1.5, 2.5
+    assert row["union_over_per_head"] == 1.25
 
 
 def test_tradeoff_table_numbers(made):

@@ -1,5 +1,6 @@
 """The experiment runner: every config composes, bad input fails fast, a run is stored and resumable."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -134,7 +135,7 @@ def test_readme_quickstart_commands_are_what_ci_runs():
 
 
 @pytest.mark.parametrize("task,extra", [
-    ("passkey", ["task.lengths=[400]", "task.depths=[0.5]"]),
+    ("passkey", ["task.lengths=[400]", "task.depths=[0.5]", "task.vrow_popularity={layer:3,group:1,max_steps:3}"]),
     ("humaneval", ["task.limit=1", "task.max_length=560"]),
 ])
 def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkeypatch):
@@ -151,6 +152,11 @@ def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkey
     assert not sparse.empty and set(summary["sparsifier"]) == {"dense", "topk"}
     assert (0 < sparse["kept_vrow_fraction"]).all() and (sparse["kept_vrow_fraction"] < 1).all()
     assert summary[summary["sparsifier"] == "dense"]["kept_vrow_fraction"].eq(1.0).all()
+    if task == "passkey":  # the V rows of the first generation's decode steps, as the notebook reads them
+        stats = json.loads((tmp_path / "runs" / sparse["run_id"].iloc[0] / "stats.json").read_text())
+        record = stats["vrow_popularity"]
+        assert (record["layer"], record["group"], record["steps"], len(record["counts"])) == (3, 1, 3, 3)
+        assert 0 < max(max(step) for step in record["counts"]) <= record["heads_per_group"]
 
 
 def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):

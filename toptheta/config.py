@@ -51,7 +51,8 @@ WandbMode = _choices("WandbMode", "offline", "online", "disabled")
 
 # Task fields only some kinds use: left out of a run's identity when null, so adding them to the schema did
 # not change the id of runs stored before (their YAMLs never had these keys).
-OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code")
+OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code",
+                        "vrow_popularity")
 
 
 # Defaults below are placeholders: every option YAML sets its own values.
@@ -114,11 +115,14 @@ class TaskConfig:
     metric: Optional[str] = None
     max_length: Optional[int] = None
     timeout_s: Optional[float] = None      # humaneval
-    allow_unsafe_code: bool = False        # humaneval: run model code unisolated where no sandbox works
     lengths: Optional[List[int]] = None    # passkey
     depths: Optional[List[float]] = None   # passkey
     seed: Optional[int] = None             # passkey
     allow_unsafe_code: Optional[bool] = None  # humaneval: run completions without the sandbox
+    # Generation tasks: {layer: L, group: 0, max_steps: 256}: per decode step of the first generation, how many
+    # query heads of each KV group keep each V row of layer L (toptheta.attention.popularity), stored in the run's
+    # stats.json. Typed Any (checked in `check`): OmegaConf cannot merge an override into a None dataclass field.
+    vrow_popularity: Any = None
 
 
 @dataclass
@@ -209,3 +213,15 @@ def _check_task(task: Any, get, need) -> None:
              "an lm-eval task name, e.g. task=lm_eval task.lm_eval_task=piqa")
     elif get(task, "include_path") is not None:
         need(False, "task.include_path", get(task, "include_path"), f"only lm_eval tasks read task YAMLs, not {get(task, 'kind')}")
+    popularity = get(task, "vrow_popularity")
+    if popularity is not None:
+        need(str(get(task, "kind")) != "lm_eval", "task.vrow_popularity", "{...}",
+             "only generation tasks (humaneval, passkey) have decode steps to record")
+        unknown = sorted(set(popularity) - {"layer", "group", "max_steps"}) if hasattr(popularity, "keys") else ["?"]
+        need(not unknown, "task.vrow_popularity", unknown, "a mapping with keys layer, group (default 0), max_steps "
+             "(default 256, null = all), e.g. task.vrow_popularity={layer:12}")
+        popularity = {"group": 0, "max_steps": 256, **(dict(popularity) if not unknown else {})}
+        for key, minimum in (("layer", 0), ("group", 0), ("max_steps", 1)):
+            value = popularity.get(key)
+            need((key == "max_steps" and value is None) or _int(value, minimum), f"task.vrow_popularity.{key}", value,
+                 f"an integer >= {minimum}" + (" or null" if key == "max_steps" else ""))

@@ -296,10 +296,26 @@ def job_invocation() -> dict:
     return info
 
 
+def _popularity_recorder(task: dict, model):
+    """The task's V-row popularity recorder (task.vrow_popularity), or (None, None)."""
+    popularity = task.get("vrow_popularity")
+    if popularity is None:
+        return None, None
+    from .attention.popularity import VRowPopularity
+
+    popularity = {"group": 0, "max_steps": 256, **popularity}  # the defaults toptheta.config documents
+    recorder = VRowPopularity.for_model(model, int(popularity["layer"]), max_steps=popularity["max_steps"])
+    if not 0 <= int(popularity.get("group", 0)) < recorder.kv_heads:
+        raise ValueError(f"task.vrow_popularity.group={popularity.get('group')}: this model has {recorder.kv_heads} "
+                         f"KV groups (0..{recorder.kv_heads - 1})")
+    return recorder, {"group": int(popularity.get("group", 0))}
+
+
 def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, invocation: dict | None = None) -> list[dict]:
     from . import sparsify
     from .results.store import summary_rows
 
+    recorder, popularity = _popularity_recorder(spec.config["task"], model)  # bad settings fail before calibration
     thresholds, thresholds_ref = (None, None)
     if spec.thresholds is not None:
         with _thresholds_claim(spec, model):
@@ -308,16 +324,17 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     comp = _compensation(spec.config["comp"], thresholds)
     log.info("evaluating %s: %r + %s", spec.label, sparsifier, comp or "no compensation")
     t0 = time.time()
-    with sparsify(model, sparsifier, comp, chunk_size=chunk_size) as stats:
+    with sparsify(model, sparsifier, comp, chunk_size=chunk_size, observer=recorder) as stats:
         results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"],
                            log_samples=spec.log_samples)
     summary = {**stats.summary(), "seconds": time.time() - t0}
+    extra_stats = {"vrow_popularity": recorder.to_dict(popularity["group"])} if recorder is not None else {}
     if spec.config["sparsifier"]["name"] != "dense" and summary.get("kept_attention_fraction") == 1.0:
         log.warning("%s kept every attention element: no row was longer than its layer's k (sparsifier.k=%s, "
                     "layer_k=%s). Lower sparsifier.k or evaluate longer prompts", spec.label,
                     spec.config["sparsifier"]["k"], spec.config["sparsifier"].get("layer_k"))
     config = {k: v for k, v in spec.config.items() if k != "data_dir_path"}
-    store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, "per_layer": stats.per_layer()},
+    store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, "per_layer": stats.per_layer(), **extra_stats},
                     thresholds_ref=thresholds_ref, extra={"label": spec.label},
                     texts={"invocation.json": json.dumps(invocation or {}, indent=2, default=str) + "\n"},
                     copies={"thresholds.safetensors": thresholds_ref} if thresholds_ref else None)

@@ -509,6 +509,57 @@ def per_layer_figure(run_dirs: Sequence[str | os.PathLike[str]], *, stat: str = 
     return fig
 
 
+def vrow_popularity_records(results_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Runs that recorded V-row popularity (task.vrow_popularity): run_id, model, task, label and the record
+    (layer, group, heads_per_group, steps, counts), sorted by model, label and layer."""
+    records = []
+    runs = runs_table(results_dir)
+    for row in runs.itertuples(index=False):
+        path = Path(row.path) / "stats.json"
+        record = json.loads(path.read_text(encoding="utf-8")).get("vrow_popularity") if path.is_file() else None
+        if isinstance(record, dict) and record.get("counts"):
+            records.append({"run_id": row.run_id, "model": row.model, "task": row.task_name,
+                            "label": run_label(row.path), "record": record})
+    return sorted(records, key=lambda r: (str(r["model"]), r["label"], r["record"]["layer"], r["run_id"]))
+
+
+def vrow_popularity_table(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Per record: how far the union of a group's kept V rows exceeds one head's kept set (the decode cost).
+
+    Means over decode steps of: keys, V rows read (kept by any head of the group), V rows kept per head, and
+    their ratio (1 = the heads keep the same rows; heads per group = disjoint sets)."""
+    rows = []
+    for item in records:
+        rec = item["record"]
+        heads = rec.get("heads_per_group") or 1
+        keys, union, per_head = [], [], []
+        for step, counts in enumerate(rec["counts"]):
+            width = len(counts) - (len(rec["counts"]) - 1 - step)  # step i saw i + 1 fewer keys than the last
+            keys.append(width)
+            union.append(sum(1 for c in counts if c > 0))
+            per_head.append(sum(counts) / heads)
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        rows.append({"model": item["model"], "task": item["task"], "series": item["label"], "layer": rec["layer"],
+                     "group": rec["group"], "heads_per_group": heads, "decode_steps": len(keys),
+                     "mean_keys": mean(keys), "mean_vrows_read": mean(union), "mean_vrows_per_head": mean(per_head),
+                     "union_over_per_head": mean(union) / mean(per_head) if mean(per_head) else math.nan,
+                     "run_id": item["run_id"]})
+    return pd.DataFrame(rows)
+
+
+def vrow_popularity_figure(record: Mapping[str, Any], *, title: str | None = None) -> Figure:
+    """Heatmap: decode step × key position, colour = query heads of the KV group keeping that V row."""
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(record["counts"], aspect="auto", interpolation="nearest", cmap="viridis",
+                      vmin=0, vmax=record.get("heads_per_group") or None)
+    fig.colorbar(image, ax=ax, label="query heads keeping the V row")
+    ax.set_xlabel("key position")
+    ax.set_ylabel("decode step")
+    ax.set_title(title or f"layer {record['layer']}, KV group {record['group']}", fontsize=9)
+    return fig
+
+
 def results_dir_from_env(default: str = "results") -> Path:
     """$TOPTHETA_RESULTS_DIR, else `default`; a relative path missing here is looked up in the parent directory
     (a notebook runs in notebooks/, the results live at the repository root)."""
