@@ -52,7 +52,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -68,6 +67,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: E402
 
 import toptheta  # noqa: E402
+from toptheta.atomic import write_text_atomic  # noqa: E402
 from toptheta.attention import kernel as kernel_module  # noqa: E402
 from toptheta.attention import prefill  # noqa: E402
 from toptheta.calibration.thresholds import Thresholds  # noqa: E402
@@ -249,17 +249,6 @@ def kept_per_row(q, k, v, thresholds, chunk_size, attention=toptheta.sparse_atte
     return total[0] / max(1, rows[0])
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -307,7 +296,7 @@ def write_report(args, results, checks, meta_base, thresholds, final: bool) -> N
     if not out.is_absolute():
         out = ROOT / out
     body = json.dumps({"meta": meta, "checks": checks, "results": results}, indent=2)
-    write_atomic(out.with_suffix(".json"), '{"command": ' + json.dumps(meta["command"]) + ",\n" + body[2:] + "\n")
+    write_text_atomic(out.with_suffix(".json"), '{"command": ' + json.dumps(meta["command"]) + ",\n" + body[2:] + "\n")
     header = (f"Command: `{meta['command']}`\n\n# Prefill attention benchmark\n\nSmolLM2-135M attention shapes (B=1, 9 heads, 3 KV heads, d=64, "
               f"float32, causal). {cpus} CPUs, torch {torch.__version__}, transformers {transformers.__version__}, "
               f"{meta['date']}, load average {meta['load_average_start']} at start.\n\nCommand: `{meta['command']}`\n\n"
@@ -317,7 +306,7 @@ def write_report(args, results, checks, meta_base, thresholds, final: bool) -> N
               + ("" if final else "**Partial: written while the run was still going.**\n\n"))
     checks_md = "".join(f"- n={n}: " + ", ".join(f"{key} = {val:.3g}" for key, val in c.items()) + "\n"
                         for n, c in checks.items())
-    write_atomic(out.with_suffix(".md"), header + table + ("\nChecks:\n" + checks_md if checks_md else "") +
+    write_text_atomic(out.with_suffix(".md"), header + table + ("\nChecks:\n" + checks_md if checks_md else "") +
                  f"\nMethods: {meta['time_method']}; memory: {meta['memory_method']}\nThresholds: {meta['thresholds']}.\n")
     if final:
         print()

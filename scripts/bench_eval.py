@@ -34,7 +34,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import toptheta  # noqa: E402
+from toptheta.atomic import write_text_atomic  # noqa: E402
 from toptheta.evaluation import lm_eval_adapter as adapter  # noqa: E402
 from toptheta.evaluation.tasks import check_tasks, resolve_data_dir, task_include_paths  # noqa: E402
 
@@ -165,12 +165,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -205,8 +199,8 @@ def main(argv=None) -> int:
         if task in args.tasks:
             report["settings"].append(run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir))
     out = Path(args.out)
-    write_atomic(out.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
-    write_atomic(out.with_suffix(".md"), markdown(report))
+    write_text_atomic(out.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
+    write_text_atomic(out.with_suffix(".md"), markdown(report))
     print(markdown(report))
     return 0
 

@@ -70,3 +70,18 @@ def test_bad_arguments_are_refused():
         recorder = VRowPopularity.for_model(model, 0, max_steps=2)
         generate(model, recorder, toptheta.TopK(5, "post"))
         recorder.counts(5)
+
+
+def test_sections_split_the_sessions_statistics_exactly():
+    model = tiny_gqa_llama()
+    with torch.no_grad(), toptheta.sparsify(model, toptheta.TopK(5, "post"), [toptheta.VMC()]) as stats:
+        parts = []
+        for seed, length in ((0, 10), (1, 30)):
+            with stats.section() as part:
+                ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(seed))
+                model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            parts.append(part)
+    for name, total in stats.state_dict().items():
+        assert torch.equal(getattr(parts[0], name) + getattr(parts[1], name), total), name
+    short, long = (p.summary()["kept_vrow_fraction"] for p in parts)
+    assert long < stats.summary()["kept_vrow_fraction"] < short  # the pooled fraction hides the per-length ones

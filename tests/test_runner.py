@@ -135,7 +135,7 @@ def test_readme_quickstart_commands_are_what_ci_runs():
 
 
 @pytest.mark.parametrize("task,extra", [
-    ("passkey", ["task.lengths=[400]", "task.depths=[0.5]", "task.vrow_popularity={layer:3,group:1,max_steps:3}"]),
+    ("passkey", ["task.lengths=[300,400]", "task.depths=[0.5]", "task.vrow_popularity={layer:3,group:1,max_steps:3}"]),
     ("humaneval", ["task.limit=1", "task.max_length=560"]),
 ])
 def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkeypatch):
@@ -146,12 +146,17 @@ def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkey
     c = cfg("model=tiny-llama", f"task={task}", "sparsifier=topk", "sparsifier.k=8", "sparsifier.layer_k=null",
             "comp=vmc", f"results_dir={tmp_path}", *extra)
     pipeline.run(c)
-    summary = pd.read_csv(tmp_path / "summary.csv")
-    summary = summary[summary["task"] == task]  # (per-length rows such as passkey_400 carry no statistics)
+    everything = pd.read_csv(tmp_path / "summary.csv")
+    summary = everything[everything["task"] == task]
     sparse = summary[summary["sparsifier"] == "topk"]
     assert not sparse.empty and set(summary["sparsifier"]) == {"dense", "topk"}
     assert (0 < sparse["kept_vrow_fraction"]).all() and (sparse["kept_vrow_fraction"] < 1).all()
     assert summary[summary["sparsifier"] == "dense"]["kept_vrow_fraction"].eq(1.0).all()
+    if task == "passkey":  # each length has its own statistics; together they make the run's
+        lengths = everything[everything["task"].isin(["passkey_300", "passkey_400"]) & (everything["sparsifier"] == "topk")]
+        assert len(lengths) == 2 and lengths["stats_scope"].eq("task").all()
+        fractions = sorted(lengths["kept_vrow_fraction"])
+        assert fractions[0] <= sparse["kept_vrow_fraction"].iloc[0] <= fractions[1] and fractions[0] < fractions[1]
     if task == "passkey":  # the V rows of the first generation's decode steps, as the notebook reads them
         stats = json.loads((tmp_path / "runs" / sparse["run_id"].iloc[0] / "stats.json").read_text())
         record = stats["vrow_popularity"]

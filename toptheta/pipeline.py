@@ -249,8 +249,10 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
 
-def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict, log_samples: bool = False) -> dict:
-    """lm-eval's results dict (or the same shape for our generation tasks)."""
+def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict, log_samples: bool = False,
+             stats=None) -> dict:
+    """lm-eval's results dict (or the same shape for our generation tasks, which may add ``task_stats``: the
+    statistics of sub-tasks such as one passkey length, cut from the session's ``stats``)."""
     if task["kind"] == "lm_eval":
         from .evaluation.lm_eval_adapter import clip_samples, evaluate_tasks
         from .evaluation.tasks import is_longbench
@@ -267,7 +269,7 @@ def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict
         return results
     from .evaluation.generation import evaluate_generation
 
-    return evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")))
+    return evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")), stats=stats)
 
 
 def _thresholds_claim(spec: RunSpec, model):
@@ -326,8 +328,8 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     t0 = time.time()
     with sparsify(model, sparsifier, comp, chunk_size=chunk_size, observer=recorder) as stats:
         results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"],
-                           log_samples=spec.log_samples)
-    summary = {**stats.summary(), "seconds": time.time() - t0}
+                           log_samples=spec.log_samples, stats=stats)
+    summary = {**stats.summary(), **results.pop("task_stats", {}), "seconds": time.time() - t0}
     extra_stats = {"vrow_popularity": recorder.to_dict(popularity["group"])} if recorder is not None else {}
     if spec.config["sparsifier"]["name"] != "dense" and summary.get("kept_attention_fraction") == 1.0:
         log.warning("%s kept every attention element: no row was longer than its layer's k (sparsifier.k=%s, "

@@ -135,6 +135,20 @@ class SparsityStats:
         return {name: getattr(self, name).clone() for name in names}
 
     @contextlib.contextmanager
+    def section(self):
+        """Yield a ``SparsityStats`` that holds, after the block, only what was recorded inside it.
+
+        This object keeps counting as before; the section is for statistics of a part of a run (one
+        passkey length), computed exactly as the run's own (the same sums, restricted to the block).
+        """
+        before, clamped = self.state_dict(), self.clamped_rows
+        part = SparsityStats(self.num_layers, self.num_heads, self.num_kv_heads, enabled=self.enabled)
+        yield part
+        for name, old in before.items():
+            getattr(part, name).copy_(getattr(self, name) - old)
+        part.clamped_rows = self.clamped_rows - clamped
+
+    @contextlib.contextmanager
     def repeated(self, times: int):
         """Count what is recorded inside the block ``times`` times.
 

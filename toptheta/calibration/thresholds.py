@@ -19,10 +19,11 @@ import datetime
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from ..atomic import atomic_write
 
 FORMAT_VERSION = 1
 GRANULARITIES = {  # name -> which of (head, row length) the values resolve
@@ -185,15 +186,7 @@ class Thresholds:
             tensors["sdc_mass"] = self.sdc_mass.float().contiguous()
         header = {"format": FORMAT_VERSION, "k": self.k, "placement": self.placement, "lookup": self.lookup_rule,
                   "smooth_sigma": self.smooth_sigma, "metadata": self.metadata}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"toptheta": json.dumps(header, default=str)})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"toptheta": json.dumps(header, default=str)}))
 
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, *, allow_other_model: bool = False,

@@ -80,26 +80,40 @@ def _sandbox_limits(task: dict):
     return SandboxLimits(timeout_s=float(task.get("timeout_s", 3.0)))
 
 
-def run_passkey(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
-    """Passkey retrieval at each length and depth: accuracy overall and per length."""
+def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None) -> dict:
+    """Passkey retrieval at each length and depth: accuracy overall and per length.
+
+    With the session's ``stats`` (a SparsityStats), each length also gets its own sparsity statistics
+    (``task_stats["passkey_<length>"]``): kept fractions are not pooled across context lengths.
+    """
+    import contextlib
+
     from .passkey import build_passkey_records, score_passkey
 
     records = build_passkey_records(tokenizer, lengths=task.get("lengths") or (1024, 2048, 4096, 8192, 16384),
                                     depths=task.get("depths") or (0.1, 0.5, 0.9), seed=int(task.get("seed", 0)))
     if task.get("limit"):
         records = records[: int(task["limit"])]
-    hits, samples = [], []
-    for record in tqdm(records, desc="passkey", unit="prompt"):
-        text, n_prompt = greedy_generate(model, tokenizer, record["prompt"], max_new_tokens=PASSKEY_NEW_TOKENS,
-                                           chat_template=chat_template)
-        hit = float(score_passkey(text, record["answer"]))
-        hits.append(hit)
-        samples.append({"id": record["id"], "length_tokens": n_prompt, "depth": record["depth"], "generation": text,
-                        "correct": bool(hit)})
-    out = _result("passkey", "accuracy", hits, samples)  # a fraction, like every accuracy in the store
-    for length in sorted({r["target_tokens"] for r in records}):
-        sub = [s["correct"] for s, r in zip(samples, records) if r["target_tokens"] == length]
-        out["results"][f"passkey_{length}"] = {"accuracy,none": sum(sub) / len(sub)}
+    samples, task_stats = [], {}
+    lengths = sorted({r["target_tokens"] for r in records})
+    with tqdm(total=len(records), desc="passkey", unit="prompt") as bar:
+        for length in lengths:
+            with stats.section() if stats is not None else contextlib.nullcontext() as part:
+                for record in (r for r in records if r["target_tokens"] == length):
+                    text, n_prompt = greedy_generate(model, tokenizer, record["prompt"],
+                                                     max_new_tokens=PASSKEY_NEW_TOKENS, chat_template=chat_template)
+                    samples.append({"id": record["id"], "target_tokens": length, "length_tokens": n_prompt,
+                                    "depth": record["depth"], "generation": text,
+                                    "correct": bool(score_passkey(text, record["answer"]))})
+                    bar.update()
+            if part is not None:
+                task_stats[f"passkey_{length}"] = part.summary()
+    out = _result("passkey", "accuracy", [float(s["correct"]) for s in samples], samples)  # fractions, as in the store
+    for length in lengths:
+        sub = [float(s["correct"]) for s in samples if s["target_tokens"] == length]
+        out["results"][f"passkey_{length}"] = _result("", "accuracy", sub, [])["results"][""]
+    if task_stats:
+        out["task_stats"] = task_stats
     return out
 
 
@@ -127,10 +141,11 @@ def check_context(task: dict, max_positions: int | None, model_name: str) -> Non
                          f"{max_positions} positions; set task.max_length={max_positions} or lower")
 
 
-def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
+def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, stats=None) -> dict:
+    """Results shaped like lm-eval's; ``task_stats`` (when present) holds statistics of sub-tasks (from ``stats``)."""
     kind = task["kind"]
     if kind == "humaneval":
         return run_humaneval(task, model, tokenizer, chat_template=chat_template)
     if kind == "passkey":
-        return run_passkey(task, model, tokenizer, chat_template=chat_template)
+        return run_passkey(task, model, tokenizer, chat_template=chat_template, stats=stats)
     raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, passkey")

@@ -61,7 +61,8 @@ def rebuilt_rows(results_dir: str | Path) -> tuple[list[dict], set[str]]:
             continue
         config, meta = _read(run_dir / "config.json"), _read(run_dir / "meta.json")
         stats = _read(run_dir / "stats.json")
-        stats = {k: v for k, v in stats.items() if not isinstance(v, (list, dict))}  # per-layer lists are not row stats
+        stats = {k: v for k, v in stats.items()  # per-layer lists and records are not row statistics
+                 if not isinstance(v, list) and k not in ("per_layer", "vrow_popularity")}
         new = summary_rows(run_dir.name, config, _read(run_dir / "lm_eval.json"), stats,
                            commit=meta.get("git_commit") or "", timestamp=meta.get("timestamp"))
         rows += _percent_to_fraction(config, new)

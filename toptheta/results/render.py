@@ -7,15 +7,13 @@ same bytes (and git sees no change). Numbers are formatted by one function for b
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from ..atomic import atomic_write, write_text_atomic
 
 PNG_METADATA = {"Software": None}
 PDF_METADATA = {"Creator": None, "Producer": None, "CreationDate": None, "ModDate": None}
@@ -62,22 +60,8 @@ def latex(table: pd.DataFrame, caption: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Write through `write(tmp_path)` to a temporary sibling, then os.replace it onto `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    write_text_atomic(path, text)
 
 
 def save_figure(fig, path: Path, fmt: str) -> None:

@@ -39,6 +39,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..atomic import default_mode, write_text_atomic
 from .claims import claim
 
 if TYPE_CHECKING:
@@ -148,17 +149,7 @@ def _dumps(obj: Any) -> str:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     """Write via a temp file in the same directory, fsync, then os.replace."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, text, fsync=True)
 
 
 def _to_plain(obj: Any) -> Any:
@@ -435,6 +426,7 @@ class RunStore:
                 raise ValueError(f"run file name {name!r}: give a plain file name such as 'thresholds.safetensors'")
 
         staging = Path(tempfile.mkdtemp(dir=self.runs_dir, prefix=f".tmp-{run_id}-"))
+        os.chmod(staging, default_mode(directory=True))  # mkdtemp's 0700 would make the run private
         try:
             for name, text in files.items():
                 _write_text_atomic(staging / name, text)

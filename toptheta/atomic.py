@@ -1,0 +1,49 @@
+"""Atomic file writes: a temporary sibling, then ``os.replace``, so a reader never sees half a file.
+
+The temporary file gets the permissions a plain ``open(path, "w")`` would (0666 minus the umask), not
+``mkstemp``'s private 0600: results, figures and thresholds are shared with teammates on cluster file systems.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+
+def default_mode(directory: bool = False) -> int:
+    """The mode ``open``/``mkdir`` would give a new file or directory under the current umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> Path:
+    """Write ``path`` through ``write(tmp_path)`` (which creates or fills the temporary file), then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, default_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str, *, fsync: bool = False) -> Path:
+    """Write ``text`` (UTF-8, newlines as given) atomically; ``fsync`` flushes it to disk before the rename."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    return atomic_write(path, write)
