@@ -286,3 +286,27 @@ def test_empty_row_rule_is_checked_and_passed_by_the_pipeline():
     assert build_sparsifier(spec, thresholds).empty_rows == "keep-max"
     assert build_sparsifier({**spec, "empty_rows": "reference"}, thresholds).empty_rows == "reference"
     assert SimpleNamespace(**build_sparsifier(spec, thresholds).describe()).empty_rows == "keep-max"
+
+
+# ---- item 5: no finite-math assumptions in the compiled kernels ---------------------------------------------------
+
+def test_every_compiled_kernel_is_built_without_fast_math(monkeypatch):
+    """Masked keys are -inf: -ffast-math (-ffinite-math-only) would let the compiler assume they never occur."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from toptheta.attention import fused_prefill
+
+    seen = {}
+    monkeypatch.setenv("TOPTHETA_FUSED", "1")
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda **kw: seen.setdefault(kw["name"], kw["extra_cflags"]))
+    for module in (fused, fused_prefill):
+        module.extension.cache_clear()
+    try:
+        assert fused.extension() is not None and fused_prefill.extension() is not None
+    finally:
+        for module in (fused, fused_prefill):
+            module.extension.cache_clear()  # the next caller loads the real build
+    assert len(seen) == 2
+    for name, flags in seen.items():
+        assert not {"-ffast-math", "-ffinite-math-only", "-Ofast"} & set(flags), (name, flags)
+        assert "-fno-finite-math-only" in flags or "-funsafe-math-optimizations" in flags  # still vectorisable

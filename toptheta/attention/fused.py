@@ -18,7 +18,17 @@ import os
 import torch
 
 log = logging.getLogger("toptheta")
-_VERSION = 2  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 4  # bump when _SOURCE or the flags change: the build cache is keyed by name
+
+# Kernels are built without -ffinite-math-only (see build()): masked keys hold -inf and rely on exp(-inf) = 0 and IEEE
+# comparisons. GCC still vectorises expf through glibc's libmvec when told the vector variants exist (glibc declares
+# them only under __FAST_MATH__); libmvec handles -inf and the other special inputs exactly like the scalar expf.
+# Every kernel source includes this after <cmath>.
+VECTOR_EXPF = r"""
+#if defined(__x86_64__) && defined(__GLIBC__)
+extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
+#endif
+"""
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -26,13 +36,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <limits>
 
-// Built without -ffast-math: masked keys hold -inf and rely on exp(-inf) = 0 and IEEE comparisons. GCC still
-// vectorises expf through glibc's libmvec when told the vector variants exist (glibc declares them only under
-// __FAST_MATH__); libmvec handles -inf and the other special inputs exactly like the scalar expf.
-#if defined(__x86_64__) && defined(__GLIBC__)
-extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
-#endif
-
+""" + VECTOR_EXPF + r"""
 // s: (R, K) float32 contiguous scaled logits, -inf where invalid. theta: (R) float32. whole: (R) bool.
 // In place, each row becomes w = p * [p > cut] with p = softmax(row) and cut = min(theta, just below the
 // row's largest p) (so the maximum is always kept); rows marked whole keep every p (invalid keys hold 0).
@@ -94,28 +98,38 @@ def _target() -> tuple[str, list[str]]:
     return "generic", []
 
 
-@functools.cache
-def extension():
-    """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
+# -ffast-math minus -ffinite-math-only (and minus -fcx-limited-range / -fexcess-precision, which do not apply here).
+SAFE_FAST_MATH = ("-O3", "-fno-math-errno", "-funsafe-math-optimizations", "-fno-rounding-math", "-fno-signaling-nans")
+
+
+def build(name: str, source: str, functions: list[str], what: str, fallback: str):
+    """Compile (once; cached by torch per name and target) a C++ extension, or None where it cannot be built.
+
+    Every toptheta kernel is built with the same flags: -ffast-math's parts except -ffinite-math-only (masked keys
+    are -inf and rely on exp(-inf) = 0 and on comparisons with infinities). Reassociation
+    (-funsafe-math-optimizations) stays: it lets the compiler vectorise the row reductions, which changes
+    float summation order only (the tests compare the kernels with the plain path within float tolerance).
+    """
     if os.environ.get("TOPTHETA_FUSED", "1") == "0":
         return None
     suffix, flags = _target()
     try:
         from torch.utils.cpp_extension import load_inline
 
-        log.info("toptheta: loading the fused CPU kernel (the first build takes about a minute, then it is cached)")
-        return load_inline(
-            name=f"toptheta_fused_v{_VERSION}_{suffix}",
-            cpp_sources=_SOURCE,
-            functions=["post_threshold"],
-            # No -ffast-math: -inf must stay -inf (exp(-inf) = 0 for masked keys); expf is vectorised anyway (_SOURCE).
-            extra_cflags=["-O3", "-fno-math-errno", "-fopenmp-simd", *flags],
-            verbose=False,
-        )
-    except Exception as err:  # noqa: BLE001 (any build failure means: use the torch path)
-        log.warning("toptheta: the fused CPU kernel could not be built (%s); using the pure-torch path",
-                    str(err).splitlines()[0] if str(err) else type(err).__name__)
+        log.info("toptheta: loading %s (the first build takes about a minute, then it is cached)", what)
+        return load_inline(name=f"{name}_{suffix}", cpp_sources=source, functions=functions,
+                           extra_cflags=[*SAFE_FAST_MATH, "-fopenmp-simd", *flags], verbose=False)
+    except Exception as err:  # noqa: BLE001 (any build failure means: use the fallback)
+        log.warning("toptheta: %s could not be built (%s); using %s", what,
+                    str(err).splitlines()[0] if str(err) else type(err).__name__, fallback)
         return None
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
+    return build(f"toptheta_fused_v{_VERSION}", _SOURCE, ["post_threshold"], "the fused CPU kernel",
+                 "the pure-torch path")
 
 
 def enabled() -> bool:

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
-import torch
-
-from .fused import _target
+from .fused import VECTOR_EXPF, build
 
 log = logging.getLogger("toptheta")
-_VERSION = 2  # bump when _SOURCE changes: the build cache is keyed by name
+_VERSION = 5  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -31,8 +28,8 @@ _SOURCE = r"""
 #include <cstring>
 #include <limits>
 #include <vector>
-
-static constexpr float NEG = -1.0e30f;  // "no key": finite, so -ffast-math stays exact (exp gives 0)
+""" + VECTOR_EXPF + r"""
+static constexpr float NEG = -1.0e30f;  // "no key": a finite sentinel (exp of it minus a row max gives 0)
 
 // q (B, H, Q, D) scaled, k (B, Hkv, K, D), v (B, Hkv, K, Dv): float32 contiguous.
 // mask: (B, Q, K) bool of any strides, or empty: causal, query i sits at key K - Q + i.
@@ -231,21 +228,5 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
 @functools.cache
 def extension():
     """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
-    if os.environ.get("TOPTHETA_FUSED", "1") == "0":
-        return None
-    suffix, flags = _target()
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        log.info("toptheta: loading the one-pass prefill kernel (the first build takes about a minute, then it is cached)")
-        return load_inline(
-            name=f"toptheta_prefill_v{_VERSION}_{suffix}",
-            cpp_sources=_SOURCE,
-            functions=["prefill"],
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *flags],
-            verbose=False,
-        )
-    except Exception as err:  # noqa: BLE001 (any build failure means: use the plain kernel)
-        log.warning("toptheta: the one-pass prefill kernel could not be built (%s); using the plain kernel",
-                    str(err).splitlines()[0] if str(err) else type(err).__name__)
-        return None
+    return build(f"toptheta_prefill_v{_VERSION}", _SOURCE, ["prefill"], "the one-pass prefill kernel",
+                 "the plain kernel")
