@@ -299,7 +299,7 @@ def write_report(args, results, checks, meta_base, thresholds, final: bool) -> N
     write_text_atomic(out.with_suffix(".json"), '{"command": ' + json.dumps(meta["command"]) + ",\n" + body[2:] + "\n")
     header = (f"Command: `{meta['command']}`\n\n# Prefill attention benchmark\n\nSmolLM2-135M attention shapes (B=1, 9 heads, 3 KV heads, d=64, "
               f"float32, causal). {cpus} CPUs, torch {torch.__version__}, transformers {transformers.__version__}, "
-              f"{meta['date']}, load average {meta['load_average_start']} at start.\n\nCommand: `{meta['command']}`\n\n"
+              f"{meta['date']}, load average {meta['load_average_start']} at start.\n\n"
               f"Kernel: `{meta['kernel_file']}` (sha1 {meta['kernel_sha1'][:12]}), query rows per chunk: "
               + ", ".join(f"n={r['n']}: {r['rows_per_chunk']}" for r in results if r.get("method") == "ours_dense"
                           and "rows_per_chunk" in r) + "\n\n"

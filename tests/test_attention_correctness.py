@@ -257,6 +257,21 @@ def test_reference_pre_softmax_empty_rows_attend_uniformly_to_the_whole_padded_r
     torch.testing.assert_close(got[~empty], keep_max[~empty])
 
 
+def test_reference_pre_softmax_uniform_rows_get_no_vmc_and_decode_steps_follow_the_rule(path):
+    """A uniform row's weights sum to 1: VMC adds nothing to it. A decode step (one query) obeys the same rule."""
+    q, k, v, valid = data = qkv()
+    empty = empty_rows_brute_force(data, THETA["pre"], "pre")[0]  # (H, Q)
+    sparsifier = toptheta.TopTheta(Thresholds(torch.full((1, 4, 1), THETA["pre"]), [1], "pre"), empty_rows="reference")
+    plain = run(sparsifier, data=data)[0].transpose(0, 1)
+    with_vmc = run(sparsifier, [toptheta.VMC()], data=data)[0].transpose(0, 1)
+    torch.testing.assert_close(with_vmc[empty], plain[empty], atol=1e-6, rtol=1e-5)
+    j = int(empty.any(0).nonzero()[0])  # an empty row, replayed as a decode step over its j + 1 keys
+    step = (q[:, :, j:j + 1], k[:, :, :j + 1], v[:, :, :j + 1], valid[:, :, j:j + 1, :j + 1])
+    got = run(sparsifier, [toptheta.VMC()], data=step)[0, 0]  # (H, D)
+    expected = v[0, :, :j + 1].mean(1).repeat_interleave(2, 0)  # (H, D): uniform over the step's keys
+    torch.testing.assert_close(got[empty[:, j]], expected[empty[:, j]], atol=1e-6, rtol=1e-5)
+
+
 def test_fused_kernel_counts_the_same_empty_rows(monkeypatch):
     if not fused.enabled():
         pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?); the torch path is in use")

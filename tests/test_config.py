@@ -145,7 +145,7 @@ def test_default_results_dir_is_local_and_git_ignored():
 
 
 def test_nothing_reads_the_shared_folder_beside_the_checkout():
-    """Code, configs and tests use the shipped data (toptheta/data), never ../shared."""
+    """Code, configs and tests use the shipped data (toptheta/data), never the team folder beside the checkout."""
     pattern = re.compile(r"\.\./shared|\"shared\" */ *\"data\"|parents\[\d\] */ *\"shared\"")
     offenders = [str(p.relative_to(ROOT)) for folder in ("toptheta", "conf", "tests", "scripts")
                  for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".yaml", ".sh") and p.name != Path(__file__).name

@@ -13,11 +13,19 @@ from pathlib import Path
 from typing import Callable
 
 
-def default_mode(directory: bool = False) -> int:
-    """The mode ``open``/``mkdir`` would give a new file or directory under the current umask."""
-    umask = os.umask(0)
+def _read_umask() -> int:
+    umask = os.umask(0)  # the only portable way to read it: set and restore, once, at import
     os.umask(umask)
-    return (0o777 if directory else 0o666) & ~umask
+    return umask
+
+
+_UMASK = _read_umask()
+
+
+def default_mode(directory: bool = False) -> int:
+    """The mode ``open``/``mkdir`` would give a new file or directory under the process umask (read at import:
+    changing the umask on every write would race with other threads creating files)."""
+    return (0o777 if directory else 0o666) & ~_UMASK
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> Path:

@@ -40,7 +40,6 @@ SparsifierName = _choices("SparsifierName", "dense", "topk", "toptheta")
 Placement = _choices("Placement", "pre", "post", "auto")
 EmptyRows = _choices("EmptyRows", "keep-max", "reference")  # toptheta.sparsifiers.toptheta.EMPTY_ROWS
 SdcEstimator = _choices("SdcEstimator", "exact", "exp-threshold", "calibrated")
-EmptyRows = _choices("EmptyRows", "keep-max", "reference")
 Statistic = _choices("Statistic", "order", "target-k")
 Granularity = _choices("Granularity", "layer", "layer-n", "layer-head", "layer-head-n")
 Lookup = _choices("Lookup", "nearest", "linear")
@@ -51,6 +50,9 @@ WandbMode = _choices("WandbMode", "offline", "online", "disabled")
 
 # Task fields only some kinds use: left out of a run's identity when null, so adding them to the schema did
 # not change the id of runs stored before (their YAMLs never had these keys).
+# task.vrow_popularity's keys besides `layer` (toptheta.attention.popularity; pipeline._popularity_recorder).
+VROW_POPULARITY_DEFAULTS = {"group": 0, "max_steps": 256}
+
 OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code",
                         "vrow_popularity")
 
@@ -74,7 +76,6 @@ class SparsifierConfig:
     placement: Optional[Placement] = None  # null only for dense
     k: Optional[int] = None                # null only for dense
     layer_k: Optional[Dict[int, int]] = field(default_factory=dict)  # layer -> k overrides
-    empty_rows: Optional[EmptyRows] = None  # toptheta only: what a row with nothing above θ keeps
     empty_rows: Optional[EmptyRows] = None  # toptheta only: keep-max | reference (method.md §9, 10a)
 
 
@@ -220,7 +221,7 @@ def _check_task(task: Any, get, need) -> None:
         unknown = sorted(set(popularity) - {"layer", "group", "max_steps"}) if hasattr(popularity, "keys") else ["?"]
         need(not unknown, "task.vrow_popularity", unknown, "a mapping with keys layer, group (default 0), max_steps "
              "(default 256, null = all), e.g. task.vrow_popularity={layer:12}")
-        popularity = {"group": 0, "max_steps": 256, **(dict(popularity) if not unknown else {})}
+        popularity = {**VROW_POPULARITY_DEFAULTS, **(dict(popularity) if not unknown else {})}
         for key, minimum in (("layer", 0), ("group", 0), ("max_steps", 1)):
             value = popularity.get(key)
             need((key == "max_steps" and value is None) or _int(value, minimum), f"task.vrow_popularity.{key}", value,

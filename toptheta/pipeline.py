@@ -299,25 +299,25 @@ def job_invocation() -> dict:
 
 
 def _popularity_recorder(task: dict, model):
-    """The task's V-row popularity recorder (task.vrow_popularity), or (None, None)."""
-    popularity = task.get("vrow_popularity")
-    if popularity is None:
+    """The task's V-row popularity recorder (task.vrow_popularity) and the KV group it stores, or (None, None)."""
+    if task.get("vrow_popularity") is None:
         return None, None
     from .attention.popularity import VRowPopularity
+    from .config import VROW_POPULARITY_DEFAULTS
 
-    popularity = {"group": 0, "max_steps": 256, **popularity}  # the defaults toptheta.config documents
+    popularity = {**VROW_POPULARITY_DEFAULTS, **task["vrow_popularity"]}
     recorder = VRowPopularity.for_model(model, int(popularity["layer"]), max_steps=popularity["max_steps"])
-    if not 0 <= int(popularity.get("group", 0)) < recorder.kv_heads:
-        raise ValueError(f"task.vrow_popularity.group={popularity.get('group')}: this model has {recorder.kv_heads} "
+    if not 0 <= int(popularity["group"]) < recorder.kv_heads:
+        raise ValueError(f"task.vrow_popularity.group={popularity['group']}: this model has {recorder.kv_heads} "
                          f"KV groups (0..{recorder.kv_heads - 1})")
-    return recorder, {"group": int(popularity.get("group", 0))}
+    return recorder, int(popularity["group"])
 
 
 def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, invocation: dict | None = None) -> list[dict]:
     from . import sparsify
     from .results.store import summary_rows
 
-    recorder, popularity = _popularity_recorder(spec.config["task"], model)  # bad settings fail before calibration
+    recorder, group = _popularity_recorder(spec.config["task"], model)  # bad settings fail before calibration
     thresholds, thresholds_ref = (None, None)
     if spec.thresholds is not None:
         with _thresholds_claim(spec, model):
@@ -330,7 +330,7 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
         results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"],
                            log_samples=spec.log_samples, stats=stats)
     summary = {**stats.summary(), **results.pop("task_stats", {}), "seconds": time.time() - t0}
-    extra_stats = {"vrow_popularity": recorder.to_dict(popularity["group"])} if recorder is not None else {}
+    extra_stats = {"vrow_popularity": recorder.to_dict(group)} if recorder is not None else {}
     if spec.config["sparsifier"]["name"] != "dense" and summary.get("kept_attention_fraction") == 1.0:
         log.warning("%s kept every attention element: no row was longer than its layer's k (sparsifier.k=%s, "
                     "layer_k=%s). Lower sparsifier.k or evaluate longer prompts", spec.label,

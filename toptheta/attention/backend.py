@@ -29,6 +29,7 @@ import torch
 
 from ..compensation import check_compensation
 from ..sparsifiers import Dense, Sparsifier
+from . import decode
 from .kernel import sparse_attention
 from .stats import SparsityStats
 
@@ -192,6 +193,7 @@ def sparsify(
         for m in modules:
             _SESSIONS.pop(m, None)
         model.set_attn_implementation(previous)
+        decode.reset()
 
 
 @contextlib.contextmanager
@@ -237,6 +239,7 @@ class _Phases:
             def generate(*args, **kwargs):
                 saved = self.prompt_end, self.forwards
                 self.prompt_end, self.forwards = _prompt_length(args, kwargs), 0
+                decode.reset()  # running V sums belong to one generation's cache, never to the next one
                 try:
                     return original(*args, **kwargs)
                 finally:
@@ -277,9 +280,3 @@ def _prompt_length(args, kwargs) -> int:
     """Prompt length of a ``generate`` call: the widest of its input ids, embeddings and attention mask (≥ 1)."""
     given = [kwargs.get(name) for name in ("input_ids", "inputs", "inputs_embeds", "attention_mask")] + list(args[:1])
     return max((t.shape[1] for t in given if isinstance(t, torch.Tensor) and t.dim() >= 2), default=1)
-
-
-def _check_thresholds_fit(model, sparsifier) -> None:
-    thresholds = getattr(sparsifier, "thresholds", None)
-    if thresholds is not None:
-        thresholds.check_model(model)

@@ -68,8 +68,8 @@ def attention(
     """Attention output (B, 1, H, Dv) like ``kernel.sparse_attention``, or None where this path does not apply."""
     B, H, Q, D = query.shape
     Hkv, K, Dv = key.shape[1], key.shape[2], value.shape[-1]
-    if Q != 1 or H % Hkv or K == 0:
-        return None
+    if Q != 1 or H % Hkv or K == 0 or getattr(sparsifier, "empty_rows", "keep-max") != "keep-max":
+        return None  # (the reference code's empty-row rule is the plain kernel's: kernel._uniform_over_padded_row)
     G, R = H // Hkv, B * Hkv
     sdc = next((c for c in compensations if isinstance(c, SDC)), None)
     vmc = any(isinstance(c, VMC) for c in compensations)

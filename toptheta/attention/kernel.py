@@ -160,6 +160,7 @@ def sparse_attention(
         v = vf[:, :, ks:ke].reshape(B * Hkv, Kc, Dv)  # a view
         sparse = done is not None or keep is not None
         denom = None  # post-softmax: no renormalisation, the kept weights are dense probabilities
+        uniform = None  # (B, H, Qc) rows given the reference code's uniform attention
         if done is not None:
             o = torch.bmm(s.view(B * Hkv, G * Qc, Kc), v).view(B, H, Qc, Dv)
             rows.kept_mass = kept_sum
@@ -180,6 +181,7 @@ def sparse_attention(
                 o = o / denom
                 if sdc is None and getattr(sparsifier, "empty_rows", None) == "reference" and rows.empty is not None:
                     o = _uniform_over_padded_row(o, rows.empty, vf)
+                    uniform = rows.empty  # these rows now attend with weights summing to 1: nothing is missing
                 if counting:
                     rows.kept_mass = kept_sum / rows.row_sum.clamp_min(tiny)
             else:
@@ -188,6 +190,8 @@ def sparse_attention(
             if vmc:
                 beta = 1.0 - (kept_sum if denom is None else kept_sum / denom)  # (B, H, Qc, 1) missing mass
                 beta = beta.masked_fill(n.unsqueeze(-1) == 0, 0.0)
+                if uniform is not None:
+                    beta = beta.masked_fill(uniform.unsqueeze(-1), 0.0)
                 if causal:  # v̄ of row i is the mean of the V prefix: running sums, no (Qc, Kc) matmul
                     if v_sum is None:
                         v_sum = vf.new_zeros(B, Hkv, 1, Dv, dtype=torch.float64)

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
+
+from .shared_context_lm import SharedContextHFLM
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,11 @@ def parse_comp(comp: Any, sdc: str, sdc_scale: float) -> dict:
 
 
 @register_model("toptheta")
-class TopThetaLM(HFLM):
-    """HFLM over a model from ``toptheta.models.load_model``, every request inside ``toptheta.sparsify``."""
+class TopThetaLM(SharedContextHFLM):
+    """lm-eval's HFLM over a model from ``toptheta.models.load_model``, every request inside ``toptheta.sparsify``.
+
+    Multiple-choice requests are scored as ``run.py`` scores them (SharedContextHFLM: each context once, padded
+    batches with a mask), so ``--batch_size`` > 1 never counts padded rows in the sparsity statistics."""
 
     def __init__(self, pretrained: str, sparsifier: str = "toptheta", k: int = 64, layer_k: Any = DEFAULT_LAYER_K,
                  placement: str = "auto", comp: str | None = "vmc", sdc: str = "exact", sdc_scale: float = 1.0,

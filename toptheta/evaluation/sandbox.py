@@ -282,13 +282,16 @@ def isolation_level() -> Isolation:
             if not sys.platform.startswith("linux"):
                 raise RuntimeError("the sandbox needs Linux (namespaces, rlimits); run the "
                                    "evaluation on a Linux machine or in a Linux container")
-            _isolation = "process"
             mode: Isolation = "namespace" if os.geteuid() == 0 else "userns"
             probe = _run_one({"program.py": "pass\n"}, ["program"], SandboxLimits(timeout_s=10.0), mode)
             if probe.passed:
                 _isolation = mode
+            elif probe.status == "timeout":  # a loaded machine, not an answer: probe again on the next call
+                log.warning("sandbox: the %s isolation probe timed out; it is retried on the next call", mode)
+                return "process"
             else:
                 log.warning("sandbox: %s isolation unavailable (%s)", mode, probe.detail)
+                _isolation = "process"
         return _isolation
 
 

@@ -19,10 +19,13 @@ from matplotlib.figure import Figure
 
 
 def threshold_files(results_dir: str | Path) -> list[Path]:
-    """Threshold files kept in run directories, one per distinct content (same name = same calibration key)."""
+    """Threshold files kept in run directories, one per distinct content (every run names its copy
+    thresholds.safetensors, so files are told apart by a hash of their bytes)."""
+    import hashlib
+
     seen, out = set(), []
     for path in sorted(Path(results_dir, "runs").glob("*/*.safetensors")):
-        key = (path.name, path.stat().st_size)
+        key = hashlib.sha256(path.read_bytes()).hexdigest()
         if key not in seen:
             seen.add(key)
             out.append(path)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from string import Template
 
+from toptheta.atomic import write_text_atomic
 from toptheta.evaluation.tasks.catalog import (
     base_name,
     data_file,
@@ -41,19 +41,6 @@ def _render(template: str, **values: str | Path) -> str:
     return Template(text).substitute({k: _quoted(v) for k, v in values.items()})
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Temp file then os.replace, so a reader never sees half a YAML."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def write_task_dir(target: Path, tasks: list[str], data_dir: Path | None) -> None:
     """Render the YAMLs `tasks` need into the existing directory `target`.
 
@@ -71,10 +58,10 @@ def write_task_dir(target: Path, tasks: list[str], data_dir: Path | None) -> Non
             files = {split: data_file(data_dir, rel) for split, rel in spec.data_files.items()}
             template = "longbench.yaml" if is_longbench(base) else f"{base}.yaml"
             text = _render(template, stock=stock, task=base, **files)
-        _write_atomic(target / f"{base}.yaml", text)
+        write_text_atomic(target / f"{base}.yaml", text)
     for task in sorted(t for t in tasks if is_calibration(t) and base_name(t) in bases):
         text = _render("calibration.yaml", base=target / f"{base_name(task)}.yaml", task=task)
-        _write_atomic(target / f"{task}.yaml", text)
+        write_text_atomic(target / f"{task}.yaml", text)
 
 
 @contextlib.contextmanager
