@@ -99,17 +99,18 @@ def test_outcomes_from_each_sample_format(tmp_path):
 
 
 def _store_with_verdict_cases(root):
-    """arc_easy, 400 questions: dense; Top-θ and Top-k post + VMC at k=8 agreeing with dense on all but 2
+    """arc_easy, 800 questions (identical answers bound a difference to ±0.0055 at 98.75 %, the Bonferroni level for
+    claim 6's 4 candidates): dense; Top-θ and Top-k post + VMC at k=8 agreeing with dense on all but 2
     questions (claim 1 holds, claim 6 holds: kept 0.2); Top-k post at k=8 wrong on 60 questions Top-k pre gets
     right (claim 2 fails); layers 0-1 at k without per-sample outputs and wide stderrs (claim 5 undecided)."""
     from toptheta.results.store import RunStore, summary_rows
 
     store = RunStore(root)
     rng = np.random.default_rng(0)
-    dense = (rng.random(400) < 0.6).astype(float)
+    dense = (rng.random(800) < 0.6).astype(float)
 
     def add(sparsifier, placement, k, comp, outcomes, kept, layer_k=("0", 512), stderr=None, samples=True):
-        config = {"model": {"name": "tiny"}, "task": {"name": "arc_easy", "lm_eval_task": "arc_easy", "limit": 400},
+        config = {"model": {"name": "tiny"}, "task": {"name": "arc_easy", "lm_eval_task": "arc_easy", "limit": 800},
                   "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
                                  "layer_k": dict([layer_k]) if layer_k and sparsifier != "dense" else {}},
                   "comp": {"sdc": "exact" if "sdc" in comp else None, "sdc_scale": 1.0, "vmc": "vmc" in comp},
@@ -118,7 +119,7 @@ def _store_with_verdict_cases(root):
         value = float(outcomes.mean())
         se = stderr if stderr is not None else float(outcomes.std(ddof=1) / np.sqrt(len(outcomes)))
         results = {"results": {"arc_easy": {"acc_norm,none": value, "acc_norm_stderr,none": se}},
-                   "n-shot": {"arc_easy": 0}, "config": {"limit": 400}}
+                   "n-shot": {"arc_easy": 0}, "config": {"limit": 800}}
         if samples:
             results["samples"] = {"arc_easy": [{"doc_id": i, "acc_norm": float(x)} for i, x in enumerate(outcomes)]}
         stats = {"kept_attention_fraction": kept}
@@ -148,10 +149,30 @@ def test_verdict_rules():
     assert verdicts.decide("non-inferiority", -0.009, 0.02) == "holds"
     assert verdicts.decide("non-inferiority", -0.05, -0.011) == "fails"
     assert verdicts.decide("non-inferiority", -0.02, 0.02) == "undecided"
-    # Pooling: two equal-width intervals average; identical answers on n questions are not certainty.
-    d = paired.PairedDifference(n=100, mean_a=0.5, mean_b=0.5, diff=0.0, ci_low=0.0, ci_high=0.0, p_mcnemar=1.0)
-    mean, low, high = verdicts.pool([d])
-    assert mean == 0.0 and high == pytest.approx(3 / 100) and low == pytest.approx(-3 / 100)
+    # Identical answers on n questions are not certainty: the rule of three keeps ±(−ln 0.05)/n ≈ 3/n.
+    same = paired.PairedOutcomes("t", tuple(range(100)), np.zeros(100))
+    mean, low, high = verdicts.pool([same])
+    assert mean == 0.0 and high == pytest.approx(-math.log(0.05) / 100) and low == pytest.approx(math.log(0.05) / 100)
+
+
+def test_pooling_resamples_shared_questions_together():
+    """Two pairs on the same questions with the same differences carry no more evidence than one: the
+    pooled interval equals the single pair's (an independent pool would shrink it by √2). Pairs on
+    different universes are independent and do narrow it."""
+    rng = np.random.default_rng(1)
+    d = (rng.random(300) < 0.1).astype(float) - (rng.random(300) < 0.05).astype(float)
+    one = paired.PairedOutcomes("arc_easy", tuple(range(300)), d)
+    twin = paired.PairedOutcomes("arc_easy", tuple(range(300)), d.copy())
+    other = paired.PairedOutcomes("hellaswag", tuple(range(300)), d.copy())
+    _, low1, high1 = paired.pooled_bootstrap([one])
+    _, low2, high2 = paired.pooled_bootstrap([one, twin])
+    _, low3, high3 = paired.pooled_bootstrap([one, other])
+    assert (low2, high2) == pytest.approx((low1, high1), abs=1e-12)
+    assert (high3 - low3) < 0.8 * (high1 - low1)
+    # a pair from two stderrs joins as a normal draw around its difference, weighing 0.25/se² = 100 questions
+    wide = paired.unpaired(0.5, 0.05, 0.5, 0.0)
+    mean, low, high = paired.pooled_bootstrap([one, wide])
+    assert mean == pytest.approx(d.mean() * 300 / (300 + 0.25 / 0.05**2)) and low < mean < high
 
 
 def test_verdicts_on_a_synthetic_store(tmp_path):
@@ -164,9 +185,11 @@ def test_verdicts_on_a_synthetic_store(tmp_path):
     found = {v.claim.split(".")[0]: v for v in verdicts.verdicts(load_summary(tmp_path), tmp_path)}
     assert found["1"].verdict == "holds" and abs(found["1"].effect) < 0.01
     assert all(p["method"] == "paired bootstrap" for p in found["1"].pairs)
-    assert found["2"].verdict == "fails" and found["2"].effect == pytest.approx(-60 / 400, abs=1e-9)
-    # VMC vs none at the smallest k: + 0.15 against Top-k post, 0 against Top-k pre (renormalised): pooled, undecided
-    assert sorted(round(p["diff"], 3) for p in found["3"].pairs) == [0.0, 0.15] and found["3"].verdict == "undecided"
+    assert found["2"].verdict == "fails" and found["2"].effect == pytest.approx(-60 / 800, abs=1e-9)
+    # VMC vs none at the smallest k: + 0.075 against Top-k post, 0 against Top-k pre (renormalised): the mean
+    # effect, +0.0375, is clear of 0 (an inverse-variance pool let the zero-spread pair swamp the other)
+    assert sorted(round(p["diff"], 3) for p in found["3"].pairs) == [0.0, 0.075]
+    assert found["3"].effect == pytest.approx(0.0375) and found["3"].verdict == "holds"
     assert found["4"].verdict == "undecided" and not found["4"].pairs
     assert found["5"].verdict == "undecided" and found["5"].pairs[0]["method"] == "independent stderrs"
     assert found["6"].verdict == "holds" and found["6"].pairs[0]["kept_attention_fraction"] <= 1 / 3
@@ -180,6 +203,6 @@ def test_verdicts_on_a_synthetic_store(tmp_path):
     text = readme.read_text()
     assert text.startswith("# Results\n\nhand-written intro") and text.rstrip().endswith("tail") and "STALE SECTION" not in text
     assert "| 2. post-softmax beats pre-softmax |" in text and "| fails |" in text
-    assert "2. post-softmax beats pre-softmax: measured -0.150" in text  # where the small models disagree
+    assert "2. post-softmax beats pre-softmax: measured -0.075" in text  # where the small models disagree
     first = text
     assert script.main(["--results", str(tmp_path)]) == 0 and readme.read_text() == first  # deterministic

@@ -17,6 +17,7 @@ passkey samples (`id`, `correct`). Plain numpy; no scipy, no Hydra.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -160,7 +161,40 @@ def read_outcomes(run_dir: str | Path, task: str, metric: str) -> dict[Any, floa
     path = Path(run_dir) / "samples.json"
     if not path.is_file():
         return {}
-    return question_outcomes(json.loads(path.read_text(encoding="utf-8")), task, metric)
+    stat = path.stat()
+    return dict(_read_outcomes(str(path.resolve()), stat.st_mtime_ns, stat.st_size, task, metric))
+
+
+@functools.lru_cache(maxsize=256)
+def _read_outcomes(path: str, mtime_ns: int, size: int, task: str, metric: str) -> tuple[tuple[Any, float], ...]:
+    """Cached by the file's identity: a verdict pass compares each run with many others."""
+    return tuple(question_outcomes(json.loads(Path(path).read_text(encoding="utf-8")), task, metric).items())
+
+
+@dataclass(frozen=True)
+class PairedOutcomes:
+    """One pair's per-question differences a − b on the questions both runs scored.
+
+    `universe` names the question set (the task): pairs on one universe share questions, so their
+    differences are correlated and must be resampled together (`pooled_bootstrap`).
+    """
+
+    universe: str
+    ids: tuple[Any, ...]
+    d: np.ndarray
+
+    @property
+    def diff(self) -> float:
+        return float(self.d.mean())
+
+
+def paired_outcomes(run_a: str | Path, run_b: str | Path, task: str, metric: str) -> PairedOutcomes | None:
+    """The per-question differences of two run directories; None when either kept no per-sample outputs."""
+    a, b = read_outcomes(run_a, task, metric), read_outcomes(run_b, task, metric)
+    common = [q for q in a if q in b]
+    if not common:
+        return None
+    return PairedOutcomes(task, tuple(common), np.array([a[q] - b[q] for q in common], dtype=float))
 
 
 def compare_runs(run_a: str | Path, run_b: str | Path, task: str, metric: str, **kwargs) -> PairedDifference | None:
@@ -170,3 +204,64 @@ def compare_runs(run_a: str | Path, run_b: str | Path, task: str, metric: str, *
     if not common:
         return None
     return compare([a[q] for q in common], [b[q] for q in common], **kwargs)
+
+
+def _se_of(d: PairedDifference) -> float:
+    """The standard error behind a normal interval."""
+    return (d.ci_high - d.ci_low) / (2 * _normal_quantile(1 - (1 - d.level) / 2))
+
+
+def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resamples: int = DEFAULT_RESAMPLES,
+                     level: float = 0.95, seed: int = DEFAULT_SEED) -> tuple[float, float, float]:
+    """The weighted mean difference over several pairs and its percentile interval, dependence included.
+
+    Pairs of a claim reuse questions (one dense run against every k; one task across models), so their
+    differences are not independent and an independent pool would be too narrow. Each resample
+    draws the questions of every universe once (multinomial counts) and applies the same draw to all
+    pairs on that universe; a pair without per-question outcomes (`PairedDifference` from two stderrs)
+    contributes a normal draw around its difference. The pooled effect is the mean of the pair
+    differences weighted by their numbers of questions (a two-stderr pair counts as 0.25/se² questions,
+    the size that gives its stderr to a 0/1 score at one half), so a 6-prompt pair does not weigh as
+    much as a 500-question one, and a pair that happens to agree everywhere does not swamp the rest as
+    it would under inverse-variance weights.
+
+    With no discordant question at all the resampled interval shrinks to a point; the rule of three
+    (no event among n ⇒ rate < −ln(1 − level)/n, 3/n at 95 %) keeps at least that half-width, n the
+    largest universe's size.
+    """
+    if not pairs:
+        raise ValueError("pooled_bootstrap needs at least one pair")
+    rng = np.random.default_rng(seed)
+    universes: dict[str, list[Any]] = {}
+    for p in pairs:
+        if isinstance(p, PairedOutcomes):
+            known = universes.setdefault(p.universe, [])
+            seen = set(known)
+            known.extend(q for q in p.ids if q not in seen and not seen.add(q))
+    index = {u: {q: i for i, q in enumerate(ids)} for u, ids in universes.items()}
+    positions = [np.array([index[p.universe][q] for q in p.ids]) if isinstance(p, PairedOutcomes) else None
+                 for p in pairs]
+    weights = np.array([len(p.ids) if isinstance(p, PairedOutcomes) else 0.25 / max(_se_of(p), 1e-6) ** 2
+                        for p in pairs])
+    weights = weights / weights.sum()
+    point = float(weights @ np.array([p.diff for p in pairs]))
+    means = np.empty(resamples)
+    for start in range(0, resamples, 1000):
+        size = min(1000, resamples - start)
+        counts = {u: rng.multinomial(len(ids), np.full(len(ids), 1 / len(ids)), size=size).astype(float)
+                  for u, ids in universes.items()}
+        total = np.zeros(size)
+        for p, pos, weight in zip(pairs, positions, weights):
+            if isinstance(p, PairedOutcomes):
+                w = counts[p.universe][:, pos]
+                den = w.sum(1)
+                total += weight * np.where(den > 0, (w @ p.d) / np.maximum(den, 1), p.diff)
+            else:
+                total += weight * rng.normal(p.diff, _se_of(p), size=size)
+        means[start:start + size] = total
+    alpha = (1.0 - level) / 2
+    low, high = float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
+    if universes:
+        half = -math.log(1 - level) / max(len(ids) for ids in universes.values())
+        low, high = min(low, point - half), max(high, point + half)
+    return point, low, high
