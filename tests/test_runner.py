@@ -105,7 +105,7 @@ def test_end_to_end_tiny_run_writes_store_and_skips_repeat(tmp_path):
     assert len(runs) == 2  # dense baseline + top-θ
     assert f"results: {tmp_path / 'summary.csv'}" in first.stdout  # the run says where it wrote
     for run in runs:  # log_samples is on by default: per-sample outputs in each run dir, of a sane size
-        samples = run / "samples.json"
+        samples = run / "samples.json.gz"
         assert samples.is_file() and samples.stat().st_size < 1_000_000
     import pandas as pd
 

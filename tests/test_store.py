@@ -72,7 +72,7 @@ def test_write_run_layout_and_exists(tmp_path):
     assert run_dir == tmp_path / "results" / "runs" / rid
     assert store.exists(rid)
     names = sorted(p.name for p in run_dir.iterdir())
-    assert names == ["DONE", "config.json", "lm_eval.json", "meta.json", "samples.json", "stats.json"]
+    assert names == ["DONE", "config.json", "lm_eval.json", "meta.json", "samples.json.gz", "stats.json"]
     assert json.loads((run_dir / "config.json").read_text()) == CONFIG
     lm = json.loads((run_dir / "lm_eval.json").read_text())
     assert "samples" not in lm and lm["results"] == LM_EVAL["results"]
@@ -88,7 +88,7 @@ def test_write_run_layout_and_exists(tmp_path):
 
     # Rewriting replaces the run as a whole.
     store.write_run(rid, config=CONFIG, lm_eval_results={"results": {}}, stats={}, thresholds_ref=None)
-    assert not (run_dir / "samples.json").exists() and store.exists(rid)
+    assert not (run_dir / "samples.json.gz").exists() and store.exists(rid)
 
 
 def test_write_run_leaves_nothing_on_error(tmp_path, monkeypatch):
@@ -254,3 +254,29 @@ def test_an_old_summary_still_loads_and_migrates(tmp_path):
     assert pd.isna(new.loc["passkey_2048", "kept_attention_fraction"])  # pooled numbers not copied onto a length
     assert new.loc["passkey", "calib_task"] == "arc_challenge" and new.loc["passkey", "clamped_rows"] == 3
     assert new.loc["arc_easy", "run_id"] == "orphan"  # no run directory: kept as it was
+
+
+def test_per_sample_logs_are_gzipped_and_old_ones_migrate(tmp_path):
+    """New runs write samples.json.gz (the same bytes for the same samples); an older run's samples.json reads
+    the same and the migration gzips it in place without changing what the paired statistics see."""
+    from toptheta.results import paired
+    from toptheta.results.migrate import migrate
+    from toptheta.results.store import read_samples, samples_path
+
+    samples = {"arc_easy": [{"doc_id": i, "acc_norm": float(i % 2), "arguments": "Question: " * 50} for i in range(200)]}
+    store = RunStore(tmp_path)
+    new = store.write_run("new", config=CONFIG, lm_eval_results={**LM_EVAL, "samples": samples}, stats={},
+                          thresholds_ref=None)
+    first = (new / "samples.json.gz").read_bytes()
+    assert read_samples(samples_path(new)) == samples and len(first) < len(json.dumps(samples)) / 5
+    store.write_run("new", config=CONFIG, lm_eval_results={**LM_EVAL, "samples": samples}, stats={},
+                    thresholds_ref=None)
+    assert (new / "samples.json.gz").read_bytes() == first  # no timestamp in the gzip header
+
+    old = store.write_run("old", config=CONFIG, lm_eval_results={"results": {}}, stats={}, thresholds_ref=None)
+    (old / "samples.json").write_text(json.dumps(samples))  # as runs before the gzip wrote it
+    before = paired.read_outcomes(old, "arc_easy", "acc_norm,none")
+    assert len(before) == 200
+    migrate(tmp_path)
+    assert not (old / "samples.json").exists() and read_samples(old / "samples.json.gz") == samples
+    assert paired.read_outcomes(old, "arc_easy", "acc_norm,none") == before

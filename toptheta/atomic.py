@@ -55,3 +55,15 @@ def write_text_atomic(path: str | os.PathLike[str], text: str, *, fsync: bool = 
                 os.fsync(fh.fileno())
 
     return atomic_write(path, write)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, fsync: bool = False) -> Path:
+    """Write ``data`` atomically; ``fsync`` flushes it to disk before the rename."""
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    return atomic_write(path, write)

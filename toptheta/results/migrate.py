@@ -7,7 +7,8 @@ meta.json) and turned into summary rows by the current `summary_rows`, with the 
 timestamp from meta.json. Rows of summary.csv whose run directory is gone are kept as they were. One
 conversion of old data: passkey accuracy was stored in percent before it became a fraction like every
 other accuracy; a passkey `accuracy` above 1 is divided by 100 (its stderr too). Nothing is recomputed;
-the file is replaced atomically under the store's lock.
+the file is replaced atomically under the store's lock. Per-sample logs of older runs (samples.json)
+are gzipped in place (samples.json.gz, same content) unless --keep-samples.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .store import DONE_MARKER, STAT_COLUMNS, SUMMARY_COLUMNS, RunStore, _write_text_atomic, summary_rows
+from .store import (DONE_MARKER, STAT_COLUMNS, SUMMARY_COLUMNS, RunStore, _write_text_atomic, compress_samples,
+                    summary_rows)
 
 
 def _read(path: Path) -> Any:
@@ -70,9 +72,14 @@ def rebuilt_rows(results_dir: str | Path) -> tuple[list[dict], set[str]]:
     return rows, covered
 
 
-def migrate(results_dir: str | Path, *, dry_run: bool = False) -> int:
+def migrate(results_dir: str | Path, *, dry_run: bool = False, compress: bool = True) -> int:
     """Rewrite summary.csv from the run directories; returns the number of rows written."""
     store = RunStore(results_dir)
+    if compress and not dry_run:
+        done = [d for d in sorted(Path(results_dir, "runs").glob("*/"))
+                if not d.name.startswith(".") and (d / DONE_MARKER).is_file() and compress_samples(d)]
+        if done:
+            print(f"gzipped the per-sample logs of {len(done)} runs (samples.json -> samples.json.gz)")
     with store._summary_lock():
         old_rows = []
         if store.summary_path.exists():
@@ -98,11 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="results", help="the results store (holds summary.csv and runs/)")
     parser.add_argument("--dry-run", action="store_true", help="report, write nothing")
+    parser.add_argument("--keep-samples", action="store_true", help="leave older runs' samples.json uncompressed")
     args = parser.parse_args(argv)
     if not Path(args.results, "runs").is_dir():
         print(f"{args.results} has no runs/ directory: nothing to rebuild from", file=sys.stderr)
         return 1
-    migrate(args.results, dry_run=args.dry_run)
+    migrate(args.results, dry_run=args.dry_run, compress=not args.keep_samples)
     return 0
 
 

@@ -10,7 +10,7 @@ model that tracks the dense one.
 * `mcnemar`: the exact two-sided McNemar p-value for 0/1 outcomes: under "no difference" each of the
   n discordant questions (right in one run only) is right in the sparse run with probability 1/2.
 
-Per-question outcomes come from a run directory's samples.json (`question_outcomes`): lm-eval's
+Per-question outcomes come from a run directory's samples.json.gz (`question_outcomes`): lm-eval's
 per-sample logs (`{task: [{doc_id, acc_norm, ...}]}`), our HumanEval samples (`task_id`, `passed`) or
 passkey samples (`id`, `correct`). Plain numpy; no scipy, no Hydra.
 """
@@ -129,7 +129,7 @@ _OUTCOME_KEYS = {"pass@1": ("passed",), "accuracy": ("correct",)}
 
 
 def question_outcomes(samples: Any, task: str, metric: str) -> dict[Any, float]:
-    """{question id: score} for one task and metric (e.g. 'acc_norm,none') from samples.json's content.
+    """{question id: score} for one task and metric (e.g. 'acc_norm,none') from a samples file's content.
 
     lm-eval's samples are {task: [sample, ...]} with the metric's per-sample value under its bare name;
     our generation tasks store a list of samples (HumanEval: task_id/passed, passkey: id/correct).
@@ -158,8 +158,10 @@ def question_outcomes(samples: Any, task: str, metric: str) -> dict[Any, float]:
 
 def read_outcomes(run_dir: str | Path, task: str, metric: str) -> dict[Any, float]:
     """question_outcomes of one run directory ({} when it kept no per-sample outputs)."""
-    path = Path(run_dir) / "samples.json"
-    if not path.is_file():
+    from .store import samples_path
+
+    path = samples_path(run_dir)
+    if path is None:
         return {}
     stat = path.stat()
     return dict(_read_outcomes(str(path.resolve()), stat.st_mtime_ns, stat.st_size, task, metric))
@@ -168,7 +170,9 @@ def read_outcomes(run_dir: str | Path, task: str, metric: str) -> dict[Any, floa
 @functools.lru_cache(maxsize=256)
 def _read_outcomes(path: str, mtime_ns: int, size: int, task: str, metric: str) -> tuple[tuple[Any, float], ...]:
     """Cached by the file's identity: a verdict pass compares each run with many others."""
-    return tuple(question_outcomes(json.loads(Path(path).read_text(encoding="utf-8")), task, metric).items())
+    from .store import read_samples
+
+    return tuple(question_outcomes(read_samples(path), task, metric).items())
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Layout under `results_dir`:
 
     runs/<run_id>/config.json     the resolved run config (as given, ignored keys included)
     runs/<run_id>/lm_eval.json    lm-eval's results dict, without per-sample logs
-    runs/<run_id>/samples.json    lm-eval's per-sample logs (only when it produced them)
+    runs/<run_id>/samples.json.gz lm-eval's per-sample logs, gzipped (only when it produced them;
+                                  older runs: samples.json, read the same, see read_samples)
     runs/<run_id>/stats.json      sparsity statistics (kept fractions, ...)
     runs/<run_id>/meta.json       run_id, thresholds_ref, extra, git_commit, timestamp
     runs/<run_id>/invocation.json the command line, Hydra overrides and job (written by the pipeline)
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime as dt
+import gzip
 import hashlib
 import io
 import json
@@ -39,7 +41,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..atomic import default_mode, write_text_atomic
+from ..atomic import default_mode, write_bytes_atomic, write_text_atomic
 from .claims import claim
 
 if TYPE_CHECKING:
@@ -145,6 +147,42 @@ def _jsonable(obj: Any) -> Any:
 def _dumps(obj: Any) -> str:
     # Key order kept as given: sort_keys would fail on dicts mixing int and str keys.
     return json.dumps(obj, indent=2, default=_jsonable) + "\n"
+
+
+SAMPLES_FILE = "samples.json.gz"
+_OLD_SAMPLES_FILE = "samples.json"
+
+
+def compress_json(obj: Any) -> bytes:
+    """gzip of the JSON text, with no timestamp in the header: the same samples give the same bytes.
+    Per-sample logs are ~1.3 MB of JSON per 500-question run and compress about tenfold."""
+    return gzip.compress(_dumps(obj).encode("utf-8"), compresslevel=9, mtime=0)
+
+
+def samples_path(run_dir: str | Path) -> Path | None:
+    """A run directory's per-sample file (gzipped, or the plain JSON of older runs); None without one."""
+    for name in (SAMPLES_FILE, _OLD_SAMPLES_FILE):
+        if (Path(run_dir) / name).is_file():
+            return Path(run_dir) / name
+    return None
+
+
+def read_samples(path: str | Path) -> Any:
+    """The per-sample logs in a samples file (see samples_path)."""
+    path = Path(path)
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def compress_samples(run_dir: str | Path) -> bool:
+    """Replace an older run's samples.json by samples.json.gz (same content); True when it did."""
+    plain = Path(run_dir) / _OLD_SAMPLES_FILE
+    if not plain.is_file():
+        return False
+    write_bytes_atomic(Path(run_dir) / SAMPLES_FILE, compress_json(json.loads(plain.read_text(encoding="utf-8"))),
+                       fsync=True)
+    plain.unlink()
+    return True
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -419,7 +457,7 @@ class RunStore:
             ),
         }
         if samples:
-            files["samples.json"] = _dumps(samples)
+            files[SAMPLES_FILE] = compress_json(samples)
         files.update(texts or {})
         for name in [*(texts or {}), *(copies or {})]:
             if not name or "/" in name or name.startswith(".") or name == DONE_MARKER:
@@ -428,8 +466,11 @@ class RunStore:
         staging = Path(tempfile.mkdtemp(dir=self.runs_dir, prefix=f".tmp-{run_id}-"))
         os.chmod(staging, default_mode(directory=True))  # mkdtemp's 0700 would make the run private
         try:
-            for name, text in files.items():
-                _write_text_atomic(staging / name, text)
+            for name, content in files.items():
+                if isinstance(content, bytes):
+                    write_bytes_atomic(staging / name, content, fsync=True)
+                else:
+                    _write_text_atomic(staging / name, content)
             for name, source in (copies or {}).items():
                 shutil.copyfile(source, staging / name)
             _write_text_atomic(staging / DONE_MARKER, _now() + "\n")
