@@ -194,7 +194,7 @@ def test_generate_with_fast_decode_gives_the_same_tokens_and_stats(monkeypatch, 
 # ---- one-pass prefill ----------------------------------------------------------------------------------
 
 PREFILL_CONFIGS = ["dense", "theta-pre", "theta-pre-sdc", "theta-pre-sdc-vmc", "theta-pre-expsdc-vmc",
-                   "theta-pre-calsdc-vmc"]
+                   "theta-pre-calsdc-vmc", "theta-post", "theta-post-vmc"]
 
 
 def _prefill_data(B=2, Q=50, K=50, D=8, seed=0):
@@ -207,11 +207,11 @@ def _prefill_data(B=2, Q=50, K=50, D=8, seed=0):
     return q, k, v, valid
 
 
-@pytest.fixture
-def one_thread():
-    """The one-pass kernel serves single-threaded torch only for now (prefill.MAX_THREADS)."""
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def one_thread(request):
+    """torch on one and on two threads: the kernel splits its (head, query block) tasks among them."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(request.param)
     yield
     torch.set_num_threads(threads)
 
@@ -256,8 +256,13 @@ def test_prefill_empty_and_clamped_rows_match(monkeypatch, one_thread):
     monkeypatch.setattr(prefill, "KEY_BLOCK", 16)
     values = torch.full((1, H, 31), 1.0)
     values[:, :3] = 40.0  # far above every logit: empty rows on half the heads
-    thresholds = Thresholds(values, [3], "pre", sdc_mass=torch.ones(1, H, 31))
-    for comp in ([], [toptheta.SDC("exact"), toptheta.VMC()], [toptheta.SDC("exp-threshold"), toptheta.VMC()]):
+    probs = torch.full((1, H, 31), 0.02)
+    probs[:, :3] = 1.5  # above every probability
+    pre = Thresholds(values, [3], "pre", sdc_mass=torch.ones(1, H, 31))
+    post = Thresholds(probs, [3], "post")
+    for thresholds, comp in ((pre, []), (pre, [toptheta.SDC("exact"), toptheta.VMC()]),
+                             (pre, [toptheta.SDC("exp-threshold"), toptheta.VMC()]), (post, []),
+                             (post, [toptheta.VMC()])):
         data = _prefill_data(seed=3)
         sparsifier = toptheta.TopTheta(thresholds)
         for _ in range(2):  # the second call reads the cached θ lookup of the first
@@ -271,14 +276,30 @@ def test_prefill_empty_and_clamped_rows_match(monkeypatch, one_thread):
 def test_paths_the_one_pass_kernel_does_not_serve_run_the_plain_kernel(monkeypatch):
     pre = _thresholds("pre")
     assert not prefill.supports(toptheta.TopK(3, "pre"))
-    assert not prefill.supports(toptheta.TopTheta(_thresholds("post")))
+    assert not prefill.supports(toptheta.TopTheta(_thresholds("post"), empty_rows="reference"))
     assert not prefill.supports(toptheta.TopTheta(pre), observer=print)
     assert not prefill.supports(toptheta.TopTheta(pre, empty_rows="reference"))
     assert not prefill.supports(toptheta.TopTheta(pre), phase="decode")  # decode stats need the keep mask
     assert prefill.supports(toptheta.TopTheta(pre)) and prefill.supports(toptheta.Dense())
-    monkeypatch.setattr(prefill, "MAX_THREADS", 0)  # torch on more threads than the path serves: the plain kernel
     q, k, v, _ = _prefill_data()
-    assert prefill.attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=toptheta.TopTheta(pre)) is None
+    assert prefill.attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=toptheta.TopK(3, "pre")) is None
+
+
+def test_every_compiled_kernel_runs_on_torchs_threads():
+    """ATen's parallel_for is an OpenMP pragma in a header: built without -fopenmp, a kernel runs serially."""
+    from toptheta.attention import fused, fused_prefill
+
+    threads = torch.get_num_threads()
+    try:
+        for ext in (fused.extension(), fused_prefill.extension()):
+            if ext is None:
+                pytest.skip("no C++ compiler here: the kernels are not built")
+            torch.set_num_threads(2)
+            assert ext.parallel_threads(64) == 2
+            torch.set_num_threads(1)
+            assert ext.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch, caplog, one_thread):
@@ -307,7 +328,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch,
 
 
 @pytest.mark.parametrize("arch,name", [("llama", "theta-pre-sdc-vmc"), ("qwen2", "theta-pre-expsdc-vmc"),
-                                       ("qwen2", "dense")])
+                                       ("qwen2", "dense"), ("llama", "theta-post-vmc")])
 def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch, one_thread, arch, name):
     _needs_kernel()
     model = tiny(arch)

@@ -18,7 +18,7 @@ import os
 import torch
 
 log = logging.getLogger("toptheta")
-_VERSION = 4  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 5  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 # Kernels are built without -ffinite-math-only (see build()): masked keys hold -inf and rely on exp(-inf) = 0 and IEEE
 # comparisons. GCC still vectorises expf through glibc's libmvec when told the vector variants exist (glibc declares
@@ -30,13 +30,30 @@ extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
 #endif
 """
 
+# Every kernel exports this probe: how many threads its at::parallel_for really uses. ATen's OpenMP backend runs
+# parallel_for through `#pragma omp parallel` in a header, so an extension built without -fopenmp runs every
+# task on the calling thread, silently (both kernels did until this probe's test existed).
+PARALLEL_PROBE = r"""
+#include <ATen/Parallel.h>
+#include <atomic>
+int64_t parallel_threads(int64_t tasks) {
+  std::atomic<int64_t> most{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    const int64_t mine = at::get_thread_num() + 1;
+    int64_t seen = most.load();
+    while (mine > seen && !most.compare_exchange_weak(seen, mine)) {}
+  });
+  return most.load();
+}
+"""
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
 
-""" + VECTOR_EXPF + r"""
+""" + VECTOR_EXPF + PARALLEL_PROBE + r"""
 // s: (R, K) float32 contiguous scaled logits, -inf where invalid. theta: (R) float32. whole: (R) bool.
 // In place, each row becomes w = p * [p > cut] with p = softmax(row) and cut = min(theta, just below the
 // row's largest p) (so the maximum is always kept); rows marked whole keep every p (invalid keys hold 0).
@@ -102,6 +119,13 @@ def _target() -> tuple[str, list[str]]:
 SAFE_FAST_MATH = ("-O3", "-fno-math-errno", "-funsafe-math-optimizations", "-fno-rounding-math", "-fno-signaling-nans")
 
 
+def _openmp() -> list[str]:
+    """-fopenmp where ATen parallelises with OpenMP (its parallel_for is a pragma in a header: without the flag the
+    kernels run on one thread); the OpenMP runtime is then torch's own, already loaded, so torch.set_num_threads
+    governs the kernels too. Other backends: vectorisation pragmas only."""
+    return ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info().split("backend:")[-1] else ["-fopenmp-simd"]
+
+
 def build(name: str, source: str, functions: list[str], what: str, fallback: str):
     """Compile (once; cached by torch per name and target) a C++ extension, or None where it cannot be built.
 
@@ -117,8 +141,8 @@ def build(name: str, source: str, functions: list[str], what: str, fallback: str
         from torch.utils.cpp_extension import load_inline
 
         log.info("toptheta: loading %s (the first build takes about a minute, then it is cached)", what)
-        return load_inline(name=f"{name}_{suffix}", cpp_sources=source, functions=functions,
-                           extra_cflags=[*SAFE_FAST_MATH, "-fopenmp-simd", *flags], verbose=False)
+        return load_inline(name=f"{name}_{suffix}", cpp_sources=source, functions=[*functions, "parallel_threads"],
+                           extra_cflags=[*SAFE_FAST_MATH, *_openmp(), *flags], verbose=False)
     except Exception as err:  # noqa: BLE001 (any build failure means: use the fallback)
         log.warning("toptheta: %s could not be built (%s); using %s", what,
                     str(err).splitlines()[0] if str(err) else type(err).__name__, fallback)

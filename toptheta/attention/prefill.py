@@ -1,4 +1,4 @@
-"""One-pass prefill for pre-softmax Top-θ (with or without SDC and VMC) and dense attention.
+"""Fused prefill for Top-θ (pre-softmax in one pass, post-softmax in two; SDC, VMC) and dense attention.
 
 The fast path of ``kernel.sparse_attention`` for prompt and scoring passes. Pre-softmax Top-θ needs no
 second pass over a row (method.md §2.1, §3): the threshold is a mask on the logits, and everything SDC and
@@ -9,13 +9,16 @@ VMC need comes out of the same online softmax. For a row with running maximum m,
 rescaled whenever m grows. At the end: denominator R + λ·E (E = l − R for exact SDC, (n − |S|)·e^{min(θ,m)−m}
 for exp-threshold, the calibrated mass; 0 without SDC), o = o'/denominator + β·v̄ with β = 1 − R/denominator.
 A row where nothing passed θ keeps its maximum (``TopTheta``'s default), which the kernel tracks on the side.
-Dense attention is the same loop with every valid key kept. The loop is C++ (``fused_prefill.py``); the
-keep decisions, kept counts, kept mass and empty rows it reports feed the same statistics as the plain kernel.
+Dense attention is the same loop with every valid key kept. Post-softmax Top-θ compares probabilities, so it
+needs the row's m and l first: a first pass over the key blocks computes them, a second recomputes the logits,
+keeps p = e^{s−m}/l > θ and the row's maximum, and accumulates the kept e^{s−m}·v; o = o'/l (+ β·v̄ with
+β = 1 − R/l): the kept keys' dense probabilities, as in the plain kernel. The loops are C++
+(``fused_prefill.py``); the keep decisions, kept counts, kept mass and empty rows they report feed the same
+statistics as the plain kernel.
 
-Everything else returns None and runs in the plain kernel: Top-k (no one-pass rule), post-softmax Top-θ (it
-needs the row's log-sum-exp first; the plain kernel's ``fused.py`` does it in two passes), observers
+Everything else returns None and runs in the plain kernel: Top-k (no threshold rule), observers
 (calibration wants the rows), soft-capping, additive biases, the reference code's empty-row rule, and machines
-where the C++ kernel cannot be built, and (for now) torch running on more than one thread (see MAX_THREADS).
+where the C++ kernel cannot be built.
 Set ``TOPTHETA_FAST=0`` (or ``prefill.ENABLED = False``) to compare.
 """
 
@@ -37,12 +40,6 @@ KEY_BLOCK = 512  # keys per GEMM block: the (G·rows, keys) logits block stays i
 MAX_QUERY_BLOCK = 64  # queries per task (times G heads = rows of one GEMM)
 KEEP_ALL = -1.0e29  # θ that keeps every valid key (the kernel's "no key" sentinel is −1e30)
 _SDC_MODES = {None: 0, "exact": 1, "exp-threshold": 2, "calibrated": 3}
-# The C++ kernel runs its tasks in at::parallel_for with ATen GEMMs inside; on 2 threads that was 6-7x slower than on
-# one (and 40x with the tasks serial and threaded GEMMs), measured on 2 shared cores: MKL's threaded sgemm on these
-# small shapes, or barriers on a busy machine. Until the GEMMs call BLAS single-threaded (to do), the path serves
-# single-threaded torch only (torch.set_num_threads(1)); elsewhere the plain kernel runs. To measure it on more
-# threads (a quiet machine): TOPTHETA_PREFILL_MAX_THREADS=2.
-MAX_THREADS = int(os.environ.get("TOPTHETA_PREFILL_MAX_THREADS", "1"))
 
 
 def supports(sparsifier, compensations: Sequence = (), *, observer=None, softcap=None, bias=None,
@@ -52,7 +49,7 @@ def supports(sparsifier, compensations: Sequence = (), *, observer=None, softcap
         return False
     if type(sparsifier) is Dense:
         return True
-    return (type(sparsifier) is TopTheta and sparsifier.placement == "pre" and phase == "prefill"
+    return (type(sparsifier) is TopTheta and phase == "prefill"
             and getattr(sparsifier, "empty_rows", "keep-max") == "keep-max")
 
 
@@ -80,13 +77,15 @@ def attention(
     if not supports(sparsifier, compensations, observer=observer, softcap=softcap, bias=bias,
                     device=query.device.type, phase=phase):
         return None
-    if (valid is None and K < Q) or K == 0 or H % Hkv or torch.get_num_threads() > MAX_THREADS:
+    if (valid is None and K < Q) or K == 0 or H % Hkv:
         return None
     ext = fused_prefill.extension()
     if ext is None:
         return None
     sparse = type(sparsifier) is TopTheta
-    sdc = next((c for c in compensations if isinstance(c, SDC)), None) if sparse else None
+    post = sparse and sparsifier.placement == "post"
+    # SDC renormalises pre-softmax weights; post-softmax weights stay dense probabilities (as in the plain kernel)
+    sdc = next((c for c in compensations if isinstance(c, SDC)), None) if sparse and not post else None
     vmc = sparse and any(isinstance(c, VMC) for c in compensations)
     counting = stats is not None and stats.enabled
 
@@ -120,7 +119,7 @@ def attention(
     qb = max(16, min(MAX_QUERY_BLOCK, Q // 16, -(-B * Hkv * Q // tasks_wanted)))
     out, rowstats = ext.prefill(q, kf, vf, mask, theta, raw, cal, vbar, vmc_mode,
                                 _SDC_MODES[sdc.estimator if sdc is not None else None],
-                                float(sdc.scale) if sdc is not None else 0.0, qb, KEY_BLOCK)
+                                float(sdc.scale) if sdc is not None else 0.0, qb, KEY_BLOCK, post)
     if counting:
         if sparse:
             rows.kept_counts = rowstats[..., 0].long()  # (B, H, Q)
