@@ -191,6 +191,56 @@ def test_generate_with_fast_decode_gives_the_same_tokens_and_stats(monkeypatch, 
         assert 0 < fast_stats.kept_vrow_fraction < 1
 
 
+@pytest.mark.parametrize("arch,name", [("llama", "theta-post-vmc"), ("qwen2", "theta-pre-sdc-vmc"),
+                                       ("llama", "dense"), ("qwen2", None)])
+def test_a_growing_cache_generates_what_the_dynamic_cache_does(arch, name):
+    """GrowingLayer writes tokens into spare room instead of re-concatenating the cache: same tokens, same scores,
+    same statistics as transformers' DynamicCache, sparsified (fast decode reading kept V rows of the strided
+    views) or not (sdpa); it grows past its first buffer and starts over after a crop."""
+    from toptheta.attention import cache as kv
+
+    model = tiny(arch)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (2, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    results = []
+    for growing in (True, False):
+        decode.reset()
+        past = kv.growing_cache(model) if growing else None
+        with torch.no_grad(), (toptheta.sparsify(model, *_configs(layers=2)[name]) if name else _no_stats()) as stats:
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                 output_scores=True, return_dict_in_generate=True, cache=past)
+        results.append((out, stats, past))
+    (a, sa, past), (b, sb, _) = results
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores), atol=1e-5, rtol=1e-5)
+    if name:
+        _assert_same_stats(sa, sb)
+    layer = past.layers[0]
+    assert isinstance(layer, kv.GrowingLayer) and layer._kbuf.shape[-2] > layer.keys.shape[-2] == 31
+    assert not layer.keys.is_contiguous() and layer._owns_views()  # views of the buffer, no per-step copy
+
+    # Growth past the first buffer, and a crop (which replaces the views), keep the cache's content exact.
+    plain = torch.randn(1, HKV, 0, 8)
+    k_all, v_all = torch.randn(1, HKV, 700, 8), torch.randn(1, HKV, 700, 8)
+    layer = kv.GrowingLayer()
+    for a0 in range(0, 600, 100):
+        layer.update(k_all[:, :, a0:a0 + 100], v_all[:, :, a0:a0 + 100])
+    assert torch.equal(layer.keys, k_all[:, :, :600]) and torch.equal(layer.values, v_all[:, :, :600])
+    layer.crop(-50)
+    keys, values = layer.update(k_all[:, :, 550:551], v_all[:, :, 550:551])
+    assert torch.equal(keys, k_all[:, :, :551]) and torch.equal(values, v_all[:, :, :551]) and plain.numel() == 0
+
+
+class _no_stats:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 # ---- one-pass prefill ----------------------------------------------------------------------------------
 
 PREFILL_CONFIGS = ["dense", "theta-pre", "theta-pre-sdc", "theta-pre-sdc-vmc", "theta-pre-expsdc-vmc",

@@ -184,7 +184,7 @@ def _weighted_sum(w: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def _kept_rows_sum(ek: torch.Tensor, keep: torch.Tensor, value: torch.Tensor, ks: int) -> torch.Tensor:
     """Σ_j ek_j · v_j over the kept V rows only: ek, keep (R, G, Kc); value (B, Hkv, K, Dv) -> (R, G, Dv)."""
     R, G, Kc = ek.shape
-    K, Dv = value.shape[2], value.shape[-1]
+    Dv = value.shape[-1]
     union = keep.any(1)  # (R, Kc) kept V rows of each (sequence, KV head)
     counts = union.sum(-1)  # (R,)
     U = int(counts.max())
@@ -193,7 +193,8 @@ def _kept_rows_sum(ek: torch.Tensor, keep: torch.Tensor, value: torch.Tensor, ks
     r, j = union.nonzero().unbind(1)  # (N,) each: row-major, so each (sequence, KV head)'s keys in order
     slot = torch.arange(r.numel(), device=r.device) - (counts.cumsum(0) - counts).repeat_interleave(counts)
     dest = r * U + slot  # where each kept row goes in its zero-padded block of U rows
-    v_rows = value.reshape(R * K, Dv).index_select(0, r * K + (j + ks))  # (N, Dv): reads only the kept rows
+    v_rows = value.flatten(0, 1)[r, j + ks]  # (N, Dv): reads only the kept rows (a view: no copy of a cache
+    # whose heads sit apart in a larger buffer, as cache.GrowingLayer's do)
     v_kept = ek.new_zeros(R * U, Dv).index_copy_(0, dest, v_rows.float())
     heads = torch.arange(G, device=r.device) * Kc
     w_rows = ek.take((r * (G * Kc) + j)[:, None] + heads)  # (N, G) weights; heads that dropped the row give 0

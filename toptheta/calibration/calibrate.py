@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..attention.backend import model_shape, sparsify
+from ..attention.cache import growing_cache
 from ..compensation import SDC, VMC
 from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
@@ -198,7 +199,8 @@ def _run(model, inputs, sparsifier, compensations, collector, generate_tokens: i
                 if generate_tokens:
                     pad = getattr(model.generation_config, "pad_token_id", None)
                     model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=generate_tokens,
-                                   do_sample=False, pad_token_id=pad if pad is not None else 0)
+                                   do_sample=False, pad_token_id=pad if pad is not None else 0,
+                                   cache=growing_cache(model))
                 else:  # only attention matters: skip the vocabulary projection where the model allows it
                     model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **skip_logits)
                 sequences += input_ids.shape[0]

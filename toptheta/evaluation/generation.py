@@ -15,6 +15,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ..attention.cache import growing_cache
+
 log = logging.getLogger("toptheta")
 
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function in one "
@@ -33,7 +35,8 @@ def greedy_generate(model, tokenizer, prompt: str, *, max_new_tokens: int, chat_
     if max_new_tokens < 1:
         return "", ids.shape[1]
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, num_beams=1, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                         do_sample=False, num_beams=1, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                         cache=growing_cache(model))  # no re-concatenation of the whole cache per token
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), ids.shape[1]
 
 
