@@ -241,6 +241,62 @@ class _no_stats:
         return False
 
 
+DECODE_KERNEL_CONFIGS = ["dense", "theta-post", "theta-post-vmc", "theta-pre", "theta-pre-sdc-vmc",
+                         "theta-pre-expsdc-vmc", "theta-pre-calsdc-vmc"]
+
+
+@pytest.mark.parametrize("name", DECODE_KERNEL_CONFIGS)
+@pytest.mark.parametrize("masked", [True, False])
+def test_decode_kernel_equals_the_plain_kernel(monkeypatch, torch_threads, name, masked):
+    """The C++ decode kernel (no observer: the observer path keeps the torch ops), split in key blocks of 8."""
+    from toptheta.attention import fused_decode
+
+    if fused_decode.extension() is None:
+        pytest.skip("the decode kernel could not be built here (no C++ compiler?)")
+    decode.reset()
+    monkeypatch.setattr(decode, "MIN_KEYS_PER_TASK", 8)
+    calls = []
+    monkeypatch.setattr(fused_decode, "extension", _counting(fused_decode.extension, calls))
+    sparsifier, comp = _configs()[name]
+    q, k, v, valid = _decode_data()
+    data = (q, k, v, valid if masked else None)
+    fast, _, fast_stats = _run(True, monkeypatch, data, sparsifier, comp)
+    assert calls, "the decode kernel did not run"
+    slow, _, slow_stats = _run(False, monkeypatch, data, sparsifier, comp)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    _assert_same_stats(fast_stats, slow_stats)
+    if name != "dense":
+        assert 0 < fast_stats.kept_vrow_fraction < 1
+
+
+def test_decode_kernel_empty_rows_and_low_precision_caches(monkeypatch):
+    """Rows where nothing passes θ keep their maximum (pre and post); a bfloat16 cache takes the torch ops."""
+    from toptheta.attention import fused_decode
+
+    if fused_decode.extension() is None:
+        pytest.skip("the decode kernel could not be built here (no C++ compiler?)")
+    monkeypatch.setattr(decode, "MIN_KEYS_PER_TASK", 8)
+    values = torch.full((1, H, 41), 1.0)
+    values[:, :3] = 40.0
+    probs = torch.full((1, H, 41), 0.05)
+    probs[:, :3] = 1.5
+    for thresholds, comp in ((Thresholds(values, [3], "pre"), [toptheta.SDC("exact"), toptheta.VMC()]),
+                             (Thresholds(probs, [3], "post"), [toptheta.VMC()])):
+        decode.reset()
+        data = _decode_data(seed=3)
+        sparsifier = toptheta.TopTheta(thresholds)
+        fast, _, fs = _run(True, monkeypatch, data, sparsifier, comp)
+        slow, _, ss = _run(False, monkeypatch, data, sparsifier, comp)
+        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+        _assert_same_stats(fs, ss)
+        assert fs.empty_rows.sum() > 0
+    calls = []
+    monkeypatch.setattr(fused_decode, "extension", _counting(fused_decode.extension, calls))
+    sparsifier, comp = _configs()["theta-post-vmc"]
+    _run(True, monkeypatch, _decode_data(dtype=torch.bfloat16), sparsifier, comp)
+    assert not calls
+
+
 # ---- one-pass prefill ----------------------------------------------------------------------------------
 
 PREFILL_CONFIGS = ["dense", "theta-pre", "theta-pre-sdc", "theta-pre-sdc-vmc", "theta-pre-expsdc-vmc",
@@ -258,7 +314,7 @@ def _prefill_data(B=2, Q=50, K=50, D=8, seed=0):
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def one_thread(request):
+def torch_threads(request):
     """torch on one and on two threads: the kernel splits its (head, query block) tasks among them."""
     threads = torch.get_num_threads()
     torch.set_num_threads(request.param)
@@ -275,7 +331,7 @@ def _needs_kernel():
 
 @pytest.mark.parametrize("name", PREFILL_CONFIGS)
 @pytest.mark.parametrize("shape", ["causal", "masked", "context"])
-def test_prefill_equals_the_plain_kernel(monkeypatch, one_thread, name, shape):
+def test_prefill_equals_the_plain_kernel(monkeypatch, torch_threads, name, shape):
     _needs_kernel()
     monkeypatch.setattr(prefill, "KEY_BLOCK", 16)  # several key blocks: the online softmax rescales
     sparsifier, comp = _configs()[name]
@@ -300,7 +356,7 @@ def _counting(fn, calls):
     return wrapped
 
 
-def test_prefill_empty_and_clamped_rows_match(monkeypatch, one_thread):
+def test_prefill_empty_and_clamped_rows_match(monkeypatch, torch_threads):
     """Rows where nothing passes θ keep their maximum; rows longer than any calibrated length clamp θ."""
     _needs_kernel()
     monkeypatch.setattr(prefill, "KEY_BLOCK", 16)
@@ -352,7 +408,7 @@ def test_every_compiled_kernel_runs_on_torchs_threads():
         torch.set_num_threads(threads)
 
 
-def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch, caplog, one_thread):
+def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch, caplog, torch_threads):
     """No compiler: one warning, then the plain kernel's numbers, never a crash."""
     import torch.utils.cpp_extension as cpp
 
@@ -379,7 +435,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch,
 
 @pytest.mark.parametrize("arch,name", [("llama", "theta-pre-sdc-vmc"), ("qwen2", "theta-pre-expsdc-vmc"),
                                        ("qwen2", "dense"), ("llama", "theta-post-vmc")])
-def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch, one_thread, arch, name):
+def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch, torch_threads, arch, name):
     _needs_kernel()
     model = tiny(arch)
     sparsifier, comp = _configs(layers=2)[name]

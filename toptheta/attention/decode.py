@@ -15,6 +15,10 @@ differently (method.md §1-3):
   beam search, whose rows at the previous last position happen to be equal would fool the check.)
 * A bfloat16/float16 cache is never copied to float32 as a whole: K is converted in blocks of
   ``BLOCK_KEYS`` for the logits GEMM, and only the gathered V rows are converted.
+* Top-θ (either placement, SDC, VMC) and dense decoding of a float32 cache run in one C++ kernel
+  (``fused_decode.py``): K read once, V rows read only where a head of the group keeps them, the statistics
+  reported by the kernel. Top-k, observers, soft-capping, biases and low-precision caches use the torch ops
+  below, which stay the reference.
 
 Set ``TOPTHETA_FAST=0`` (or ``decode.ENABLED = False``) to use the plain kernel; tests compare the two.
 """
@@ -28,11 +32,14 @@ from typing import Callable, Sequence
 import torch
 
 from ..compensation import SDC, VMC
+from ..sparsifiers import Dense, TopTheta
 from ..sparsifiers.base import RowBlock, Sparsifier
+from . import fused_decode, prefill
 
 ENABLED = os.environ.get("TOPTHETA_FAST", "1") != "0"
 BLOCK_KEYS = 8192  # keys per float32 conversion block of a low-precision cache (~2-4 MB temporaries)
 DENSE_ABOVE = 0.5  # gather kept V rows only while the largest union holds at most this fraction of the window
+MIN_KEYS_PER_TASK = 512  # the C++ kernel's key blocks (fused_decode.py): at least this many keys each
 
 
 @dataclass
@@ -90,6 +97,11 @@ def attention(
         vm = valid.expand(B, 1, 1, K)[..., ks:ke]  # (B, 1, 1, Kc)
         n = vm.sum(-1)  # (B, 1, 1)
     Kc = ke - ks
+    if observer is None and not softcap and bias is None and type(sparsifier) in (TopTheta, Dense):
+        done = _fused(query, key[:, :, ks:ke], value, valid_row, n, ks, ke, scaling=scaling, layer=layer,
+                      sparsifier=sparsifier, sdc=sdc, vmc=vmc, stats=stats)
+        if done is not None:
+            return done
 
     q = (query.float() * scaling).reshape(R, G, D)  # the G heads of a KV head as G rows of one bmm
     s = _logits(q, key[:, :, ks:ke]).view(B, H, 1, Kc)  # (B, H, 1, Kc) float32
@@ -145,6 +157,51 @@ def attention(
     if stats is not None and stats.enabled:
         stats.update(rows)
     return out
+
+
+def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float, layer: int, sparsifier, sdc, vmc: bool,
+           stats) -> torch.Tensor | None:
+    """Top-θ and dense decode in the C++ kernel (``fused_decode.py``); None where it does not apply (a float16 or
+    bfloat16 cache, no compiler). ``key`` is the window [ks, ke); ``value`` the whole cache (v̄ reads it)."""
+    B, H, _, D = query.shape
+    Hkv, Kc = key.shape[1], key.shape[2]
+    window = value[:, :, ks:ke]
+    if key.dtype != torch.float32 or value.dtype != torch.float32 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return None
+    ext = fused_decode.extension()
+    if ext is None:
+        return None
+    sparse = type(sparsifier) is TopTheta
+    post = sparse and sparsifier.placement == "post"
+    sdc = sdc if sparse and not post else None  # SDC renormalises pre-softmax weights only, as the plain kernel
+    rows = RowBlock(layer, "decode", prefill._shape_only(B, H, 1, Kc, query.device), n)
+    theta = raw = cal = vbar = prefill._EMPTY
+    if sparse:
+        theta, raw, rows.clamped_rows = prefill._row_thresholds(sparsifier, rows, cache=valid_row is None)
+        theta, raw = theta.view(B, H), raw.view(B, H)
+        if sdc is not None and sdc.estimator == "calibrated":
+            source = sdc.thresholds or sparsifier.thresholds
+            cal = source.lookup_sdc(layer, n).expand(B, H, 1).reshape(B, H).float().contiguous()
+        if vmc:
+            vbar = _running_mean(layer, value, valid_row, ke, n).reshape(B, Hkv, -1).contiguous()
+    valid = valid_row[:, ks:ke].contiguous() if valid_row is not None else prefill._NO_MASK
+    # Keys per task: about four tasks per thread, so one sequence with three KV heads still fills the threads.
+    blocks = -(-4 * torch.get_num_threads() // (B * Hkv))
+    kb = max(MIN_KEYS_PER_TASK, -(-Kc // blocks))
+    out, rowstats, vrows = ext.decode((query.float() * scaling).reshape(B, H, D).contiguous(), key, window, valid,
+                                      theta, raw, cal, vbar, bool(vmc and sparse), _SDC_MODES[sdc.estimator if sdc
+                                      else None], float(sdc.scale) if sdc else 0.0, post, kb)
+    if stats is not None and stats.enabled:
+        rows.kept_counts = rowstats[..., 0].long().view(B, H, 1)
+        if sparse:
+            rows.kept_mass = rowstats[..., 1].view(B, H, 1, 1)
+            rows.empty = rowstats[..., 2].bool().view(B, H, 1) & (n > sparsifier.k_for(layer))
+            rows.vrow_counts = vrows  # (B, Hkv): V rows read, the union over each group's heads
+        stats.update(rows)
+    return out.view(B, 1, H, -1).to(query.dtype)
+
+
+_SDC_MODES = {None: 0, "exact": 1, "exp-threshold": 2, "calibrated": 3}
 
 
 class _AllValid:

@@ -18,7 +18,7 @@ import logging
 from .fused import PARALLEL_PROBE, VECTOR_EXPF, build
 
 log = logging.getLogger("toptheta")
-_VERSION = 7  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 8  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -34,7 +34,8 @@ static constexpr float NEG = -1.0e30f;  // "no key": a finite sentinel (exp of i
 // C (m × n, row stride ldc) = A (m × k, lda) · B (k × n, ldb), or += with ACC; row-major float32.
 // A register-blocked micro-kernel (6 × 16 tiles: 12 AVX2 accumulators) instead of ATen's GEMM: called inside
 // at::parallel_for, a BLAS call would nest its own threads in ours. On the kernel's shapes it runs at the speed of
-// single-threaded MKL (measured side by side, 1 thread: 55-79 against 46-69 GFLOP/s).
+// single-threaded MKL (measured side by side, 1 thread: 55-79 against 46-69 GFLOP/s). At long rows the second GEMM mostly becomes
+// `accumulate`'s sparse path.
 template <bool ACC>
 static void gemm(int64_t m, int64_t n, int64_t k, const float* __restrict A, int64_t lda,
                  const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc) {
@@ -71,6 +72,28 @@ static void gemm(int64_t m, int64_t n, int64_t k, const float* __restrict A, int
           for (int64_t jj = 0; jj < nj; ++jj) C[(i0 + ii) * ldc + j0 + jj] = c[jj];
         }
       }
+    }
+  }
+}
+
+// A (rows × Dv) += W (rows × kc) · V (kc × Dv), W holding `kept` nonzero weights at most. Top-θ keeps about k of a
+// row's n keys, so at long rows almost every weight is 0: then only the kept V rows are read and added (one pass
+// over W to find them); above a quarter of the weights, one GEMM.
+static void accumulate(int64_t rows, int64_t kc, int64_t Dv, const float* __restrict W, const float* __restrict V,
+                       float* __restrict A, int64_t kept) {
+  if (4 * kept > rows * kc) {
+    gemm<true>(rows, Dv, kc, W, kc, V, Dv, A, Dv);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* w = W + r * kc;
+    float* a = A + r * Dv;
+    for (int64_t j = 0; j < kc; ++j) {
+      if (w[j] == 0.0f) continue;
+      const float wj = w[j];
+      const float* vr = V + j * Dv;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) a[d] += wj * vr[d];
     }
   }
 }
@@ -216,6 +239,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
         for (int64_t k0 = k_lo; k0 < k_hi; k0 += kb) {
           const int64_t kc = std::min(kb, k_hi - k0);
           logits(k0, kc);
+          int64_t block_kept = 0;
           for (int64_t r = 0; r < rows; ++r) {
             float* s = S + r * kc;
             if (nv[r] == 0) { std::memset(s, 0, sizeof(float) * kc); continue; }
@@ -231,14 +255,15 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
               rs += w; c += keep ? 1 : 0; pc += pass ? 1 : 0;
               s[j] = w;
             }
-            R[r] += rs; cnt[r] += c; passed[r] += pc;
+            R[r] += rs; cnt[r] += c; passed[r] += pc; block_kept += c;
           }
-          gemm<true>(rows, Dv, kc, S, kc, Vp + ((b * Hkv + kvh) * K + k0) * Dv, Dv, A, Dv);
+          accumulate(rows, kc, Dv, S, Vp + ((b * Hkv + kvh) * K + k0) * Dv, A, block_kept);
         }
       }
       else for (int64_t k0 = k_lo; k0 < k_hi; k0 += kb) {  // one pass: online softmax with the selection
         const int64_t kc = std::min(kb, k_hi - k0);
         logits(k0, kc);
+        int64_t block_kept = 0;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t g = r / qc, i = q0 + r % qc, h = kvh * G + g;
           float* s = S + r * kc;
@@ -280,9 +305,9 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
             ls += e; rs += w; c += keep ? 1 : 0;
             s[j] = w;
           }
-          l[r] += ls; R[r] += rs; cnt[r] += c;
+          l[r] += ls; R[r] += rs; cnt[r] += c; block_kept += c;
         }
-        gemm<true>(rows, Dv, kc, S, kc, Vp + ((b * Hkv + kvh) * K + k0) * Dv, Dv, A, Dv);
+        accumulate(rows, kc, Dv, S, Vp + ((b * Hkv + kvh) * K + k0) * Dv, A, block_kept);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qc, i = q0 + r % qc, h = kvh * G + g;

@@ -56,7 +56,9 @@ class SparsityStats:
             self.decode_kept[layer] += kept.cpu()
             self.decode_valid[layer] += valid_elems
             Hkv = self.num_kv_heads
-            if keep is None:
+            if rows.vrow_counts is not None:  # a kernel that reported the union counts itself
+                vrows = rows.vrow_counts.sum(0).double()
+            elif keep is None:
                 vrows = valid_elems.expand(Hkv)
             else:
                 vrows = keep.reshape(B, Hkv, H // Hkv, Q, K).any(2).sum((0, 2, 3)).double()  # (Hkv,)

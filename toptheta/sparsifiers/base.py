@@ -39,6 +39,7 @@ class RowBlock:
         self.clamped_rows = 0  # rows longer than any calibrated row length (threshold lookups clamp)
         self.empty: torch.Tensor | None = None  # (B, H, Q) bool: sparsified rows where no valid score passes θ
         self.kept_counts: torch.Tensor | None = None  # (B, H, Q) kept keys per row, when the sparsifier knows
+        self.vrow_counts: torch.Tensor | None = None  # (B, Hkv) decode: kept V rows (union over each group)
         self.kept_mass: torch.Tensor | None = None  # (B, H, Q, 1) dense probability mass kept, set by the kernel
         self._valid = valid
         self._probs, self._exp_scores, self._row_sum, self._row_max = probs, exp_scores, row_sum, row_max
