@@ -255,18 +255,11 @@ def test_decode_kernel_equals_the_plain_kernel(monkeypatch, torch_threads, name,
         pytest.skip("the decode kernel could not be built here (no C++ compiler?)")
     decode.reset()
     monkeypatch.setattr(decode, "MIN_KEYS_PER_TASK", 8)
-    calls = []
-    monkeypatch.setattr(fused_decode, "extension", _counting(fused_decode.extension, calls))
     sparsifier, comp = _configs()[name]
     q, k, v, valid = _decode_data()
-    data = (q, k, v, valid if masked else None)
-    fast, _, fast_stats = _run(True, monkeypatch, data, sparsifier, comp)
-    assert calls, "the decode kernel did not run"
-    slow, _, slow_stats = _run(False, monkeypatch, data, sparsifier, comp)
-    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
-    _assert_same_stats(fast_stats, slow_stats)
+    stats = _kernel_equals_plain(monkeypatch, fused_decode, (q, k, v, valid if masked else None), sparsifier, comp)
     if name != "dense":
-        assert 0 < fast_stats.kept_vrow_fraction < 1
+        assert 0 < stats.kept_vrow_fraction < 1
 
 
 def test_decode_kernel_empty_rows_and_low_precision_caches(monkeypatch):
@@ -337,16 +330,23 @@ def test_prefill_equals_the_plain_kernel(monkeypatch, torch_threads, name, shape
     sparsifier, comp = _configs()[name]
     q, k, v, valid = _prefill_data(K=70 if shape == "context" else 50)  # context: 20 cached keys before the queries
     data = (q, k, v, valid if shape == "masked" else None)
-    calls = []
-    monkeypatch.setattr(prefill.fused_prefill, "extension", _counting(prefill.fused_prefill.extension, calls))
     assert prefill.attention(*data, scaling=0.5, layer=0, sparsifier=sparsifier, compensations=comp) is not None
+    stats = _kernel_equals_plain(monkeypatch, prefill.fused_prefill, data, sparsifier, comp)
+    if name != "dense":
+        assert 0 < stats.kept_attention_fraction < 1
+
+
+def _kernel_equals_plain(monkeypatch, module, data, sparsifier, comp):
+    """One call with the fast paths, which must reach ``module``'s compiled kernel, equals the plain kernel's
+    (output within float tolerance, statistics exactly); returns the fast call's statistics."""
+    calls = []
+    monkeypatch.setattr(module, "extension", _counting(module.extension, calls))
     fast, _, fast_stats = _run(True, monkeypatch, data, sparsifier, comp)
-    assert calls, "the one-pass kernel did not run"
+    assert calls, f"{module.__name__} did not run"
     slow, _, slow_stats = _run(False, monkeypatch, data, sparsifier, comp)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     _assert_same_stats(fast_stats, slow_stats)
-    if name != "dense":
-        assert 0 < fast_stats.kept_attention_fraction < 1
+    return fast_stats
 
 
 def _counting(fn, calls):
