@@ -189,7 +189,7 @@ def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float,
     blocks = -(-4 * torch.get_num_threads() // (B * Hkv))
     kb = max(MIN_KEYS_PER_TASK, -(-Kc // blocks))
     out, rowstats, vrows = ext.decode((query.float() * scaling).reshape(B, H, D).contiguous(), key, window, valid,
-                                      theta, raw, cal, vbar, bool(vmc and sparse), _SDC_MODES[sdc.estimator if sdc
+                                      theta, raw, cal, vbar, bool(vmc and sparse), prefill._SDC_MODES[sdc.estimator if sdc
                                       else None], float(sdc.scale) if sdc else 0.0, post, kb)
     if stats is not None and stats.enabled:
         rows.kept_counts = rowstats[..., 0].long().view(B, H, 1)
@@ -199,9 +199,6 @@ def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float,
             rows.vrow_counts = vrows  # (B, Hkv): V rows read, the union over each group's heads
         stats.update(rows)
     return out.view(B, 1, H, -1).to(query.dtype)
-
-
-_SDC_MODES = {None: 0, "exact": 1, "exp-threshold": 2, "calibrated": 3}
 
 
 class _AllValid:
