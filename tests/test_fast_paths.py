@@ -453,3 +453,38 @@ def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch
     real = mask.bool()
     torch.testing.assert_close(a[real], b[real], atol=1e-4, rtol=1e-4)
     _assert_same_stats(sa, sb)
+
+
+@pytest.mark.parametrize("name", PREFILL_CONFIGS)
+def test_prefill_rows_do_not_depend_on_batch_padding_or_packing(monkeypatch, torch_threads, name):
+    """A sequence's rows have the same bits alone (causal), left-padded in a batch beside a longer sequence, and
+    as continuation rows packed after a cached context: so batched and shared-context scoring make the same
+    Top-θ decisions as scoring one request at a time (issue 9: log-likelihoods equal, not merely close)."""
+    _needs_kernel()
+    monkeypatch.setattr(prefill, "KEY_BLOCK", 16)  # several key blocks
+    sparsifier, comp = _configs()[name]
+    g = torch.Generator().manual_seed(3)
+    C, first, second = 36, 3, 4  # context, then two continuations; both inside the context's last key block
+    L = C + second
+    q, k, v = (torch.randn(1, h, C + first + second, 8, generator=g) * s for h, s in ((H, 2), (HKV, 2), (HKV, 1)))
+    own = torch.cat([torch.arange(C), torch.arange(C + first, C + first + second)])  # context + second continuation
+    call = dict(scaling=0.5, layer=0, sparsifier=sparsifier, compensations=comp)
+    alone = prefill.attention(q[:, :, own], k[:, :, own], v[:, :, own], None, **call)[0]  # (L, H, D)
+
+    pad = 7  # left-padded beside a sequence longer by `pad`
+    def padded(x):
+        other = torch.randn(1, x.shape[1], L + pad, x.shape[-1], generator=g)
+        return torch.cat([other, torch.cat([torch.randn(1, x.shape[1], pad, x.shape[-1], generator=g), x], 2)])
+    valid = torch.ones(L + pad, L + pad, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    valid[1, ..., :pad] = False
+    batched = prefill.attention(padded(q[:, :, own]), padded(k[:, :, own]), padded(v[:, :, own]), valid, **call)
+    assert torch.equal(batched[1, pad:], alone)
+
+    # packed: queries are both continuations, keys the context and both continuations, each attending to its own
+    Q = first + second
+    packed_valid = torch.zeros(1, 1, Q, C + Q, dtype=torch.bool)
+    packed_valid[..., :C] = True
+    packed_valid[..., :first, C:C + first] = torch.ones(first, first, dtype=torch.bool).tril()
+    packed_valid[..., first:, C + first:] = torch.ones(second, second, dtype=torch.bool).tril()
+    packed = prefill.attention(q[:, :, C:], k, v, packed_valid, **call)[0]
+    assert torch.equal(packed[first:], alone[C:])

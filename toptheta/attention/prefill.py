@@ -170,11 +170,13 @@ def _value_means(value: torch.Tensor, valid: torch.Tensor | None, n: torch.Tenso
         if K > Q:
             prefix += value[:, :, :K - Q].double().sum(2, keepdim=True)
         return (prefix / n.unsqueeze(-1)).float().contiguous()
-    vf = value.float()
-    out = vf.new_empty(B, Hkv, Q, Dv)
-    step = max(1, (1 << 22) // max(1, B * K))  # rows per chunk: ~16 MB of float mask
+    # float64 sums, as the kernel's causal prefix means: a row's v̄ then has the same float32 bits whichever way its
+    # valid keys are laid out (alone, left-padded in a batch, or packed after a cached context)
+    vd = value.double()
+    out = value.new_empty(B, Hkv, Q, Dv, dtype=torch.float32)
+    step = max(1, (1 << 21) // max(1, B * K))  # rows per chunk: ~16 MB of float64 mask
     vm = valid.expand(B, 1, Q, K)
     for a in range(0, Q, step):
         b = min(Q, a + step)
-        out[:, :, a:b] = (vm[:, :, a:b].float() @ vf) / n[..., a:b].clamp_min(1).unsqueeze(-1)
+        out[:, :, a:b] = ((vm[:, :, a:b].double() @ vd) / n[..., a:b].clamp_min(1).unsqueeze(-1)).float()
     return out

@@ -2,8 +2,11 @@
 
 lm-eval scores a multiple-choice question as one (context, continuation) request per answer choice, and
 HFLM runs each request as its own forward over context + continuation. Two subclasses make that faster
-with the same log-likelihoods (up to float rounding: summation orders differ, and a score within rounding
-of a Top-θ threshold may land on the other side), the same accuracy and the same sparsity statistics:
+with the same log-likelihoods, the same accuracy and the same sparsity statistics. On the one-pass prefill
+kernel (Top-θ and dense) a row has the same bits whether it runs alone, left-padded in a batch or after a cached
+context, so every Top-θ decision is the unshared run's and the log-likelihoods differ only by the LM head's
+rounding; elsewhere (Top-k, the plain kernel) summation orders differ, and a score within rounding of the
+selection boundary may land on the other side:
 
 * ``BatchedHFLM`` batches requests with LEFT padding, an attention mask and explicit position ids. HFLM
   itself right-pads without a mask: harmless for the log-likelihoods of a causal model, but the padded
@@ -47,6 +50,10 @@ Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (strings or Non
 CPU_TOKEN_BUDGET = 4096
 # Continuation positions per forward (all their logits are kept: 512 × a 49k vocabulary = 100 MB).
 LOGIT_BUDGET = 512
+# Positions per continuation forward, at least (padding positions see no key and are never counted). MKL's
+# float32 GEMM rounds a row differently when it multiplies fewer rows (measured here, 2 threads: fewer than 12
+# rows change the results; 1 thread: fewer than 4); a Top-θ decision within rounding of θ would then flip.
+MIN_GEMM_ROWS = 16
 
 
 @dataclass
@@ -225,19 +232,28 @@ class SharedContextHFLM(BatchedHFLM):
             packed: dict[int, list[_Input]] = {}
             for b, x in rows:
                 packed.setdefault(b, []).append(x)
-            for group in _groups(list(packed.items()), lambda item: sum(len(x.ids) - x.split for x in item[1])):
-                self._score_packed(requests, group, last, cache, mask, pos, answers, bar)
+            items = []
+            for b, inputs in packed.items():
+                # Packed, a continuation's keys sit after the earlier ones': they must fall in the same key block
+                # of the kernel as they do unshared, or its online softmax would round differently (see below).
+                if _packs_in_one_key_block(int(mask[b].sum()), sum(len(x.ids) - x.split for x in inputs)):
+                    items.append((b, inputs))
+                else:
+                    items.extend((b, [x]) for x in inputs)
+            for group in _groups(items, lambda item: sum(len(x.ids) - x.split for x in item[1])):
+                self._score_packed(requests, group, last, cache, mask, pos, answers, bar, min_rows=MIN_GEMM_ROWS)
         else:
             rows.sort(key=lambda row: len(row[1].ids) - row[1].split)
             for group in _groups(rows, lambda row: len(row[1].ids) - row[1].split, same_size=True):
                 self._score_packed(requests, [(b, [x]) for b, x in group], last, cache, mask, pos, answers, bar)
 
-    def _score_packed(self, requests, group, last, cache, mask, pos, answers, bar) -> None:
+    def _score_packed(self, requests, group, last, cache, mask, pos, answers, bar, min_rows: int = 1) -> None:
         """One forward against the cached contexts: row n holds the continuations of one context back to back
-        (right-padded), each attending to the context and to its own earlier tokens only."""
+        (right-padded to at least ``min_rows`` positions in all), each attending to the context and to its own
+        earlier tokens only."""
         N = len(group)
         segments = [[x.ids[x.split:] for x in inputs] for _, inputs in group]
-        P = max(sum(len(t) for t in seg) for seg in segments)
+        P = max(max(sum(len(t) for t in seg) for seg in segments), -(-min_rows // N))
         ids = torch.full((N, P), self.pad_id, dtype=torch.long)  # (N, P)
         owner = torch.full((N, P), -1, dtype=torch.long)  # which continuation of the row a position holds
         offset = torch.zeros(N, P, dtype=torch.long)  # position inside that continuation
@@ -266,6 +282,16 @@ class SharedContextHFLM(BatchedHFLM):
                 length = len(x.ids) - x.split
                 self._answer(requests, x, torch.cat([last[b], logits[n, start:start + length]]), answers, bar)
                 start += length
+
+
+def _packs_in_one_key_block(context: int, packed: int) -> bool:
+    """Whether ``packed`` continuation positions after a context of ``context`` valid tokens stay inside the
+    context's last key block of the prefill kernel, whose blocks start at a sequence's first valid key. Then
+    each continuation row meets its keys in the same blocks as unshared (masked keys between add exact zeros),
+    and the kernel gives it the same bits."""
+    from toptheta.attention.prefill import KEY_BLOCK
+
+    return context % KEY_BLOCK + packed <= KEY_BLOCK
 
 
 def _pad(real: torch.Tensor, context: int) -> torch.Tensor:
