@@ -23,7 +23,7 @@ import logging
 from .fused import PARALLEL_PROBE, VECTOR_EXPF, build
 
 log = logging.getLogger("toptheta")
-_VERSION = 9  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 10  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -35,7 +35,8 @@ _SOURCE = r"""
 #include <vector>
 """ + VECTOR_EXPF + PARALLEL_PROBE + r"""
 static constexpr float NEG = -1.0e30f;  // "no key": a finite sentinel (exp of it minus a row max gives 0)
-static constexpr int64_t ROW_PAD = 16;  // rows are padded to a multiple of the GEMM tile width
+static constexpr int64_t ROW_PAD = 16;
+static constexpr int64_t POST_KEEP_BYTES = 1 << 23;  // a tile's logits kept between the two post-softmax passes  // rows are padded to a multiple of the GEMM tile width
 
 // C (m × n, row stride ldc) = A (m × k) · B (k × n, ldb), or += with ACC; row-major float32. A is read as
 // A[i, p] = A[i * lda + p], or with TA as A[p * lda + i] (A stored transposed). Each C element is one dot product
@@ -243,6 +244,10 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
       float* AM = accmax.data();
       std::memset(A, 0, sizeof(float) * rp * Dv);
       std::memset(AM, 0, sizeof(float) * rp * Dv);
+      // Post-softmax needs each block's logits twice. Where all of the tile's fit in POST_KEEP_BYTES they are kept
+      // from pass 1 for pass 2 (one GEMM instead of two: short and medium rows); else pass 2 recomputes them.
+      const bool keep_all = sparse && post && (k_hi - k_lo) * rp * (int64_t)sizeof(float) <= POST_KEEP_BYTES;
+      if (keep_all) sbuf.resize(std::max<size_t>(sbuf.size(), (k_hi - k_lo) * rp));
       float* S = sbuf.data();  // (kc, rp): the logits of a key block, then its weights
       // Logits of key block [k0, k0 + kc) for every row, invalid keys set to NEG (a mask's valid keys are counted
       // into n when `count`).
@@ -292,6 +297,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
         // Pass 1: each row's maximum m and dense sum l = Σ e^{s−m} (online, no selection).
         for (int64_t k0 = k_lo; k0 < k_hi; k0 += kb) {
           const int64_t kc = std::min(kb, k_hi - k0);
+          if (keep_all) S = sbuf.data() + (k0 - k_lo) * rp;
           logits(k0, kc, true);
           block_max(kc, false);
           float* ls = bsum.data();
@@ -310,7 +316,8 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
         // Pass 2: p = e^{s−m}/l; keep p > θ and the row's maximum (e = 1), as the plain kernel; weights e^{s−m}.
         for (int64_t k0 = k_lo; k0 < k_hi; k0 += kb) {
           const int64_t kc = std::min(kb, k_hi - k0);
-          logits(k0, kc, false);
+          if (keep_all) S = sbuf.data() + (k0 - k_lo) * rp;
+          else logits(k0, kc, false);
           float* rs = bsum.data();
           int32_t* c = bcnt.data();
           int32_t* pc = bpass.data();
