@@ -115,6 +115,27 @@ def forward_tokens(lm, instances) -> dict[str, int]:
     return {"stock": per_request, "batched": per_request, "shared": shared}
 
 
+def linear_flops(lm, instances, model) -> dict[str, float]:
+    """Multiply-adds of the linear layers each method runs (attention left out), in GFLOP.
+
+    The body's weights act on every position a method runs; the LM head (vocabulary × hidden) only where logits
+    are computed: stock HFLM computes them at every position, the batched and shared paths at the scored ones
+    (shared: one per context, plus the continuations). stock / method is the speed-up bound where the linear
+    layers set the cost; unlike the token ratio it credits the LM head rows that are never computed.
+    """
+    head = model.get_output_embeddings().weight.numel()
+    body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+    pairs = [lm._encode_pair(*instance.args) for instance in instances]
+    per_request = sum(len(ctx) + len(cont) - 1 for ctx, cont in pairs)
+    scored = sum(len(cont) for _, cont in pairs)
+    contexts = {tuple(ctx) for ctx, _ in pairs}
+    shared_body = sum(len(ctx) for ctx in contexts) + sum(len(cont) - 1 for _, cont in pairs)
+    shared_head = len(contexts) + sum(len(cont) - 1 for _, cont in pairs)
+    gflop = lambda positions, logits: 2e-9 * (positions * body + logits * head)  # noqa: E731
+    return {"stock": gflop(per_request, per_request), "batched": gflop(per_request, scored),
+            "shared": gflop(shared_body, shared_head)}
+
+
 def run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir) -> dict:
     lm_task = build_task(task, data_dir, num_fewshot, args.limit)
     instances = lm_task.instances
@@ -130,6 +151,7 @@ def run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir) -> dict:
             print(f"{task} {num_fewshot}-shot {m}: {seconds:.1f} s", flush=True)
     stock = rows["stock"]
     tokens = forward_tokens(lms["stock"], instances)
+    flops = linear_flops(lms["stock"], instances, model)
     out = {"task": task, "num_fewshot": num_fewshot, "k": k, "documents": len({i.doc_id for i in instances}),
            "requests": len(instances), "methods": {}}
     for m, row in rows.items():
@@ -137,7 +159,9 @@ def run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir) -> dict:
         out["methods"][m] = {
             "seconds_min": best, "seconds_median": median, "seconds": row["seconds"],
             "speedup_min": min(stock["seconds"]) / best,
-            "forward_tokens": tokens[m], "token_ratio": tokens["stock"] / tokens[m], "speedup_median": statistics.median(stock["seconds"]) / median,
+            "forward_tokens": tokens[m], "token_ratio": tokens["stock"] / tokens[m],
+            "linear_gflop": flops[m], "flop_ratio": flops["stock"] / flops[m],
+            "speedup_median": statistics.median(stock["seconds"]) / median,
             **accuracy(lm_task, instances, row["answers"]),
             "max_abs_loglikelihood_diff": max(abs(a[0] - b[0]) for a, b in zip(row["answers"], stock["answers"])),
             "same_greedy": all(a[1] == b[1] for a, b in zip(row["answers"], stock["answers"])),
@@ -151,15 +175,16 @@ def markdown(report: dict) -> str:
     lines = [f"`{report['command']}`", "",
              f"{report['model']}, Top-θ post-softmax + VMC, {report['threads']} threads, {report['date']}; "
              f"speed-up = stock time / method time (min over {report['repeats']} repeats; median in brackets); "
-             "token ratio = token positions stock runs / positions the method runs (the bound on the speed-up "
-             "where the linear layers dominate the cost).", "",
-             "| task | method | seconds | speed-up | token ratio | acc | acc_norm | max Δ loglik | kept attention |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "token ratio = token positions stock runs / positions the method runs; FLOP ratio = linear-layer "
+             "multiply-adds stock runs / the method's (stock computes LM-head logits at every position, the "
+             "others only where scored): the bound on the speed-up where the linear layers set the cost.", "",
+             "| task | method | seconds | speed-up | token ratio | FLOP ratio | acc | acc_norm | max Δ loglik | kept attention |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in report["settings"]:
         for m, r in s["methods"].items():
             lines.append(f"| {s['task']} {s['num_fewshot']}-shot, k={s['k']}, {s['documents']} q | {m} | "
                          f"{r['seconds_min']:.1f} | {r['speedup_min']:.2f}× ({r['speedup_median']:.2f}×) | "
-                         f"{r['token_ratio']:.2f}× | "
+                         f"{r['token_ratio']:.2f}× | {r['flop_ratio']:.2f}× | "
                          f"{r['acc']:.3f} | {r['acc_norm']:.3f} | {r['max_abs_loglikelihood_diff']:.1e} | "
                          f"{r['kept_attention_fraction']:.4f} |")
     return "\n".join(lines) + "\n"
