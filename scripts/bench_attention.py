@@ -201,6 +201,8 @@ def rows_per_chunk(kernel, n: int, chunk_size: int | None) -> int:
 
 def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_attention, pre_thresholds=None):
     module = _Module()
+    # One sparsifier per method for all calls, as in a sparsify session (the kernel memoises θ per sparsifier).
+    post = toptheta.TopTheta(thresholds)
     pre = toptheta.TopTheta(pre_thresholds) if pre_thresholds is not None else None
     pre_comp = [toptheta.SDC("exact"), toptheta.VMC()]
 
@@ -219,8 +221,8 @@ def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.TopK(K_BUDGET, "post"),
             chunk_size=chunk_size),
         "ours_toptheta": lambda: attention(
-            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.TopTheta(thresholds),
-            compensations=[toptheta.VMC()], chunk_size=chunk_size),
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=post, compensations=[toptheta.VMC()],
+            chunk_size=chunk_size),
         "ours_pre_sdc_vmc": lambda: attention(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=pre, compensations=pre_comp, chunk_size=chunk_size),
         "plain_pre_sdc_vmc": lambda: plain(
