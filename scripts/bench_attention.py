@@ -278,7 +278,7 @@ def write_report(args, results, checks, meta_base, thresholds, final: bool) -> N
     meta = {
         **meta_base,
         "complete": final,
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join(["python", *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(), "platform": platform.platform(),

@@ -52,6 +52,13 @@ def section(results: Path, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _command_in(line: str) -> str:
+    """The command a benchmark file names on its first lines: in backticks, or the bare line."""
+    quoted = re.search(r"`([^`]*python[^`]*)`", line)
+    command = quoted.group(1) if quoted else re.sub(r"^[#>\s`]*", "", line).strip("` ")
+    return re.sub(r"^\S*/python3?(\.\d+)?\s", "python ", command)  # a machine's interpreter path: `python`
+
+
 def provenance(results: Path) -> list[str]:
     """One line per group of outputs: the command that wrote it and the experiment whose runs it shows."""
     lines = ["- `summary.csv`, `runs/<run_id>/`: `python run.py ...` (each run directory's `config.json` holds "
@@ -61,8 +68,8 @@ def provenance(results: Path) -> list[str]:
              "`python -m toptheta.results.migrate --results results`."]
     for bench in sorted((results / "bench").glob("*.md")):
         first = bench.read_text(encoding="utf-8").splitlines()[:3]
-        made = next((re.sub(r"^[#>\s`]*", "", line).strip("` ") for line in first if "python" in line), "")
-        lines.append(f"- `bench/{bench.stem}.*`: {made or 'see the file header'}")
+        made = next((_command_in(line) for line in first if "python" in line), "")
+        lines.append(f"- `bench/{bench.stem}.*`: {f'`{made}`' if made else 'see the file header'}")
     figures_dir = results / "figures"
     manifest = figures_dir / "manifest.txt"
     names = manifest.read_text(encoding="utf-8").split() if manifest.is_file() else []

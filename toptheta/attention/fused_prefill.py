@@ -23,7 +23,7 @@ import logging
 from .fused import PARALLEL_PROBE, VECTOR_EXPF, build
 
 log = logging.getLogger("toptheta")
-_VERSION = 11  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 12  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -109,11 +109,18 @@ static void accumulate(int64_t rows, int64_t rp, int64_t kc, int64_t Dv, const f
   }
 }
 
+// A float64 mean rounded to float32, divided exactly: the build's -freciprocal-math would multiply by 1/n instead,
+// and then a causal row's v̄ could differ by one bit from the same row's v̄ computed by the caller (masked calls).
+__attribute__((noinline, optimize("no-reciprocal-math"))) static float mean_of(double sum, double n) {
+  return (float)(sum / n);
+}
+
 // q (B, H, Q, D) scaled, k (B, Hkv, K, D), v (B, Hkv, K, Dv): float32 contiguous.
 // mask: (B, Q, K) bool of any strides, or empty: causal, query i sits at key K - Q + i.
 // theta (B, H, Q): keep s > theta (finite; -1e29 keeps every valid key), or empty: dense (keep all, no VMC).
 // raw (B, H, Q): theta as calibrated (exp-threshold SDC: each dropped key adds ≤ exp(min(θ, m) − m)); cal (B, H, Q): calibrated dropped mass (SDC 3).
-// vmc: 0 none, 1 v̄ given in vbar (B, Hkv, Q, Dv) (computed by the caller, in float64, for masked and causal calls alike).
+// vmc: 0 none, 1 v̄ given in vbar (B, Hkv, Q, Dv), 2 causal: v̄ = prefix means computed here (float64 sums, divided
+// exactly as the caller's masked means are: see mean_of).
 // sdc: 0 none, 1 exact, 2 exp-threshold, 3 calibrated; lam = λ. post: theta is a probability threshold (two passes:
 // the row's max and dense sum first, then keep p > θ and the row's maximum; weights stay dense probabilities).
 // Returns out (B, Q, H, Dv) and rowstats (B, H, Q, 3): kept count, kept dense mass R / l, empty (sparse only).
@@ -143,7 +150,26 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
   const float* Tp = sparse ? theta.data_ptr<float>() : nullptr;
   const float* RTp = sdc == 2 ? raw.data_ptr<float>() : nullptr;
   const float* Cp = sdc == 3 ? cal.data_ptr<float>() : nullptr;
-  TORCH_CHECK(vmc_mode == 0 || vmc_mode == 1, "vmc_mode: 0 or 1");
+  if (vmc_mode == 2) {  // causal v̄: the mean of V rows 0..K-Q+i, from running float64 sums
+    TORCH_CHECK(causal, "vmc_mode 2 needs a causal call");
+    vbar = torch::empty({B, Hkv, Q, Dv}, q.options());
+    float* VB = vbar.data_ptr<float>();
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<double> sum(Dv);
+      for (int64_t r = r0; r < r1; ++r) {
+        std::fill(sum.begin(), sum.end(), 0.0);
+        const float* vr = Vp + r * K * Dv;
+        for (int64_t j = 0; j < K; ++j) {
+          for (int64_t d = 0; d < Dv; ++d) sum[d] += vr[j * Dv + d];
+          const int64_t i = j - (K - Q);
+          if (i >= 0) {
+            float* o = VB + (r * Q + i) * Dv;
+            for (int64_t d = 0; d < Dv; ++d) o[d] = mean_of(sum[d], (double)(j + 1));
+          }
+        }
+      }
+    });
+  }
   // The key-block grid of each sequence starts at its first valid key (0 when causal; the padding when left-padded).
   std::vector<int64_t> anchor(B, 0);
   if (!causal) {

@@ -107,8 +107,10 @@ def attention(
         if sdc is not None and sdc.estimator == "calibrated":
             source = sdc.thresholds or sparsifier.thresholds
             cal = source.lookup_sdc(layer, n).expand(B, H, Q).float().contiguous()
-        if vmc:  # v̄ in float64 here for every call, so causal and masked rows get the same bits
-            vmc_mode, vbar = 1, _value_means(value, valid, n)
+        if vmc:  # v̄: float64 prefix means in the kernel when causal, else from the mask here (the same bits)
+            vmc_mode = 2 if valid is None else 1
+            if valid is not None:
+                vbar = _value_means(value, valid, n)
     kf, vf = key.float().contiguous(), value.float().contiguous()
     q = (query.float() * scaling).contiguous()
     # Queries per task: enough tasks to balance the threads, and short blocks on short prompts (a causal block of
@@ -168,7 +170,7 @@ def _value_means(value: torch.Tensor, valid: torch.Tensor | None, n: torch.Tenso
         if K > Q:
             prefix += value[:, :, :K - Q].double().sum(2, keepdim=True)
         return (prefix / n.unsqueeze(-1)).float().contiguous()
-    # float64 sums, as the causal prefix means above: a row's v̄ then has the same float32 bits whichever way its
+    # float64 sums and exact division, as the kernel's causal prefix means: a row's v̄ then has the same float32 bits whichever way its
     # valid keys are laid out (alone, left-padded in a batch, or packed after a cached context)
     vd = value.double()
     out = value.new_empty(B, Hkv, Q, Dv, dtype=torch.float32)
