@@ -54,7 +54,7 @@ WandbMode = _choices("WandbMode", "offline", "online", "disabled")
 VROW_POPULARITY_DEFAULTS = {"group": 0, "max_steps": 256}
 
 OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code",
-                        "vrow_popularity")
+                        "vrow_popularity", "decode_batch")
 
 
 # Defaults below are placeholders: every option YAML sets its own values.
@@ -120,6 +120,9 @@ class TaskConfig:
     depths: Optional[List[float]] = None   # passkey
     seed: Optional[int] = None             # passkey
     allow_unsafe_code: Optional[bool] = None  # humaneval: run completions without the sandbox
+    # Generation tasks: prompts decoded together (null = 1: one model.generate per prompt, the reference). Part of
+    # the run id, unlike batch_size: a batch's GEMMs round differently, so a near-tie greedy token can differ.
+    decode_batch: Optional[int] = None
     # Generation tasks: {layer: L, group: 0, max_steps: 256}: per decode step of the first generation, how many
     # query heads of each KV group keep each V row of layer L (toptheta.attention.popularity), stored in the run's
     # stats.json. Typed Any (checked in `check`): OmegaConf cannot merge an override into a None dataclass field.
@@ -214,6 +217,17 @@ def _check_task(task: Any, get, need) -> None:
              "an lm-eval task name, e.g. task=lm_eval task.lm_eval_task=piqa")
     elif get(task, "include_path") is not None:
         need(False, "task.include_path", get(task, "include_path"), f"only lm_eval tasks read task YAMLs, not {get(task, 'kind')}")
+    decode_batch = get(task, "decode_batch")
+    if str(get(task, "kind")) == "lm_eval":
+        need(decode_batch is None, "task.decode_batch", decode_batch,
+             "null for lm_eval tasks (they batch with task.batch_size)")
+    else:
+        need(batch_size == 1, "task.batch_size", batch_size,
+             f"1 for {get(task, 'kind')} (to decode prompts together, set task.decode_batch=16)")
+        need(decode_batch is None or _int(decode_batch, 1), "task.decode_batch", decode_batch,
+             "null (one prompt at a time) or an integer >= 1")
+        need(decode_batch in (None, 1) or get(task, "vrow_popularity") is None, "task.decode_batch", decode_batch,
+             "null with task.vrow_popularity (it records one generation of batch 1)")
     popularity = get(task, "vrow_popularity")
     if popularity is not None:
         need(str(get(task, "kind")) != "lm_eval", "task.vrow_popularity", "{...}",

@@ -212,6 +212,12 @@ def decoding(model: torch.nn.Module) -> Iterator[None]:
         session.forced_phase = previous
 
 
+def is_sparsified(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is inside a ``sparsify`` block now."""
+    modules = attention_modules(model)
+    return bool(modules) and modules[0] in _SESSIONS
+
+
 class _Phases:
     """Sets ``session.phase`` before each forward of the model: decode for the steps of ``generate`` after the prompt.
 

@@ -23,21 +23,67 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
                          "```python code block, without tests or explanations.\n\n```python\n{prompt}```")
 
 
-def greedy_generate(model, tokenizer, prompt: str, *, max_new_tokens: int, chat_template: bool = False) -> tuple[str, int]:
-    """Greedy continuation of ``prompt`` (chat-wrapped if asked); returns (text, prompt tokens)."""
+def encode_prompt(tokenizer, prompt: str, *, chat_template: bool = False) -> list[int]:
+    """The prompt's token ids, wrapped in the tokenizer's chat template if asked and it has one."""
     if chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    else:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-    ids = ids.to(model.device)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
+def greedy_generate(model, tokenizer, prompt: str, *, max_new_tokens: int, chat_template: bool = False) -> tuple[str, int]:
+    """Greedy continuation of ``prompt`` (chat-wrapped if asked); returns (text, prompt tokens)."""
+    ids = torch.tensor([encode_prompt(tokenizer, prompt, chat_template=chat_template)], device=model.device)
     if max_new_tokens < 1:
         return "", ids.shape[1]
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, num_beams=1, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                         do_sample=False, num_beams=1, pad_token_id=_pad_id(tokenizer),
                          cache=growing_cache(model))  # no re-concatenation of the whole cache per token
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), ids.shape[1]
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def generate_all(model, tokenizer, prompts: list[str], *, max_new_tokens: list[int], chat_template: bool,
+                 decode_batch: int = 1, progress=None) -> list[dict]:
+    """Greedy continuations of every prompt: ``{"text", "prompt_tokens", "seconds"}`` per prompt, in order.
+
+    ``decode_batch`` > 1 decodes that many prompts together (``batched_generation``; prompts of similar length
+    share a batch, and ``seconds`` is then the time from the batch's start to the sequence's end); 1 runs one
+    ``model.generate`` per prompt, the reference.
+    """
+    encoded = [encode_prompt(tokenizer, p, chat_template=chat_template) for p in prompts]
+    results: list[dict | None] = [None] * len(prompts)
+    if decode_batch <= 1:
+        for i, prompt in enumerate(prompts):
+            t0 = time.time()
+            text, n = greedy_generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens[i],
+                                      chat_template=chat_template)
+            results[i] = {"text": text, "prompt_tokens": n, "seconds": round(time.time() - t0, 2)}
+            if progress is not None:
+                progress.update()
+        return results
+    from .batched_generation import eos_ids, greedy_generate_batch
+
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # little padding within a batch
+    eos = eos_ids(model, tokenizer)
+    for start in range(0, len(order), decode_batch):
+        batch = order[start:start + decode_batch]
+        t0 = time.time()
+
+        def finish(j: int, tokens: list[int], batch=batch, t0=t0) -> None:
+            i = batch[j]
+            results[i] = {"text": tokenizer.decode(tokens, skip_special_tokens=True),
+                          "prompt_tokens": len(encoded[i]), "seconds": round(time.time() - t0, 2)}
+            if progress is not None:
+                progress.update()
+
+        greedy_generate_batch(model, [encoded[i] for i in batch], max_new_tokens=[max_new_tokens[i] for i in batch],
+                              pad_token_id=_pad_id(tokenizer), eos_token_ids=eos, on_finish=finish)
+    return results
 
 
 def _result(task: str, metric: str, values: list[float], samples: list[dict], scale: float = 1.0) -> dict:
@@ -57,18 +103,18 @@ def run_humaneval(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
     require_isolation(allow_unsafe)  # refuse in a second, before any generation, if code cannot be isolated
     problems = load_problems(limit=task.get("limit"))
     max_length = int(task.get("max_length") or 2048)
+    prompts = [HUMANEVAL_INSTRUCTION.format(prompt=p.prompt) if chat_template else p.prompt for p in problems.values()]
+    limits = [max_length - len(tokenizer(prompt).input_ids) for prompt in prompts]
+    with tqdm(total=len(prompts), desc="humaneval", unit="problem") as bar:
+        outputs = generate_all(model, tokenizer, prompts, max_new_tokens=limits, chat_template=chat_template,
+                               decode_batch=int(task.get("decode_batch") or 1), progress=bar)
     completions, samples = {}, []
-    for task_id, problem in tqdm(problems.items(), desc="humaneval", unit="problem"):
-        prompt = HUMANEVAL_INSTRUCTION.format(prompt=problem.prompt) if chat_template else problem.prompt
-        prompt_len = len(tokenizer(prompt).input_ids)
-        t0 = time.time()
-        text, _ = greedy_generate(model, tokenizer, prompt, max_new_tokens=max_length - prompt_len,
-                                  chat_template=chat_template)
+    for (task_id, problem), out in zip(problems.items(), outputs):
         # A chat answer restates the function: prompt + code redefines it, and the redefinition wins.
+        text = out["text"]
         completion = extract_code(text, problem.entry_point) if chat_template else truncate_at_stop(text)
         completions[task_id] = [completion]
-        samples.append({"task_id": task_id, "generation": text, "completion": completion,
-                        "seconds": round(time.time() - t0, 2)})
+        samples.append({"task_id": task_id, "generation": text, "completion": completion, "seconds": out["seconds"]})
     report = evaluate_completions(problems, completions, ks=(1,), limits=_sandbox_limits(task),
                                   allow_unsafe_code=allow_unsafe)
     verdicts = {r.task_id: r for r in report.results}
@@ -102,13 +148,14 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
     with tqdm(total=len(records), desc="passkey", unit="prompt") as bar:
         for length in lengths:
             with stats.section() if stats is not None else contextlib.nullcontext() as part:
-                for record in (r for r in records if r["target_tokens"] == length):
-                    text, n_prompt = greedy_generate(model, tokenizer, record["prompt"],
-                                                     max_new_tokens=PASSKEY_NEW_TOKENS, chat_template=chat_template)
-                    samples.append({"id": record["id"], "target_tokens": length, "length_tokens": n_prompt,
-                                    "depth": record["depth"], "generation": text,
-                                    "correct": bool(score_passkey(text, record["answer"]))})
-                    bar.update()
+                group = [r for r in records if r["target_tokens"] == length]
+                outputs = generate_all(model, tokenizer, [r["prompt"] for r in group],
+                                       max_new_tokens=[PASSKEY_NEW_TOKENS] * len(group), chat_template=chat_template,
+                                       decode_batch=int(task.get("decode_batch") or 1), progress=bar)
+                for record, out in zip(group, outputs):
+                    samples.append({"id": record["id"], "target_tokens": length, "length_tokens": out["prompt_tokens"],
+                                    "depth": record["depth"], "generation": out["text"],
+                                    "correct": bool(score_passkey(out["text"], record["answer"]))})
             if part is not None:
                 task_stats[f"passkey_{length}"] = part.summary()
     out = _result("passkey", "accuracy", [float(s["correct"]) for s in samples], samples)  # fractions, as in the store
@@ -142,6 +189,19 @@ def check_context(task: dict, max_positions: int | None, model_name: str) -> Non
     elif task["kind"] == "humaneval" and int(task.get("max_length") or 2048) > max_positions:
         raise ValueError(f"task.max_length={task.get('max_length')} exceeds {model_name}'s context of "
                          f"{max_positions} positions; set task.max_length={max_positions} or lower")
+
+
+def check_decode_batch(task: dict, model) -> None:
+    """Refuse batched decoding (task.decode_batch > 1) for a model whose generation config it would not honour."""
+    if int(task.get("decode_batch") or 1) <= 1:
+        return
+    from .batched_generation import unsupported_settings
+
+    ignored = unsupported_settings(model)
+    if ignored:
+        raise ValueError(f"task.decode_batch={task['decode_batch']} decodes greedily without model.generate's logits "
+                         f"processors, but this model's generation_config sets {', '.join(ignored)}; "
+                         "leave task.decode_batch unset (one prompt at a time through model.generate)")
 
 
 def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, stats=None) -> dict:

@@ -1,0 +1,120 @@
+"""Batched greedy decoding (evaluation/batched_generation.py) against model.generate, one prompt at a time."""
+
+import pytest
+import torch
+from test_fast_paths import _configs, tiny
+
+import toptheta
+from toptheta.attention import decode
+from toptheta.evaluation.batched_generation import eos_ids, greedy_generate_batch, unsupported_settings
+
+PROMPT_LENGTHS = (5, 12, 20, 9)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _one_at_a_time(model, prompts, limits):
+    """The reference: model.generate per prompt, tokens after the prompt (the end-of-sequence token included)."""
+    out = []
+    for p, limit in zip(prompts, limits):
+        if limit == 0:
+            out.append([])
+            continue
+        ids = torch.tensor([p])
+        seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=limit,
+                             do_sample=False, pad_token_id=0)
+        out.append(seq[0, len(p):].tolist())
+    return out
+
+
+def _counts(stats) -> dict[str, torch.Tensor]:
+    return {name: getattr(stats, name).clone() for name in ("prefill_valid", "decode_valid", "vrow_valid", "rows",
+                                                            "prefill_kept", "decode_kept", "vrow_kept")}
+
+
+@pytest.mark.parametrize("arch,name", [("llama", "theta-post-vmc"), ("qwen2", "theta-pre-sdc-vmc"),
+                                       ("llama", "topk-post"), ("qwen2", "dense")])
+def test_a_batch_decodes_each_prompts_own_tokens_and_counts_no_row_past_its_end(arch, name):
+    model = tiny(arch)
+    sparsifier, comp = _configs(layers=2)[name]
+    prompts, limits = _prompts(), [6, 3, 8, 0]
+    with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp):
+        free = _one_at_a_time(model, prompts, [8] * len(prompts))
+    eos = model.generation_config.eos_token_id = free[0][2]  # prompt 0 stops by its end token
+    decode.reset()
+    with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
+        expected = _one_at_a_time(model, prompts, limits)
+    reference = _counts(stats)
+    finished = []
+    decode.reset()
+    with toptheta.sparsify(model, sparsifier, comp) as stats:
+        got = greedy_generate_batch(model, prompts, max_new_tokens=limits, pad_token_id=0,
+                                    eos_token_ids=eos_ids(model, None), on_finish=lambda i, t: finished.append(i))
+    assert got == expected
+    assert got[0] == free[0][:free[0].index(eos) + 1]
+    assert all(len(t) == limit or t[-1] == eos for t, limit in zip(got, limits))
+    assert sorted(finished) == [0, 1, 2, 3] and finished[0] == 3  # the empty one first, then as each one ends
+    counts = _counts(stats)
+    for key in ("prefill_valid", "decode_valid", "vrow_valid", "rows"):  # same rows and keys: exactly
+        assert torch.equal(counts[key], reference[key]), key
+    for key in ("prefill_kept", "decode_kept", "vrow_kept"):  # same decisions up to a near-tie of the GEMMs' rounding
+        torch.testing.assert_close(counts[key], reference[key], rtol=0.01, atol=2, msg=key)
+    if name != "dense":
+        assert 0 < stats.kept_vrow_fraction < 1
+
+
+def test_batch_of_one_is_model_generate_exactly():
+    model = tiny("llama")
+    prompt = _prompts()[1]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    got = greedy_generate_batch(model, [prompt], max_new_tokens=[10], pad_token_id=0, eos_token_ids={2})
+    assert got[0] == ref.sequences[0, len(prompt):].tolist()
+
+
+def test_bad_arguments_and_unhonoured_generation_settings_are_refused():
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="2 prompts but 1 token limits"):
+        greedy_generate_batch(model, [[5], [6]], max_new_tokens=[3], pad_token_id=0, eos_token_ids={2})
+    with pytest.raises(ValueError, match="at least one token"):
+        greedy_generate_batch(model, [[]], max_new_tokens=[3], pad_token_id=0, eos_token_ids={2})
+    assert unsupported_settings(model) == []
+    model.generation_config.repetition_penalty = 1.1
+    assert unsupported_settings(model) == ["repetition_penalty=1.1"]
+    from toptheta.evaluation.generation import check_decode_batch
+
+    check_decode_batch({"decode_batch": 1}, model)  # one at a time: generate honours every setting
+    with pytest.raises(ValueError, match="leave task.decode_batch unset"):
+        check_decode_batch({"decode_batch": 8}, model)
+
+
+def test_passkey_task_decoded_in_batches_has_the_samples_and_per_length_stats_of_one_at_a_time():
+    from toptheta.evaluation.generation import run_passkey
+    from toptheta.models import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2)
+    n = torch.arange(1025).clamp(min=1).float()
+    thresholds = toptheta.Thresholds((torch.full((2, 4, 1), 1.5) / n).contiguous(), [3, 3], "post")
+    task = {"kind": "passkey", "lengths": [400, 600], "depths": [0.2, 0.5, 0.8], "seed": 0}
+    runs = []
+    for batch in (None, 2):
+        with toptheta.sparsify(model, toptheta.TopTheta(thresholds), [toptheta.VMC()]) as stats:
+            runs.append(run_passkey({**task, "decode_batch": batch}, model, tokenizer, chat_template=False,
+                                    stats=stats))
+    one, batched = runs
+    assert [s["generation"] for s in batched["samples"]] == [s["generation"] for s in one["samples"]]
+    assert [s["id"] for s in batched["samples"]] == [s["id"] for s in one["samples"]]
+    assert batched["results"] == one["results"]
+    for length in ("passkey_400", "passkey_600"):
+        a, b = one["task_stats"][length], batched["task_stats"][length]
+        for key in ("prefill_attention_elements", "clamped_rows", "empty_rows"):
+            assert b[key] == a[key], key
+        for key in ("kept_attention_fraction", "kept_vrow_fraction", "decode_kept_attention_fraction"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3), key
+        assert 0 < b["kept_vrow_fraction"] < 1
