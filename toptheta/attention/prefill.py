@@ -161,17 +161,15 @@ def _shape_only(B: int, H: int, Q: int, K: int, device) -> torch.Tensor:
     return torch.zeros((), device=device).expand(B, H, Q, K)
 
 
-def _value_means(value: torch.Tensor, valid: torch.Tensor | None, n: torch.Tensor) -> torch.Tensor:
-    """v̄ of every row: the mean V row over its valid keys (B, Hkv, Q, Dv) float32 (method.md §3.2)."""
+def _value_means(value: torch.Tensor, valid: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """v̄ of every masked row: the mean V row over its valid keys (B, Hkv, Q, Dv) float32 (method.md §3.2).
+
+    Causal rows need none of this: the kernel keeps float64 prefix sums. Here: float64 sums and exact division, as
+    the kernel's causal prefix means, so a row's v̄ has the same float32 bits whichever way its valid keys are laid
+    out (alone, left-padded in a batch, or packed after a cached context).
+    """
     B, Hkv, K, Dv = value.shape
     Q = n.shape[-1]
-    if valid is None:  # causal: prefix sums
-        prefix = value[:, :, K - Q:].double().cumsum(2)  # (B, Hkv, Q, Dv)
-        if K > Q:
-            prefix += value[:, :, :K - Q].double().sum(2, keepdim=True)
-        return (prefix / n.unsqueeze(-1)).float().contiguous()
-    # float64 sums and exact division, as the kernel's causal prefix means: a row's v̄ then has the same float32 bits whichever way its
-    # valid keys are laid out (alone, left-padded in a batch, or packed after a cached context)
     vd = value.double()
     out = value.new_empty(B, Hkv, Q, Dv, dtype=torch.float32)
     step = max(1, (1 << 21) // max(1, B * K))  # rows per chunk: ~16 MB of float64 mask
