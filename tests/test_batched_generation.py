@@ -118,3 +118,33 @@ def test_passkey_task_decoded_in_batches_has_the_samples_and_per_length_stats_of
         for key in ("kept_attention_fraction", "kept_vrow_fraction", "decode_kept_attention_fraction"):
             assert b[key] == pytest.approx(a[key], rel=1e-3), key
         assert 0 < b["kept_vrow_fraction"] < 1
+
+
+def test_lm_eval_generate_until_batches_stop_each_sequence_at_its_own_end(monkeypatch):
+    """BatchedHFLM's greedy generate_until batches: batch 1's texts, and exactly its rows in the statistics (each
+    sequence leaves at its stop string or token limit; model.generate would run finished ones to the batch's end)."""
+    from helpers_lm import tiny_model, tiny_tokenizer
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from toptheta.evaluation.shared_context_lm import BatchedHFLM
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer)
+    contexts = ["Q: 2+2?\nA:", "The cat", "Once upon a time there was", "x"]
+    requests = [Instance("generate_until", {}, (c, {"until": ["w", "m"], "max_gen_toks": 12}), i)
+                for i, c in enumerate(contexts)]
+
+    def run(batch_size):
+        lm = BatchedHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=64)
+        with toptheta.sparsify(model, toptheta.TopK(3, "post"), [toptheta.VMC()]) as stats:
+            texts = lm.generate_until(requests)
+        return texts, _counts(stats)
+
+    (one, one_counts), (four, four_counts) = run(1), run(4)
+    assert four == one and len(set(map(len, one))) > 1  # some stopped at a stop string, some ran to 12 tokens
+    for key, value in one_counts.items():
+        assert torch.equal(four_counts[key], value), key
+    monkeypatch.setattr(BatchedHFLM, "_model_generate", HFLM._model_generate)  # model.generate for the batch
+    stock, stock_counts = run(4)
+    assert stock == one and stock_counts["decode_valid"].sum() > one_counts["decode_valid"].sum()

@@ -17,6 +17,8 @@ With ``backend.py``, this is the project's transformers-specific code (``Dynamic
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -63,6 +65,16 @@ class GrowingLayer(DynamicLayer):
             kbuf[..., :n, :] = self.keys
             vbuf[..., :n, :] = self.values
         self._kbuf, self._vbuf = kbuf, vbuf
+
+
+def forward_accepts(model, name: str) -> bool:
+    """Whether ``model.forward`` takes the keyword ``name`` (e.g. ``logits_to_keep``)."""
+    return name in inspect.signature(model.forward).parameters
+
+
+def cache_keyword(model) -> str:
+    """The forward's keyword for a KV cache: ``cache`` (transformers 5.x renamed it) or ``past_key_values``."""
+    return "cache" if forward_accepts(model, "cache") else "past_key_values"
 
 
 def growing_cache(model) -> DynamicCache:

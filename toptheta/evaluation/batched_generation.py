@@ -17,13 +17,12 @@ task's ``decode_batch`` is part of its run id.
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
 from ..attention import decode
 from ..attention.backend import decoding, is_sparsified
-from ..attention.cache import growing_cache
+from ..attention.cache import cache_keyword, forward_accepts, growing_cache
 
 # generation_config settings whose logits processors or stopping rules this loop does not apply: with any of
 # them set, decode one prompt at a time through model.generate instead.
@@ -49,10 +48,11 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 @torch.inference_mode()
 def greedy_generate_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: list[int], pad_token_id: int,
-                          eos_token_ids: set[int], on_finish=None) -> list[list[int]]:
+                          eos_token_ids: set[int], on_finish=None, stop_when=None) -> list[list[int]]:
     """Greedy continuations (token ids, end-of-sequence token included) of each prompt, decoded together.
 
-    ``max_new_tokens[i]`` bounds sequence i. ``on_finish(i, tokens)`` is called as each sequence ends.
+    ``max_new_tokens[i]`` bounds sequence i; ``stop_when(i, tokens)``, asked after each new token, ends it early
+    (e.g. at a stop string). ``on_finish(i, tokens)`` is called as each sequence ends.
     """
     if len(prompt_ids) != len(max_new_tokens):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(max_new_tokens)} token limits")
@@ -80,16 +80,18 @@ def greedy_generate_batch(model, prompt_ids: list[list[int]], *, max_new_tokens:
     # Inside a sparsify block the steps after the prompt are decode steps (statistics, the decode fast path), as in
     # model.generate, which the backend recognises on its own; a hand-written loop says so.
     steps = (lambda: decoding(model)) if is_sparsified(model) else contextlib.nullcontext
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                   use_cache=True, **extra).logits[:, -1]  # (B, vocab)
+    extra = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
+    extra[cache_keyword(model)] = cache
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                   **extra).logits[:, -1]  # (B, vocab)
     next_pos = positions[:, -1] + 1  # (B,)
     while True:
         tokens = logits.argmax(-1).tolist()
         keep = []
         for r, (i, t) in enumerate(zip(running, tokens)):
             out[i].append(t)
-            if t in eos_token_ids or len(out[i]) >= max_new_tokens[i]:
+            if (t in eos_token_ids or len(out[i]) >= max_new_tokens[i]
+                    or (stop_when is not None and stop_when(i, out[i]))):
                 _finished(on_finish, i, out[i])
             else:
                 keep.append(r)
@@ -104,7 +106,7 @@ def greedy_generate_batch(model, prompt_ids: list[list[int]], *, max_new_tokens:
         mask = torch.cat([mask, mask.new_ones(len(running), 1)], dim=1)
         with steps():
             logits = model(input_ids=step[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                           cache=cache, use_cache=True).logits[:, -1]
+                           use_cache=True, **{cache_keyword(model): cache}).logits[:, -1]
         next_pos = next_pos + 1
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
+
+from ..attention.cache import cache_keyword, forward_accepts
 
 if TYPE_CHECKING:
     from toptheta.attention.stats import SparsityStats
@@ -77,6 +78,37 @@ class BatchedHFLM(HFLM):
         with self._progress(requests, disable_tqdm) as bar:
             self._score_batched(requests, list(range(len(requests))), answers, bar, override_bs)
         return answers  # type: ignore[return-value]
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        """generate_until's batches: greedy ones decode through ``batched_generation``, the rest through HFLM.
+
+        model.generate feeds a finished sequence padding until the batch's last one ends, and those rows would count
+        in the sparsity statistics; here each sequence leaves the batch at its end token, its first stop string
+        (checked as lm-eval's stopping criteria check it: in the decoded last tokens) or max_length. Batches of one,
+        sampling and extra generation settings take HFLM's path (model.generate), the reference.
+        """
+        from .batched_generation import eos_ids, greedy_generate_batch, unsupported_settings
+
+        mask = generation_kwargs.get("attention_mask")
+        greedy = not generation_kwargs.get("do_sample") and not generation_kwargs.get("temperature")
+        if (context.shape[0] == 1 or not greedy or mask is None or self.backend != "causal"
+                or set(generation_kwargs) - {"attention_mask", "do_sample", "temperature"}
+                or unsupported_settings(self.model)):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        B, L = context.shape
+        prompts = [row[m.bool()].tolist() for row, m in zip(context.cpu(), mask.cpu())]
+        lookback = {text: len(self.tokenizer.encode(text, add_special_tokens=False)) + 2 for text in stop}
+
+        def stopped(i: int, tokens: list[int]) -> bool:
+            return any(text in self.tokenizer.decode(tokens[-n:]) for text, n in lookback.items())
+
+        outs = greedy_generate_batch(self.model, prompts, max_new_tokens=[max_length - L] * B, pad_token_id=self.pad_id,
+                                     eos_token_ids=eos_ids(self.model, self.tokenizer), stop_when=stopped)
+        full = torch.full((B, L + max(map(len, outs))), self.pad_id, dtype=context.dtype)  # (B, L + new)
+        full[:, :L] = context.cpu()
+        for i, tokens in enumerate(outs):
+            full[i, L:L + len(tokens)] = torch.tensor(tokens, dtype=context.dtype)
+        return full.to(context.device)
 
     # --- the plain batched path ------------------------------------------------------------------------
     def _score_batched(self, requests, indices, answers, bar, override_bs=None) -> None:
@@ -147,8 +179,8 @@ class BatchedHFLM(HFLM):
         kwargs = dict(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                       position_ids=pos.to(self.device), use_cache=use_cache)
         if cache is not None:
-            kwargs[_cache_argument(self.model)] = cache
-        trims = _accepts(self.model, "logits_to_keep")
+            kwargs[cache_keyword(self.model)] = cache
+        trims = forward_accepts(self.model, "logits_to_keep")
         if trims:
             kwargs["logits_to_keep"] = logits_to_keep
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
@@ -356,14 +388,6 @@ def _select_rows(cache, rows: torch.Tensor):
     selected.layers = [copy.copy(layer) for layer in cache.layers]
     selected.batch_select_indices(rows)
     return selected
-
-
-def _accepts(model, name: str) -> bool:
-    return name in inspect.signature(model.forward).parameters
-
-
-def _cache_argument(model) -> str:
-    return "cache" if _accepts(model, "cache") else "past_key_values"
 
 
 def _output_cache(out):
