@@ -37,7 +37,7 @@ class SparsityStats:
         self.decode_kept, self.decode_valid = zeros(L, H), zeros(L, H)
         self.vrow_kept, self.vrow_valid = zeros(L, Hkv), zeros(L, Hkv)
         self.dropped_mass, self.rows = zeros(L, H), zeros(L, H)  # Σ dropped dense probability, Σ rows
-        self.decode_steps = zeros(L)
+        self.decode_steps = zeros(L)  # decode forwards per layer (a step of a batch of sequences counts once)
         self.empty_rows = zeros(L, H)  # Top-θ rows (sparsified, any phase) where no valid score passed θ
         self.clamped_rows = 0
 
