@@ -98,7 +98,7 @@ def test_outcomes_from_each_sample_format(tmp_path):
 # ---------------------------------------------------------------- verdicts on a synthetic store
 
 
-def _store_with_verdict_cases(root):
+def _store_with_verdict_cases(root, small_setting: bool = False):
     """arc_easy, 800 questions (identical answers bound a difference to ±0.0055 at 98.75 %, the Bonferroni level for
     claim 6's 4 candidates): dense; Top-θ and Top-k post + VMC at k=8 agreeing with dense on all but 2
     questions (claim 1 holds, claim 6 holds: kept 0.2); Top-k post at k=8 wrong on 60 questions Top-k pre gets
@@ -110,7 +110,8 @@ def _store_with_verdict_cases(root):
     dense = (rng.random(800) < 0.6).astype(float)
 
     def add(sparsifier, placement, k, comp, outcomes, kept, layer_k=("0", 512), stderr=None, samples=True):
-        config = {"model": {"name": "tiny"}, "task": {"name": "arc_easy", "lm_eval_task": "arc_easy", "limit": 800},
+        limit = len(outcomes)
+        config = {"model": {"name": "tiny"}, "task": {"name": "arc_easy", "lm_eval_task": "arc_easy", "limit": limit},
                   "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
                                  "layer_k": dict([layer_k]) if layer_k and sparsifier != "dense" else {}},
                   "comp": {"sdc": "exact" if "sdc" in comp else None, "sdc_scale": 1.0, "vmc": "vmc" in comp},
@@ -119,7 +120,7 @@ def _store_with_verdict_cases(root):
         value = float(outcomes.mean())
         se = stderr if stderr is not None else float(outcomes.std(ddof=1) / np.sqrt(len(outcomes)))
         results = {"results": {"arc_easy": {"acc_norm,none": value, "acc_norm_stderr,none": se}},
-                   "n-shot": {"arc_easy": 0}, "config": {"limit": 800}}
+                   "n-shot": {"arc_easy": 0}, "config": {"limit": limit}}
         if samples:
             results["samples"] = {"arc_easy": [{"doc_id": i, "acc_norm": float(x)} for i, x in enumerate(outcomes)]}
         stats = {"kept_attention_fraction": kept}
@@ -138,6 +139,27 @@ def _store_with_verdict_cases(root):
     add("topk", "pre", 8, "none", pre, 0.2)
     add("topk", "post", 8, "none", post, 0.2)
     add("topk", "post", 8, "vmc", dense.copy(), 0.18, layer_k=None, stderr=0.05, samples=False)
+    if small_setting:  # the same setting on its first 100 questions, where a sparse run lost 30 points
+        add("dense", None, None, "none", dense[:100], 1.0)
+        worse = dense[:100].copy()
+        worse[np.nonzero(worse == 1)[0][:30]] = 0.0
+        add("toptheta", "post", 4, "vmc", worse, 0.1)
+
+
+def test_a_setting_measured_on_more_questions_speaks_for_its_smaller_sample(tmp_path):
+    from toptheta.results import verdicts
+    from toptheta.results.store import load_summary
+
+    _store_with_verdict_cases(tmp_path, small_setting=True)
+    claim6 = verdicts.verdicts(load_summary(tmp_path), tmp_path)[5]
+    assert claim6.verdict == "holds" and [p["group"] for p in claim6.pairs] == ["tiny · arc_easy (0-shot, limit 800) · acc_norm"]
+    assert "left out, measured on more questions elsewhere: tiny · arc_easy (0-shot, limit 100) · acc_norm" in claim6.note
+    kept = verdicts._superseded_groups
+    try:  # without the rule the small setting's loss decides the claim
+        verdicts._superseded_groups = lambda rows: set()
+        assert verdicts.verdicts(load_summary(tmp_path), tmp_path)[5].verdict == "fails"
+    finally:
+        verdicts._superseded_groups = kept
 
 
 def test_verdict_rules():

@@ -23,7 +23,8 @@ Claims (method.md §8; "paper" = what the paper reports):
       the m runs keeping ≤ 1/3 of the elements (or V rows) against dense (non-inferiority), each run's
       interval at level 1 − 0.05/m (Bonferroni: picking the best of m is then still a 95 % statement);
       holds if it holds in every setting, fails if it fails in one; a setting with sparse runs but none
-      keeping ≤ 1/3 is listed as untested and leaves the claim undecided.
+      keeping ≤ 1/3 is listed as untested and leaves the claim undecided. A setting also measured on more
+      questions (same model, task, shots and metric, a larger limit) is left out: the larger sample speaks for it.
 """
 
 from __future__ import annotations
@@ -214,6 +215,21 @@ def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> li
     return out
 
 
+def _superseded_groups(rows: pd.DataFrame) -> set[str]:
+    """Groups whose model, task, shots and metric were also measured on more questions (a larger limit; none = all).
+
+    A first small run (e.g. 20 problems) decides nothing beside the same setting at 80: the larger one speaks for it.
+    """
+    keys = ["g_model", "g_task", "g_num_fewshot", "g_metric"]
+    size = lambda limit: math.inf if figures._num(limit) is None else float(figures._num(limit))  # noqa: E731
+    groups = rows.drop_duplicates("group")[["group", "g_limit", *keys]]
+    out = set()
+    for _, same in groups.groupby(keys, dropna=False):
+        largest = max(size(x) for x in same["g_limit"])
+        out |= {g for g, x in zip(same["group"], same["g_limit"]) if size(x) < largest}
+    return out
+
+
 def _close(x: Any, y: Any, ratio: float = 1.25) -> bool:
     try:
         x, y = float(x), float(y)
@@ -226,7 +242,10 @@ def _several_fold(main: pd.DataFrame, rows: pd.DataFrame, results_dir: Path | No
     claim, kind = CLAIMS[5]
     v = Verdict(claim, kind)
     per_group = []
+    superseded = _superseded_groups(rows)
     for group, grp in rows.groupby("group", sort=True):
+        if group in superseded:
+            continue
         dense = grp[grp["series"] == "Baseline"]
         x = "kept_vrow_fraction" if grp["kept_vrow_fraction"].notna().any() else "kept_attention_fraction"
         candidates = main[(main["group"] == group) & (main["series"] != "Baseline")]
@@ -265,7 +284,9 @@ def _several_fold(main: pd.DataFrame, rows: pd.DataFrame, results_dir: Path | No
     if per_group:
         v.verdict = "fails" if "fails" in per_group else ("holds" if set(per_group) == {"holds"} else "undecided")
         v.note = ("best run keeping ≤ 1/3 (V rows for generation tasks) vs dense, per setting, Bonferroni over the "
-                  "candidates; effect shown: the weakest tested setting's")
+                  "candidates; effect shown: the weakest tested setting's"
+                  + (f"; left out, measured on more questions elsewhere: {', '.join(sorted(superseded))}"
+                     if superseded else ""))
     return v
 
 
