@@ -5,10 +5,12 @@ Runs fully offline, on the data shipped in toptheta/data (never a folder outside
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from toptheta.evaluation.tasks import SHIPPED_DATA_DIR, check_tasks, fewshot_sou
 from toptheta.evaluation.tasks.static.smoke_data import smoke_docs
 
 DATA_DIR = SHIPPED_DATA_DIR
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def test_shipped_data_matches_its_provenance_checksums():
     """Every file listed in toptheta/data/PROVENANCE.md is shipped, with the listed checksums, and nothing else."""
     table = re.findall(r"^\| (\S+\.jsonl\.gz) \| (\d+) .*?\| ([0-9a-f]{64}) \| ([0-9a-f]{64}) \|$",
                        (DATA_DIR / "PROVENANCE.md").read_text(encoding="utf-8"), re.M)
-    assert len(table) == 9
+    assert len(table) == 11
     assert sorted(str(p.relative_to(DATA_DIR)) for p in DATA_DIR.rglob("*.gz")) == sorted(row[0] for row in table)
     for rel, records, sha_jsonl, sha_gz in table:
         packed = (DATA_DIR / rel).read_bytes()
@@ -323,3 +326,51 @@ def test_clip_samples_keeps_structure_and_bounds_size():
     clipped = adapter.clip_samples(samples, max_chars=100)["t"][0]
     assert clipped["doc_id"] == 0 and clipped["arguments"][0][1] == " a" and clipped["resps"] == [[[-1.0, True]]]  # tuples become lists, as in JSON
     assert len(clipped["doc"]["context"]) < 200 and "9900 characters clipped" in clipped["arguments"][0][0]
+
+
+# ---------------------------------------------------------------- python_code (HumanEval-disjoint calibration code)
+
+
+def _python_code_docs() -> list[dict]:
+    return [json.loads(line) for split in ("train", "test")
+            for line in gzip.open(DATA_DIR / "python_code" / f"{split}.jsonl.gz", "rt", encoding="utf-8")]
+
+
+def test_python_code_documents_are_functions_split_after_their_docstring_and_not_humaneval():
+    from toptheta.evaluation.humaneval import load_problems
+
+    docs = _python_code_docs()
+    assert len(docs) == 242 and len({d["id"] for d in docs}) == 242
+    for d in docs:
+        tree = ast.parse(d["prompt"] + d["body"])
+        assert isinstance(tree.body[0], ast.FunctionDef) and ast.get_docstring(tree.body[0]), d["id"]
+        assert d["prompt"].rstrip()[-1] in "\"'", d["id"]  # the prompt ends with the docstring's closing quote
+    text = "\n".join(d["prompt"] + d["body"] for d in docs)
+    for problem in load_problems().values():  # no HumanEval prompt (its docstring's first line) is in the corpus
+        fn = next(n for n in ast.walk(ast.parse(problem.prompt))
+                  if isinstance(n, ast.FunctionDef) and n.name == problem.entry_point)
+        lines = [line.strip() for line in (ast.get_docstring(fn) or "").splitlines() if len(line.strip()) >= 20]
+        assert not lines or lines[0] not in text, problem.task_id
+    assert (DATA_DIR / "python_code" / "LICENSE-PSF.txt").read_text().startswith("A. HISTORY OF THE SOFTWARE")
+
+
+def test_python_code_calibrates_offline_on_whole_functions():
+    from toptheta.evaluation.lm_eval_adapter import calibration_requests
+    from toptheta.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    sequences = calibration_requests(tokenizer, "python_code", data_dir=None, num_fewshot=0, limit=4, max_length=None)
+    train = [json.loads(line) for line in gzip.open(DATA_DIR / "python_code" / "train.jsonl.gz", "rt")][:4]
+    for ids, doc in zip(sequences, train):  # context + continuation (minus the last token) = the whole function
+        assert tokenizer.decode(ids, skip_special_tokens=True) == (doc["prompt"] + doc["body"])[:-1]
+    assert "python_code" in task_names() and "python_code_calibration" in task_names()
+
+
+@pytest.mark.skipif(sys.version_info[:3] != (3, 11, 7), reason="the corpus was made with CPython 3.11.7's library")
+def test_python_code_corpus_is_rebuilt_byte_for_byte(tmp_path):
+    import subprocess
+
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_code_corpus.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    for name in ("train.jsonl.gz", "test.jsonl.gz", "LICENSE-PSF.txt"):
+        assert (tmp_path / name).read_bytes() == (DATA_DIR / "python_code" / name).read_bytes(), name

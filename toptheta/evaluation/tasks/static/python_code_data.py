@@ -1,0 +1,24 @@
+"""The `python_code` task's documents: documented standard-library functions (toptheta/data/python_code).
+
+Built by scripts/make_code_corpus.py (see toptheta/data/PROVENANCE.md): each document is a function's prompt
+(signature and docstring) and its body. lm-eval loads this file by path (``custom_dataset: !function
+python_code_data.python_code_dataset`` in python_code.yaml), so it imports nothing from toptheta.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import datasets
+
+DATA = Path(__file__).resolve().parents[3] / "data" / "python_code"  # toptheta/data/python_code
+
+
+def python_code_dataset(**_) -> dict[str, datasets.Dataset]:
+    splits = {}
+    for split in ("train", "test"):
+        with gzip.open(DATA / f"{split}.jsonl.gz", "rt", encoding="utf-8") as f:
+            splits[split] = datasets.Dataset.from_list([json.loads(line) for line in f])
+    return splits
