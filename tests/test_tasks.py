@@ -107,7 +107,7 @@ def test_evaluate_end_to_end_offline_through_a_custom_attention_function(tokeniz
         calls.append(1)
         return sdpa_attention_forward(*args, **kwargs)
 
-    tasks = ["smoke", "arc_easy"]
+    tasks = ["smoke", "arc_easy", "python_code"]
     name = "tests_counting_sdpa"
     AttentionInterface.register(name, counting_sdpa)
     try:
@@ -118,16 +118,19 @@ def test_evaluate_end_to_end_offline_through_a_custom_attention_function(tokeniz
     finally:
         AttentionInterface._global_mapping.pop(name, None)
     assert calls, "the custom attention function was never called"
-    for task in tasks:
+    for task in tasks[:2]:
         row = res["results"][task]
         assert 0.0 <= row["acc,none"] <= 1.0 and 0.0 <= row["acc_norm,none"] <= 1.0
         assert "acc_stderr,none" in row and res["n-shot"][task] == 0
+    code = res["results"]["python_code"]  # a random model: about ln(vocabulary) nats per byte-token character
+    assert 4.0 < code["nats_per_char,none"] < 8.0 and code["acc,none"] == 0.0
     assert res["n-samples"]["smoke"] == {"original": 40, "effective": 5}
     assert res["toptheta"]["data_sources"]["smoke"] == "toptheta (generated in code)"
     assert res["n-samples"]["arc_easy"] == {"original": 2376, "effective": 5}
     assert res["toptheta"]["data_sources"]["arc_easy"] == str(DATA_DIR)
     assert res["configs"]["arc_easy"]["dataset_path"] == "json"
-    assert [len(res["samples"][t]) for t in tasks] == [5, 5]  # per-sample outputs kept
+    assert res["toptheta"]["data_sources"]["python_code"].startswith("toptheta/data/python_code")
+    assert [len(res["samples"][t]) for t in tasks] == [5, 5, 5]  # per-sample outputs kept
 
 
 # ---------------------------------------------------------------- checks before model work

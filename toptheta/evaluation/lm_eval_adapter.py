@@ -157,7 +157,7 @@ def _data_sources(tasks: list[str], data_dir: Path | None) -> dict[str, str]:
             continue
         spec = task_spec(base_name(task))
         if not spec.needs_data:
-            out[task] = "toptheta (generated in code)"
+            out[task] = spec.own_source
         elif data_dir is None:
             out[task] = "huggingface hub"
         else:

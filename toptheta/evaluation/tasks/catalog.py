@@ -67,11 +67,13 @@ class TaskSpec:
         name: lm-eval task name, also our task name.
         stock_yaml: lm-eval's YAML for it, relative to lm-eval's tasks dir; None for our own.
         data_files: the files it reads from a data dir, relative to that dir, split -> path.
+        own_source: for our own tasks, where their documents come from (a data dir never replaces them).
     """
 
     name: str
     stock_yaml: str | None
     data_files: dict[str, str]
+    own_source: str = ""  # our own tasks (no stock YAML): where their documents come from, for the results record
 
     @property
     def has_offline_train(self) -> bool:
@@ -91,8 +93,8 @@ def _arc(subset: str) -> dict[str, str]:
 BASE_TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
-        TaskSpec("smoke", None, {}),
-        TaskSpec("python_code", None, {}),  # ours too: standard-library functions shipped in toptheta/data
+        TaskSpec("smoke", None, {}, "toptheta (generated in code)"),
+        TaskSpec("python_code", None, {}, "toptheta/data/python_code (Python standard library functions)"),
         TaskSpec("arc_challenge", "arc/arc_challenge.yaml", _arc("arc_challenge")),
         TaskSpec("arc_easy", "arc/arc_easy.yaml", _arc("arc_easy")),
         # Only validation exists offline for these two (see toptheta/data/PROVENANCE.md).

@@ -22,3 +22,10 @@ def python_code_dataset(**_) -> dict[str, datasets.Dataset]:
         with gzip.open(DATA / f"{split}.jsonl.gz", "rt", encoding="utf-8") as f:
             splits[split] = datasets.Dataset.from_list([json.loads(line) for line in f])
     return splits
+
+
+def process_results(doc: dict, results: list) -> dict[str, float]:
+    """Per document: the body's negative log-likelihood per character (nats; lower is better) and whether greedy
+    decoding reproduces it. (lm-eval's document perplexity, exp of a whole body's summed loss, overflows.)"""
+    loglikelihood, is_greedy = results[0]
+    return {"nats_per_char": -loglikelihood / max(1, len(doc["body"])), "acc": float(is_greedy)}
