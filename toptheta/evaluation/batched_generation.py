@@ -80,10 +80,10 @@ def greedy_generate_batch(model, prompt_ids: list[list[int]], *, max_new_tokens:
     # Inside a sparsify block the steps after the prompt are decode steps (statistics, the decode fast path), as in
     # model.generate, which the backend recognises on its own; a hand-written loop says so.
     steps = (lambda: decoding(model)) if is_sparsified(model) else contextlib.nullcontext
-    extra = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
-    extra[cache_keyword(model)] = cache
+    with_cache = {cache_keyword(model): cache}  # the forward's signature is read once, not per step
+    trim = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   **extra).logits[:, -1]  # (B, vocab)
+                   **with_cache, **trim).logits[:, -1]  # (B, vocab)
     next_pos = positions[:, -1] + 1  # (B,)
     while True:
         tokens = logits.argmax(-1).tolist()
@@ -106,7 +106,7 @@ def greedy_generate_batch(model, prompt_ids: list[list[int]], *, max_new_tokens:
         mask = torch.cat([mask, mask.new_ones(len(running), 1)], dim=1)
         with steps():
             logits = model(input_ids=step[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                           use_cache=True, **{cache_keyword(model): cache}).logits[:, -1]
+                           use_cache=True, **with_cache).logits[:, -1]
         next_pos = next_pos + 1
 
 
