@@ -9,7 +9,8 @@ One process, same inputs, same conditions. Shapes are SmolLM2-135M's attention (
     eager       transformers.models.llama.modeling_llama.eager_attention_forward with the additive causal
                 mask (skipped where its estimated memory 3·B·H·n²·4 bytes exceeds --eager-budget-gb)
     ours_dense  toptheta.sparse_attention with Dense()
-    ours_topk   TopK(k=64, placement="post"), no compensation
+    ours_topk   TopK(k=64, placement="post"), no compensation (the fused kernel's linear-time selection)
+    plain_topk  the same through the torch path (torch.topk, the fused extension off), for the fused path's gain
     ours_toptheta  TopTheta(post) + VMC, k=[64]; thresholds calibrated on the benchmark's own data (below)
     ours_pre_sdc_vmc   TopTheta(pre) + exact SDC + VMC (the paper's pre-softmax variant; the one-pass prefill,
                    attention/prefill.py), logit thresholds calibrated the same way
@@ -69,13 +70,13 @@ from transformers.models.llama.modeling_llama import eager_attention_forward  # 
 import toptheta  # noqa: E402
 from toptheta.atomic import write_text_atomic  # noqa: E402
 from toptheta.attention import kernel as kernel_module  # noqa: E402
-from toptheta.attention import prefill  # noqa: E402
+from toptheta.attention import fused, prefill  # noqa: E402
 from toptheta.calibration.thresholds import Thresholds  # noqa: E402
 
 B, H, HKV, D = 1, 9, 3, 64  # SmolLM2-135M attention
 K_BUDGET = 64
 SCALING = D ** -0.5
-METHODS = ("sdpa", "eager", "ours_dense", "ours_topk", "ours_toptheta", "ours_pre_sdc_vmc", "plain_pre_sdc_vmc")
+METHODS = ("sdpa", "eager", "ours_dense", "ours_topk", "plain_topk", "ours_toptheta", "ours_pre_sdc_vmc", "plain_pre_sdc_vmc")
 DEFAULT_REPEATS = {64: 20, 256: 10, 512: 5, 2048: 5, 8192: 3, 32768: 1}
 MB = 1024 * 1024
 
@@ -212,12 +213,22 @@ def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_
             return attention(*a, **kw)
         finally:
             prefill.ENABLED = True
+    def torch_path(*a, **kw):  # the fused CPU extension switched off for this call
+        extension = fused.extension
+        fused.extension = lambda: None
+        try:
+            return attention(*a, **kw)
+        finally:
+            fused.extension = extension
     calls = {
         "sdpa": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=SCALING, is_causal=True)[0],
         "eager": lambda: eager_attention_forward(module, q, k, v, mask, scaling=SCALING)[0],
         "ours_dense": lambda: attention(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.Dense(), chunk_size=chunk_size),
         "ours_topk": lambda: attention(
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.TopK(K_BUDGET, "post"),
+            chunk_size=chunk_size),
+        "plain_topk": lambda: torch_path(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.TopK(K_BUDGET, "post"),
             chunk_size=chunk_size),
         "ours_toptheta": lambda: attention(
@@ -410,6 +421,8 @@ def main(argv=None) -> int:
             check = {"dense_vs_sdpa_max_abs": float((calls["ours_dense"]() - ref).abs().max())}
             if "eager" in methods:
                 check["eager_vs_sdpa_max_abs"] = float((calls["eager"]() - ref).abs().max())
+            if "ours_topk" in methods and "plain_topk" in methods:
+                check["topk_fused_vs_plain_max_abs"] = float((calls["ours_topk"]() - calls["plain_topk"]()).abs().max())
             if "ours_pre_sdc_vmc" in methods and "plain_pre_sdc_vmc" in methods:
                 check["pre_fast_vs_plain_max_abs"] = float((calls["ours_pre_sdc_vmc"]() - calls["plain_pre_sdc_vmc"]()).abs().max())
             check["toptheta_mean_kept_per_row"] = kept_per_row(q, k, v, thresholds, chunk_size, kernel.sparse_attention)

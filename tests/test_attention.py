@@ -253,6 +253,64 @@ def test_fused_kernel_equals_the_torch_path(monkeypatch, chunk):
     assert fast_stats.clamped_rows == slow_stats.clamped_rows > 0
 
 
+class _CountingExtension:
+    """The fused extension, counting the calls to each of its functions."""
+
+    def __init__(self, ext):
+        self.ext, self.calls = ext, {}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return getattr(self.ext, name)(*args)
+        return call
+
+
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_fused_topk_equals_the_torch_path(monkeypatch, masked, chunk):
+    from toptheta.attention import fused
+
+    if not fused.enabled():
+        pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?); the torch path is in use")
+    q, k, v, valid = qkv(Q=40, K=40, seed=5)
+    # Equal logits at the k-th value: keys (and values, so that the choice among them cannot change the output)
+    # repeated, each row then has ties that the kernel breaks by key order and torch.topk its own way.
+    k[:, :, 20:26], v[:, :, 20:26] = k[:, :, 19:20], v[:, :, 19:20]
+    data = (q, k, v, valid if masked else None)
+
+    def once(sparsifier):
+        stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
+        return run(sparsifier, [toptheta.VMC()], chunk=chunk, stats=stats, data=data), stats
+
+    counting = _CountingExtension(fused.extension())
+    for kk in (1, 3, 8, 39):
+        monkeypatch.setattr(fused, "extension", lambda: counting)
+        fast, fast_stats = once(toptheta.TopK(kk, "post"))
+        monkeypatch.setattr(fused, "extension", lambda: None)  # as on a machine without a compiler
+        slow, slow_stats = once(toptheta.TopK(kk, "post"))
+        torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
+        assert torch.equal(fast_stats.prefill_kept, slow_stats.prefill_kept)
+        torch.testing.assert_close(fast_stats.dropped_mass, slow_stats.dropped_mass, atol=1e-5, rtol=1e-5)
+        assert 0 < fast_stats.kept_attention_fraction < 1
+    assert counting.calls.get("post_topk", 0) > 0 and "post_threshold" not in counting.calls
+
+
+def test_fused_topk_keeps_the_first_of_equal_logits():
+    from toptheta.attention import fused
+    from toptheta.sparsifiers import FusedRule
+
+    if not fused.enabled():
+        pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?); the torch path is in use")
+    s = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, float("-inf"), 3.0]]).view(1, 1, 1, 7)
+    p = torch.softmax(s, -1)
+    kept_sum, counts, empty = fused.post_select(s, FusedRule(whole=torch.tensor([[[False]]]), k=3))
+    expected = p * torch.tensor([0, 1, 0, 1, 0, 0, 1.0])  # 3.0, then the first two of the three 2.0s
+    torch.testing.assert_close(s, expected)
+    assert counts.item() == 3 and empty is None
+    torch.testing.assert_close(kept_sum.view(()), expected.sum())
+
+
 def test_rows_with_everything_below_threshold_keep_their_max_and_stay_finite():
     for placement in ("pre", "post"):
         thresholds = Thresholds(torch.full((1, 4, 1), 1e9), [1], placement)

@@ -1,9 +1,10 @@
-"""An optional fused CPU kernel for threshold selection after the softmax (the Top-θ post-softmax hot path).
+"""An optional fused CPU kernel for selection after the softmax (the Top-θ and Top-k post-softmax hot paths).
 
 The pure-torch path makes five passes over a chunk's (Qc, Kc) scores between its two GEMMs: softmax,
 row maximum, comparison, zeroing and row sum. Here one C++ loop does all of it row by row while the
 row (≤ 32 kB for 8k keys) sits in L1: max, exp and sum, then p > cut, zeroing and the kept sum and
-count. It is compiled on first use with torch's C++ extension tooling (g++; about a minute, cached in
+count. Top-k finds each row's k-th largest logit with a linear-time selection (``std::nth_element`` on a copy of
+the row) instead of ``torch.topk``'s sort of k candidates, then keeps the logits above it, as the torch path does. It is compiled on first use with torch's C++ extension tooling (g++; about a minute, cached in
 ``~/.cache/torch_extensions``); where that fails the kernel keeps the torch path and says so once.
 
 Set ``TOPTHETA_FUSED=0`` to disable it (the torch path is the reference; tests compare the two).
@@ -17,8 +18,10 @@ import os
 
 import torch
 
+from ..sparsifiers.base import FusedRule
+
 log = logging.getLogger("toptheta")
-_VERSION = 5  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 8  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 # Kernels are built without -ffinite-math-only (see build()): masked keys hold -inf and rely on exp(-inf) = 0 and IEEE
 # comparisons. GCC still vectorises expf through glibc's libmvec when told the vector variants exist (glibc declares
@@ -50,8 +53,15 @@ int64_t parallel_threads(int64_t tasks) {
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 """ + VECTOR_EXPF + PARALLEL_PROBE + r"""
 // s: (R, K) float32 contiguous scaled logits, -inf where invalid. theta: (R) float32. whole: (R) bool.
@@ -103,6 +113,110 @@ std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, 
   });
   return {kept_sum, kept_count, empty};
 }
+
+// s: (R, K) float32 contiguous scaled logits, -inf where invalid; whole: (R) bool. In place, each row becomes
+// w = p * [kept] with p = softmax(row): rows not marked whole keep their k largest logits (of equal logits at the
+// k-th value, the first in key order), rows marked whole every p. Returns (kept_sum (R) float32, kept_count (R)
+// int32; for rows marked whole it counts all K columns, invalid ones included: the caller knows their n).
+static constexpr int64_t SAMPLE = 128;  // keys sampled per row to place the top-k selection's pivot
+
+// Copies the keys of x (K) above pivot to out (room for K + 8), in order; returns their number.
+static int64_t compact_above(const float* x, int64_t K, float pivot, float* out) {
+  int64_t c = 0, j = 0;
+#if defined(__AVX2__)
+  static const auto lanes = [] {  // for each 8-bit mask, the lanes it selects, packed to the front
+    std::array<std::array<int32_t, 8>, 256> t{};
+    for (int m = 0; m < 256; ++m)
+      for (int i = 0, n = 0; i < 8; ++i)
+        if (m >> i & 1) t[m][n++] = i;
+    return t;
+  }();
+  const __m256 p = _mm256_set1_ps(pivot);
+  for (; j + 8 <= K; j += 8) {  // branch-free: the store always happens, c advances by the lanes kept
+    const __m256 v = _mm256_loadu_ps(x + j);
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, p, _CMP_GT_OQ));
+    const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[mask].data()));
+    _mm256_storeu_ps(out + c, _mm256_permutevar8x32_ps(v, idx));
+    c += __builtin_popcount(mask);
+  }
+#endif
+  for (; j < K; ++j) { out[c] = x[j]; c += x[j] > pivot ? 1 : 0; }
+  return c;
+}
+
+std::vector<torch::Tensor> post_topk(torch::Tensor s, int64_t k, torch::Tensor whole) {
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
+  TORCH_CHECK(whole.scalar_type() == torch::kBool && whole.is_contiguous() && whole.numel() == s.size(0), "whole: (R) bool");
+  TORCH_CHECK(k >= 1, "k >= 1");
+  const int64_t R = s.size(0), K = s.size(1);
+  auto kept_sum = torch::empty({R}, s.options());
+  auto kept_count = torch::empty({R}, s.options().dtype(torch::kInt32));
+  float* S = s.data_ptr<float>();
+  const bool* W = whole.data_ptr<bool>();
+  float* KS = kept_sum.data_ptr<float>();
+  int32_t* KC = kept_count.data_ptr<int32_t>();
+  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+    std::vector<float> e(K + 8);  // the selection's candidates, then the row's exp(s - m)
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = S + r * K;
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max:m)
+      for (int64_t j = 0; j < K; ++j) m = x[j] > m ? x[j] : m;
+      if (!(m > -std::numeric_limits<float>::infinity())) {  // no valid key (or NaN): weights 0
+        for (int64_t j = 0; j < K; ++j) x[j] = 0.0f;
+        KS[r] = 0.0f; KC[r] = 0;
+        continue;
+      }
+      const bool all = W[r] || k >= K;
+      float tau = -std::numeric_limits<float>::infinity();  // keep x > tau, and `ties` of the keys equal to it
+      int64_t ties = 0, equal = 0;
+      if (!all) {
+        // The candidates: keys above a pivot that a strided sample puts a few k from the top (about 4k keys
+        // pass, at least 4 / SAMPLE of the row); where that is most of the row, or fewer than k pass, every key
+        // is a candidate. The k-th largest candidate is the row's.
+        int64_t c = 0;
+        const int64_t q = std::max<int64_t>(4, 4 * k * SAMPLE / K);
+        if (q < SAMPLE / 4) {
+          float sample[SAMPLE];
+          for (int64_t i = 0; i < SAMPLE; ++i) sample[i] = x[i * K / SAMPLE];
+          std::nth_element(sample, sample + q, sample + SAMPLE, std::greater<float>());
+          c = compact_above(x, K, sample[q], e.data());
+        }
+        if (c < k) {
+          std::copy(x, x + K, e.begin());
+          c = K;
+        }
+        std::nth_element(e.begin(), e.begin() + (k - 1), e.begin() + c, std::greater<float>());
+        tau = e[k - 1];
+        int64_t above = 0;  // every key >= tau is a candidate
+        for (int64_t j = 0; j < c; ++j) { above += e[j] > tau ? 1 : 0; equal += e[j] == tau ? 1 : 0; }
+        ties = k - above;
+      }
+      float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+      for (int64_t j = 0; j < K; ++j) { float v = expf(x[j] - m); e[j] = v; sum += v; }
+      const float inv = 1.0f / sum;
+      float ks = 0.0f; int32_t kc = 0;
+      if (all || ties == equal) {  // no tie to break (the usual case): one comparison per key
+#pragma omp simd reduction(+:ks, kc)
+        for (int64_t j = 0; j < K; ++j) {
+          bool keep = all || x[j] >= tau;
+          float w = keep ? e[j] * inv : 0.0f;
+          x[j] = w; ks += w; kc += keep ? 1 : 0;
+        }
+      } else {
+        for (int64_t j = 0; j < K; ++j) {
+          bool keep = x[j] > tau || (x[j] == tau && ties > 0);
+          if (x[j] == tau && keep) --ties;
+          float w = keep ? e[j] * inv : 0.0f;
+          x[j] = w; ks += w; kc += keep ? 1 : 0;
+        }
+      }
+      KS[r] = ks; KC[r] = kc;
+    }
+  });
+  return {kept_sum, kept_count};
+}
 """
 
 
@@ -152,7 +266,7 @@ def build(name: str, source: str, functions: list[str], what: str, fallback: str
 @functools.cache
 def extension():
     """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
-    return build(f"toptheta_fused_v{_VERSION}", _SOURCE, ["post_threshold"], "the fused CPU kernel",
+    return build(f"toptheta_fused_v{_VERSION}", _SOURCE, ["post_threshold", "post_topk"], "the fused CPU kernel",
                  "the pure-torch path")
 
 
@@ -161,15 +275,21 @@ def enabled() -> bool:
     return extension() is not None
 
 
-def post_threshold(s: torch.Tensor, theta: torch.Tensor, whole: torch.Tensor):
-    """In place on ``s`` (B, H, Q, K): dense probabilities zeroed where not kept. Returns (kept_sum (B, H, Q, 1),
-    kept_count (B, H, Q), empty (B, H, Q) bool: rows where nothing passed θ and only the maximum was kept), or None
-    when the fused kernel is unavailable (``s`` is then untouched)."""
+def post_select(s: torch.Tensor, rule: FusedRule):
+    """In place on ``s`` (B, H, Q, K): dense probabilities zeroed where ``rule`` does not keep them. Returns
+    (kept_sum (B, H, Q, 1), kept_count (B, H, Q), empty (B, H, Q) bool: threshold rows where nothing passed θ and
+    only the maximum was kept; None for top-k, which has no such rows), or None when the fused kernel is
+    unavailable (``s`` is then untouched)."""
     ext = extension()
     if ext is None or s.device.type != "cpu" or not s.is_contiguous():
         return None
     B, H, Q, K = s.shape
-    theta = theta.expand(B, H, Q).float().contiguous()
-    whole = whole.expand(B, H, Q).contiguous()
-    kept_sum, kept_count, empty = ext.post_threshold(s.view(-1, K), theta.view(-1), whole.view(-1))
-    return kept_sum.view(B, H, Q, 1), kept_count.view(B, H, Q), empty.view(B, H, Q)
+    whole = rule.whole.expand(B, H, Q).contiguous().view(-1)
+    if rule.k is not None:
+        kept_sum, kept_count = ext.post_topk(s.view(-1, K), int(rule.k), whole)
+        empty = None
+    else:
+        theta = rule.theta.expand(B, H, Q).float().contiguous()
+        kept_sum, kept_count, empty = ext.post_threshold(s.view(-1, K), theta.view(-1), whole)
+        empty = empty.view(B, H, Q)
+    return kept_sum.view(B, H, Q, 1), kept_count.view(B, H, Q), empty

@@ -84,7 +84,7 @@ def sparse_attention(
     vmc = any(isinstance(c, VMC) for c in compensations)
     pre = sparsifier.placement == "pre"
     counting = stats is not None and stats.enabled
-    # The fused kernel serves post-softmax threshold rules in prefill without observers (decode steps need the
+    # The fused kernel serves post-softmax threshold and top-k rules in prefill without observers (decode steps need the
     # keep-mask itself for the V-row statistics; observers see every view of the rows). It is built only when
     # such a rule first asks for it, so dense and pre-softmax runs never wait for a compiler.
     fuse = not pre and phase == "prefill" and observer is None and query.device.type == "cpu"
@@ -140,7 +140,7 @@ def sparse_attention(
             rows = RowBlock(layer, phase, s, n, valid=vm)
             # Fused path: softmax, threshold, zeroing and kept sums in one C++ pass (None where unavailable).
             rule = sparsifier.fused_rule(rows) if fuse else None
-            done = fused.post_threshold(s, *rule) if rule is not None else None
+            done = fused.post_select(s, rule) if rule is not None else None
             if done is None:
                 p = torch.softmax(s, dim=-1)
                 if not causal:  # rows with no valid key: softmax of all -inf is NaN, their output is 0
@@ -150,7 +150,7 @@ def sparse_attention(
                 rows._probs = p
         if done is not None:  # s now holds the kept weights
             kept_sum, counts, rows.empty = done
-            rows.kept_counts = torch.where(rule[1], n, counts)  # whole rows keep their n valid keys
+            rows.kept_counts = torch.where(rule.whole, n, counts)  # whole rows keep their n valid keys
             rows.keep = keep = None
         else:
             rows.keep = keep = sparsifier.select(rows)

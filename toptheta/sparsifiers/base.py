@@ -7,6 +7,7 @@ kernel's job, so a new selection rule is one small class.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -117,6 +118,24 @@ class RowBlock:
         return kth.masked_fill(short, float("-inf"))
 
 
+@dataclass
+class FusedRule:
+    """A selection the fused post-softmax kernel (``attention/fused.py``) makes in its one pass over a row.
+
+    Exactly one of ``theta`` and ``k`` is set. ``theta`` (B, H, Q), probability units: keep p > θ and each row's
+    maximum. ``k``: keep each row's k largest logits (ties at the k-th value broken by key order). Rows marked in
+    ``whole`` (B, H, Q) bool keep every valid key.
+    """
+
+    whole: torch.Tensor
+    theta: torch.Tensor | None = None
+    k: int | None = None
+
+    def __post_init__(self):
+        if (self.theta is None) == (self.k is None):
+            raise ValueError("a FusedRule sets exactly one of theta and k")
+
+
 class Sparsifier:
     """Base class. Subclasses set ``placement`` and implement :meth:`select`."""
 
@@ -130,12 +149,9 @@ class Sparsifier:
         """Keep-mask (B, H, Q, K), a subset of ``rows.valid``; None means keep every valid key."""
         raise NotImplementedError
 
-    def fused_rule(self, rows: RowBlock) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rule as (θ (B, H, Q) in probability units, whole rows (B, H, Q) bool), for the fused kernel.
-
-        Meaning: keep p > θ and each row's maximum; rows marked whole keep every valid key. Post-softmax
-        threshold rules can offer it (``select`` must mean the same); None means use ``select``.
-        """
+    def fused_rule(self, rows: RowBlock) -> FusedRule | None:
+        """The rule in a form the fused post-softmax kernel applies itself (``select`` must mean the same), or
+        None: use ``select``. Post-softmax threshold and top-k rules offer it."""
         return None
 
     def describe(self) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import RowBlock, Sparsifier, check_placement, keep_whole_short_rows
+from .base import FusedRule, RowBlock, Sparsifier, check_placement, keep_whole_short_rows
 
 
 class TopK(Sparsifier):
@@ -40,6 +40,14 @@ class TopK(Sparsifier):
         keep = torch.zeros_like(rows.logits, dtype=torch.bool).scatter_(-1, idx, True)
         rows.kept_counts = rows.n.clamp(max=k).expand(idx.shape[:-1])
         return keep_whole_short_rows(keep, rows, k)
+
+    def fused_rule(self, rows: RowBlock) -> FusedRule | None:
+        k = self.k_for(rows.layer)
+        # Pre-softmax weights are renormalised over the kept set (the plain kernel's job); chunks whose rows all fit
+        # in k keys are dense there, as in select.
+        if self.placement != "post" or rows.logits.shape[-1] <= k:
+            return None
+        return FusedRule(whole=(rows.n <= k).expand(rows.logits.shape[:3]), k=k)
 
     def describe(self) -> dict:
         return {"name": "topk", "placement": self.placement, "k": self.k, "layer_k": dict(self.layer_k)}

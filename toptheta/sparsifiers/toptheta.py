@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import RowBlock, Sparsifier, check_placement, keep_whole_short_rows
+from .base import FusedRule, RowBlock, Sparsifier, check_placement, keep_whole_short_rows
 
 EMPTY_ROWS = ("keep-max", "reference")
 
@@ -71,11 +71,12 @@ class TopTheta(Sparsifier):
         rows.empty = ((top <= rows.theta) & sparsified).squeeze(-1)  # (B, H, Q): nothing passes θ
         return keep_whole_short_rows(keep, rows, k, also=negative)
 
-    def fused_rule(self, rows: RowBlock) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def fused_rule(self, rows: RowBlock) -> FusedRule | None:
         if self.placement != "post" or self.empty_rows != "keep-max":  # the fused kernel always keeps the maximum
             return None
         theta = self._theta(rows)  # (B, H, Q)
-        return theta, (rows.n <= self.k_for(rows.layer)) | (theta < 0)  # as select: short or uncalibrated rows
+        whole = (rows.n <= self.k_for(rows.layer)) | (theta < 0)  # as select: short or uncalibrated rows
+        return FusedRule(whole=whole, theta=theta)
 
     def describe(self) -> dict:
         meta = self.thresholds.metadata
