@@ -35,10 +35,11 @@ from toptheta.evaluation.humaneval import load_problems  # noqa: E402
 from toptheta.models import load_model  # noqa: E402
 
 
-def run(model, tokenizer, prompts: list[str], limits: list[int], batch: int) -> dict:
+def run(model, tokenizer, prompts: list[str], max_length: int, batch: int) -> dict:
     t0 = time.time()
     with torch.no_grad():
-        outputs = generate_all(model, tokenizer, prompts, max_new_tokens=limits, chat_template=True, decode_batch=batch)
+        outputs = generate_all(model, tokenizer, prompts, max_new_tokens=lambda n: max_length - n, chat_template=True,
+                               decode_batch=batch)
     seconds = time.time() - t0
     tokens = sum(len(tokenizer(o["text"], add_special_tokens=False).input_ids) for o in outputs)
     return {"decode_batch": batch, "seconds": round(seconds, 2), "generated_tokens": tokens,
@@ -61,14 +62,13 @@ def main(argv=None) -> int:
     model, tokenizer, _ = load_model(args.model)
     problems = load_problems(limit=args.problems)
     prompts = [HUMANEVAL_INSTRUCTION.format(prompt=pr.prompt) for pr in problems.values()]
-    limits = [args.max_length - len(tokenizer(x).input_ids) for x in prompts]
     meta = {"model": args.model, "problems": args.problems, "max_length": args.max_length,
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "load_start": [round(x, 2) for x in os.getloadavg()],
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    one = run(model, tokenizer, prompts, limits, 1)
+    one = run(model, tokenizer, prompts, args.max_length, 1)
     print(f"one at a time: {one['seconds']} s, {one['tokens_per_s']} tokens/s", flush=True)
-    batched = run(model, tokenizer, prompts, limits, args.batch)
+    batched = run(model, tokenizer, prompts, args.max_length, args.batch)
     print(f"batch {args.batch}: {batched['seconds']} s, {batched['tokens_per_s']} tokens/s", flush=True)
     meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
     same = sum(a == b for a, b in zip(one["texts"], batched["texts"]))

@@ -148,3 +148,30 @@ def test_lm_eval_generate_until_batches_stop_each_sequence_at_its_own_end(monkey
     monkeypatch.setattr(BatchedHFLM, "_model_generate", HFLM._model_generate)  # model.generate for the batch
     stock, stock_counts = run(4)
     assert stock == one and stock_counts["decode_valid"].sum() > one_counts["decode_valid"].sum()
+
+
+@pytest.mark.parametrize("decode_batch", [1, 2])
+def test_generation_limits_count_the_prompt_as_the_model_sees_it(decode_batch):
+    """max_new_tokens as a function of the prompt's length gets the chat-wrapped length (humaneval's max_length)."""
+    from toptheta.evaluation.generation import encode_prompt, generate_all
+    from toptheta.models import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<user> {{ m['content'] }} </user>{% endfor %}<assistant>"
+    model = build_tiny_model("llama", num_layers=1, num_heads=2, num_kv_heads=1)
+    model.generation_config.eos_token_id = None  # every prompt runs to its limit
+    prompts = ["the grass is green", "a boat rests on the shore of the lake"]
+    lengths = [len(encode_prompt(tokenizer, p, chat_template=True)) for p in prompts]
+    assert lengths[0] > len(encode_prompt(tokenizer, prompts[0]))  # the template adds tokens
+    seen = []
+
+    def limit(n: int) -> int:
+        seen.append(n)
+        return 40 - n
+    out = generate_all(model, tokenizer, prompts, max_new_tokens=limit, chat_template=True, decode_batch=decode_batch)
+    assert seen == lengths and [o["prompt_tokens"] for o in out] == lengths
+    fixed = generate_all(model, tokenizer, prompts, max_new_tokens=[40 - n for n in lengths], chat_template=True,
+                         decode_batch=decode_batch)
+    assert [o["text"] for o in out] == [o["text"] for o in fixed]
+    with pytest.raises(ValueError, match="2 prompts but 1 token limits"):
+        generate_all(model, tokenizer, prompts, max_new_tokens=[3], chat_template=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -34,35 +35,54 @@ def encode_prompt(tokenizer, prompt: str, *, chat_template: bool = False) -> lis
 
 def greedy_generate(model, tokenizer, prompt: str, *, max_new_tokens: int, chat_template: bool = False) -> tuple[str, int]:
     """Greedy continuation of ``prompt`` (chat-wrapped if asked); returns (text, prompt tokens)."""
-    ids = torch.tensor([encode_prompt(tokenizer, prompt, chat_template=chat_template)], device=model.device)
+    ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
+    return tokenizer.decode(_generate_ids(model, tokenizer, ids, max_new_tokens), skip_special_tokens=True), len(ids)
+
+
+def _generate_ids(model, tokenizer, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The greedy continuation of the token ids ``ids`` through ``model.generate``: the reference path."""
     if max_new_tokens < 1:
-        return "", ids.shape[1]
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, num_beams=1, pad_token_id=_pad_id(tokenizer),
+        return []
+    prompt = torch.tensor([ids], device=model.device)
+    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                         do_sample=False, num_beams=1, pad_token_id=pad_token_id(tokenizer),
                          cache=growing_cache(model))  # no re-concatenation of the whole cache per token
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), ids.shape[1]
+    return out[0, len(ids):].tolist()
 
 
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+def pad_token_id(tokenizer) -> int:
+    """The token that pads a batch: the tokenizer's pad token, else its end-of-sequence token, else 0."""
+    for token in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return token
+    return 0
 
 
-def generate_all(model, tokenizer, prompts: list[str], *, max_new_tokens: list[int], chat_template: bool,
-                 decode_batch: int = 1, progress=None) -> list[dict]:
+def generate_all(model, tokenizer, prompts: list[str], *, max_new_tokens: int | list[int] | Callable[[int], int],
+                 chat_template: bool, decode_batch: int = 1, progress=None) -> list[dict]:
     """Greedy continuations of every prompt: ``{"text", "prompt_tokens", "seconds"}`` per prompt, in order.
 
-    ``decode_batch`` > 1 decodes that many prompts together (``batched_generation``; prompts of similar length
-    share a batch, and ``seconds`` is then the time from the batch's start to the sequence's end); 1 runs one
-    ``model.generate`` per prompt, the reference.
+    ``max_new_tokens``: one limit for all, one per prompt, or a function of a prompt's length in tokens (as the
+    model sees it, chat template included), e.g. ``lambda n: max_length - n``. ``decode_batch`` > 1 decodes that
+    many prompts together (``batched_generation``; prompts of similar length share a batch, and ``seconds`` is
+    then the time from the batch's start to the sequence's end); 1 runs one ``model.generate`` per prompt, the
+    reference.
     """
     encoded = [encode_prompt(tokenizer, p, chat_template=chat_template) for p in prompts]
+    if callable(max_new_tokens):
+        limits = [max_new_tokens(len(ids)) for ids in encoded]
+    elif isinstance(max_new_tokens, int):
+        limits = [max_new_tokens] * len(prompts)
+    else:
+        limits = list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(limits)} token limits")
     results: list[dict | None] = [None] * len(prompts)
     if decode_batch <= 1:
-        for i, prompt in enumerate(prompts):
+        for i, ids in enumerate(encoded):
             t0 = time.time()
-            text, n = greedy_generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens[i],
-                                      chat_template=chat_template)
-            results[i] = {"text": text, "prompt_tokens": n, "seconds": round(time.time() - t0, 2)}
+            text = tokenizer.decode(_generate_ids(model, tokenizer, ids, limits[i]), skip_special_tokens=True)
+            results[i] = {"text": text, "prompt_tokens": len(ids), "seconds": round(time.time() - t0, 2)}
             if progress is not None:
                 progress.update()
         return results
@@ -81,8 +101,8 @@ def generate_all(model, tokenizer, prompts: list[str], *, max_new_tokens: list[i
             if progress is not None:
                 progress.update()
 
-        greedy_generate_batch(model, [encoded[i] for i in batch], max_new_tokens=[max_new_tokens[i] for i in batch],
-                              pad_token_id=_pad_id(tokenizer), eos_token_ids=eos, on_finish=finish)
+        greedy_generate_batch(model, [encoded[i] for i in batch], max_new_tokens=[limits[i] for i in batch],
+                              pad_token_id=pad_token_id(tokenizer), eos_token_ids=eos, on_finish=finish)
     return results
 
 
@@ -104,9 +124,10 @@ def run_humaneval(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
     problems = load_problems(limit=task.get("limit"))
     max_length = int(task.get("max_length") or 2048)
     prompts = [HUMANEVAL_INSTRUCTION.format(prompt=p.prompt) if chat_template else p.prompt for p in problems.values()]
-    limits = [max_length - len(tokenizer(prompt).input_ids) for prompt in prompts]
-    with tqdm(total=len(prompts), desc="humaneval", unit="problem") as bar:
-        outputs = generate_all(model, tokenizer, prompts, max_new_tokens=limits, chat_template=chat_template,
+    with tqdm(total=len(prompts), desc="humaneval", unit="problem") as bar:  # prompt (as the model sees it) +
+        # completion ≤ max_length tokens
+        outputs = generate_all(model, tokenizer, prompts, max_new_tokens=lambda n: max_length - n,
+                               chat_template=chat_template,
                                decode_batch=int(task.get("decode_batch") or 1), progress=bar)
     completions, samples = {}, []
     for (task_id, problem), out in zip(problems.items(), outputs):
@@ -150,7 +171,7 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
             with stats.section() if stats is not None else contextlib.nullcontext() as part:
                 group = [r for r in records if r["target_tokens"] == length]
                 outputs = generate_all(model, tokenizer, [r["prompt"] for r in group],
-                                       max_new_tokens=[PASSKEY_NEW_TOKENS] * len(group), chat_template=chat_template,
+                                       max_new_tokens=PASSKEY_NEW_TOKENS, chat_template=chat_template,
                                        decode_batch=int(task.get("decode_batch") or 1), progress=bar)
                 for record, out in zip(group, outputs):
                     samples.append({"id": record["id"], "target_tokens": length, "length_tokens": out["prompt_tokens"],

@@ -40,6 +40,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from ..attention.cache import cache_keyword, forward_accepts
+from .generation import pad_token_id
 
 if TYPE_CHECKING:
     from toptheta.attention.stats import SparsityStats
@@ -191,10 +192,7 @@ class BatchedHFLM(HFLM):
 
     @property
     def pad_id(self) -> int:
-        for token in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0):
-            if token is not None:
-                return token
-        return 0
+        return pad_token_id(self.tokenizer)
 
     @contextlib.contextmanager
     def _progress(self, requests, disable_tqdm: bool):
