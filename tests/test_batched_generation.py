@@ -86,11 +86,13 @@ def test_bad_arguments_and_unhonoured_generation_settings_are_refused():
     assert unsupported_settings(model) == []
     model.generation_config.repetition_penalty = 1.1
     assert unsupported_settings(model) == ["repetition_penalty=1.1"]
-    from toptheta.evaluation.generation import check_decode_batch
+    from toptheta.evaluation.generation import check_decoding
 
-    check_decode_batch({"decode_batch": 1}, model)  # one at a time: generate honours every setting
-    with pytest.raises(ValueError, match="leave task.decode_batch unset"):
-        check_decode_batch({"decode_batch": 8}, model)
+    check_decoding({"decode_batch": 1}, model)  # one at a time: generate honours every setting
+    with pytest.raises(ValueError, match="task.decode_batch=8 decodes greedily .* leave it unset"):
+        check_decoding({"decode_batch": 8}, model)
+    with pytest.raises(ValueError, match="task.share_prefix=true decodes greedily .* leave it unset"):
+        check_decoding({"share_prefix": True}, model)
 
 
 def test_passkey_task_decoded_in_batches_has_the_samples_and_per_length_stats_of_one_at_a_time():
@@ -175,3 +177,63 @@ def test_generation_limits_count_the_prompt_as_the_model_sees_it(decode_batch):
     assert [o["text"] for o in out] == [o["text"] for o in fixed]
     with pytest.raises(ValueError, match="2 prompts but 1 token limits"):
         generate_all(model, tokenizer, prompts, max_new_tokens=[3], chat_template=True)
+
+
+def _shared_prompts() -> list[list[int]]:
+    """Prompts that agree up to where each holds its own 'key' (4 tokens), like passkey prompts with one filler."""
+    g = torch.Generator().manual_seed(5)
+    filler = torch.randint(3, 97, (60,), generator=g).tolist()
+    return [filler[:cut] + [90 + i, 91, 92 + i, 93] + filler[cut:] for i, cut in enumerate((3, 20, 38, 57, 20))]
+
+
+@pytest.mark.parametrize("arch,name", [("llama", "theta-post-vmc"), ("qwen2", "theta-pre-sdc-vmc"),
+                                       ("llama", "topk-post-vmc"), ("qwen2", "dense")])
+def test_shared_prefixes_run_once_with_each_prompts_tokens_and_statistics(arch, name):
+    from toptheta.evaluation.prefix_sharing import generate_shared, plan
+
+    model = tiny(arch)
+    model.generation_config.eos_token_id = None
+    sparsifier, comp = _configs(layers=2)[name]
+    prompts, limits = _shared_prompts(), [6, 3, 0, 8, 5]
+    base, shared = plan([p for p, n in zip(prompts, limits) if n])
+    # The base: the key at 57; its own shared part stops 16 tokens before its end, the one at 3 is too short.
+    assert base == 1 and shared == [0, 48, 20, 20]
+    decode.reset()
+    with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
+        expected = _one_at_a_time(model, prompts, limits)
+    reference = _counts(stats)
+    seen = []  # tokens entering the model per forward
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    decode.reset()
+    finished = []
+    with toptheta.sparsify(model, sparsifier, comp) as stats:
+        got = generate_shared(model, prompts, max_new_tokens=limits, pad_token_id=0, eos_token_ids=set(),
+                              on_finish=lambda i, t: finished.append(i))
+    hook.remove()
+    assert got == expected and sorted(finished) == [0, 1, 2, 3, 4]
+    assert sum(seen) == 20 + 28 + (64 + 16 + 44 + 44) + sum(n - 1 for n in limits if n)  # segments, rests, steps
+    counts = _counts(stats)
+    for key in ("prefill_valid", "decode_valid", "vrow_valid", "rows"):
+        assert torch.equal(counts[key], reference[key]), key
+    for key in ("prefill_kept", "decode_kept", "vrow_kept"):
+        if name.startswith("topk"):  # the plain kernel's chunks round differently: a near-tie may flip
+            torch.testing.assert_close(counts[key], reference[key], rtol=0.01, atol=2, msg=key)
+        else:
+            assert torch.equal(counts[key], reference[key]), key
+
+
+def test_prefix_sharing_refuses_what_it_cannot_do():
+    from toptheta.attention.cache import cache_prefix, growing_cache
+    from toptheta.evaluation.generation import check_decoding, generate_all
+    from toptheta.models import build_tiny_model
+
+    gemma = build_tiny_model("gemma3", num_layers=2, num_heads=2, num_kv_heads=1)
+    with pytest.raises(ValueError, match="sliding-window layers .* leave task.share_prefix unset"):
+        check_decoding({"share_prefix": True}, gemma)
+    model = tiny("llama")
+    check_decoding({"share_prefix": True}, model)
+    cache = growing_cache(model)
+    with pytest.raises(ValueError, match="holds 0 positions"):
+        cache_prefix(cache, 4)
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        generate_all(model, None, [], max_new_tokens=1, chat_template=False, decode_batch=2, share_prefix=True)

@@ -101,6 +101,8 @@ def test_a_wrong_type_or_unknown_key_fails_at_composition(override):
     ("task.vrow_popularity={layer:0}", "only generation tasks"),  # smoke is a multiple-choice task
     ("task.vrow_popularity={layer:-1}", "task.vrow_popularity.layer=-1: an integer >= 0"),
     ("task.decode_batch=4", "null for lm_eval tasks (they batch with task.batch_size)"),
+    ("task.share_prefix=true", "null for lm_eval tasks (multiple-choice contexts are shared by task.batch_size)"),
+    ("task.filler=shared", "task.filler='shared': null, independent or shared, for passkey tasks only"),
 ])
 def test_out_of_range_values_fail_before_anything_loads(override, message, tmp_path):
     c = cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", override)
@@ -113,6 +115,8 @@ def test_out_of_range_values_fail_before_anything_loads(override, message, tmp_p
     (["task.batch_size=4"], "task.batch_size=4: 1 for passkey (to decode prompts together, set task.decode_batch=16)"),
     (["task.decode_batch=0"], "task.decode_batch=0: null (one prompt at a time) or an integer >= 1"),
     (["task.decode_batch=4", "task.vrow_popularity={layer:0}"], "null with task.vrow_popularity"),
+    (["task.decode_batch=4", "task.share_prefix=true"], "null with task.share_prefix=true"),
+    (["task.filler=same"], "task.filler='same': null, independent or shared"),
 ])
 def test_generation_tasks_batch_with_decode_batch(overrides, message, tmp_path):
     c = cfg("model=tiny-llama", "task=passkey", f"results_dir={tmp_path}", *overrides)
@@ -123,6 +127,10 @@ def test_generation_tasks_batch_with_decode_batch(overrides, message, tmp_path):
     plain = pipeline.plan(cfg("model=tiny-llama", "task=passkey", f"results_dir={tmp_path}"))
     assert "decode_batch" not in plain[-1].config["task"]  # unset: run ids stay those of before the option
     assert batched[-1].run_id != plain[-1].run_id  # part of the run id: batched greedy tokens may differ
+    shared = pipeline.plan(cfg("model=tiny-llama", "task=passkey", f"results_dir={tmp_path}", "task.filler=shared",
+                               "task.share_prefix=true"))
+    assert "share_prefix" not in plain[-1].config["task"] and "filler" not in plain[-1].config["task"]
+    assert shared[-1].config["task"]["filler"] == "shared" and shared[-1].run_id != plain[-1].run_id
 
 
 def test_batch_size_auto_and_fractional_limits_are_allowed(tmp_path):

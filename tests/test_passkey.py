@@ -38,6 +38,22 @@ def test_same_seed_same_records_other_seed_other_records():
     assert len({r["id"] for r in a + c}) == 2  # ids name the cell and sample, not the seed
 
 
+def test_shared_filler_prompts_of_a_length_differ_only_from_the_key_on():
+    depths = (0.1, 0.5, 0.9)
+    shared = build_passkey_records(TOK, lengths=(1024,), depths=depths, seed=2, filler="shared")
+    independent = build_passkey_records(TOK, lengths=(1024,), depths=depths, seed=2)
+    assert independent == build_passkey_records(TOK, lengths=(1024,), depths=depths, seed=2, filler="independent")
+    assert [r["answer"] for r in shared] == [r["answer"] for r in independent]  # the same keys, drawn first
+    for record, depth in zip(shared, depths):
+        head = record["prompt"][:record["prompt"].index("The pass key")]
+        assert shared[-1]["prompt"].startswith(head)  # the deepest prompt's text holds every shorter prefix
+        assert needle_depth(record["prompt"], record["answer"]) == pytest.approx(depth, abs=0.02)
+    heads = [r["prompt"][:r["prompt"].index("The pass key")] for r in independent]
+    assert not independent[-1]["prompt"].startswith(heads[1])  # independent orders share only the introduction
+    with pytest.raises(ValueError, match="filler must be one of independent, shared"):
+        build_passkey_records(TOK, lengths=(512,), filler="same")
+
+
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
 def test_needle_is_in_the_prompt_at_the_requested_depth(depth):
     (rec,) = build_passkey_records(TOK, lengths=(2048,), depths=(depth,), seed=1)

@@ -54,7 +54,7 @@ WandbMode = _choices("WandbMode", "offline", "online", "disabled")
 VROW_POPULARITY_DEFAULTS = {"group": 0, "max_steps": 256}
 
 OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code",
-                        "vrow_popularity", "decode_batch")
+                        "vrow_popularity", "decode_batch", "share_prefix", "filler")
 
 
 # Defaults below are placeholders: every option YAML sets its own values.
@@ -123,6 +123,10 @@ class TaskConfig:
     # Generation tasks: prompts decoded together (null = 1: one model.generate per prompt, the reference). Part of
     # the run id, unlike batch_size: a batch's GEMMs round differently, so a near-tie greedy token can differ.
     decode_batch: Optional[int] = None
+    # Generation tasks: run the leading tokens prompts share once (evaluation/prefix_sharing.py; passkey prompts with
+    # filler: shared). Part of the run id like decode_batch (Top-k's plain kernel rounds per forward).
+    share_prefix: Optional[bool] = None
+    filler: Optional[str] = None           # passkey: independent (null) or shared (evaluation/passkey.py)
     # Generation tasks: {layer: L, group: 0, max_steps: 256}: per decode step of the first generation, how many
     # query heads of each KV group keep each V row of layer L (toptheta.attention.popularity), stored in the run's
     # stats.json. Typed Any (checked in `check`): OmegaConf cannot merge an override into a None dataclass field.
@@ -228,6 +232,13 @@ def _check_task(task: Any, get, need) -> None:
              "null (one prompt at a time) or an integer >= 1")
         need(decode_batch in (None, 1) or get(task, "vrow_popularity") is None, "task.decode_batch", decode_batch,
              "null with task.vrow_popularity (it records one generation of batch 1)")
+        need(decode_batch in (None, 1) or not get(task, "share_prefix"), "task.decode_batch", decode_batch,
+             "null with task.share_prefix=true (shared prefixes continue one prompt at a time)")
+    need(get(task, "share_prefix") in (None, False) or str(get(task, "kind")) != "lm_eval", "task.share_prefix",
+         get(task, "share_prefix"), "null for lm_eval tasks (multiple-choice contexts are shared by task.batch_size)")
+    filler = get(task, "filler")
+    need(filler is None or (str(get(task, "kind")) == "passkey" and filler in ("independent", "shared")),
+         "task.filler", filler, "null, independent or shared, for passkey tasks only")
     popularity = get(task, "vrow_popularity")
     if popularity is not None:
         need(str(get(task, "kind")) != "lm_eval", "task.vrow_popularity", "{...}",

@@ -375,11 +375,11 @@ def run(cfg: DictConfig):
         longest_row = cfg.task.max_length or m.max_length or info.max_position_embeddings
         check_sparsifies(specs[-1].config["sparsifier"], info.num_layers, longest_row, m.name)
         if cfg.task.kind != "lm_eval":
-            from .evaluation.generation import check_context, check_decode_batch
+            from .evaluation.generation import check_context, check_decoding
 
             task = OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True)
             check_context(task, info.max_position_embeddings, m.name)
-            check_decode_batch(task, model)
+            check_decoding(task, model)
         job = job_invocation()
         logger = make_logger(OmegaConf.to_container(cfg.logger, resolve=True, enum_to_str=True),
                              {"sweep": job.get("sweep"), "job": f"job{job['job']}" if job.get("sweep") else None})

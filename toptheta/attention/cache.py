@@ -17,6 +17,7 @@ With ``backend.py``, this is the project's transformers-specific code (``Dynamic
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -65,6 +66,26 @@ class GrowingLayer(DynamicLayer):
             kbuf[..., :n, :] = self.keys
             vbuf[..., :n, :] = self.values
         self._kbuf, self._vbuf = kbuf, vbuf
+
+
+def cache_prefix(cache: DynamicCache, length: int) -> DynamicCache:
+    """A cache holding the first ``length`` positions of ``cache``, which stays as it was (continue several
+    sequences from one shared prefix). The copy's layers start as views and copy them when they first grow.
+    Sliding-window layers roll their window and cannot be cut at a position: refused."""
+    part = copy.copy(cache)
+    part.layers = []
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, GrowingLayer):
+            raise ValueError(f"a {type(layer).__name__} cannot be cut at a position (sliding-window layers roll "
+                             "their cache); share no prefix with this model")
+        if length > layer.get_seq_length():
+            raise ValueError(f"the cache holds {layer.get_seq_length()} positions, fewer than {length}")
+        own = copy.copy(layer)
+        own.keys, own.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+        if isinstance(own, GrowingLayer):
+            own._kbuf = own._vbuf = None  # the views are not its own: its first update copies them
+        part.layers.append(own)
+    return part
 
 
 def forward_accepts(model, name: str) -> bool:

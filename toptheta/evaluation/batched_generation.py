@@ -48,16 +48,20 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 @torch.inference_mode()
 def greedy_generate_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: list[int], pad_token_id: int,
-                          eos_token_ids: set[int], on_finish=None, stop_when=None) -> list[list[int]]:
+                          eos_token_ids: set[int], on_finish=None, stop_when=None, cache=None) -> list[list[int]]:
     """Greedy continuations (token ids, end-of-sequence token included) of each prompt, decoded together.
 
     ``max_new_tokens[i]`` bounds sequence i; ``stop_when(i, tokens)``, asked after each new token, ends it early
-    (e.g. at a stop string). ``on_finish(i, tokens)`` is called as each sequence ends.
+    (e.g. at a stop string). ``on_finish(i, tokens)`` is called as each sequence ends. ``cache``: a KV cache that
+    already holds the first tokens of a single sequence (``prompt_ids`` then holds the tokens after them).
     """
     if len(prompt_ids) != len(max_new_tokens):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(max_new_tokens)} token limits")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
+    cached = 0 if cache is None else cache.get_seq_length()
+    if cached and len(prompt_ids) != 1:
+        raise ValueError("a cache that holds tokens already holds one sequence: continue one prompt at a time")
     B, L = len(prompt_ids), max(len(p) for p in prompt_ids)
     device = model.device
     ids = torch.full((B, L), pad_token_id, dtype=torch.long)
@@ -66,7 +70,9 @@ def greedy_generate_batch(model, prompt_ids: list[list[int]], *, max_new_tokens:
         ids[i, L - len(p):] = torch.tensor(p)
         mask[i, L - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, L): 0 at each sequence's first real token
+    positions = (mask.cumsum(-1) - 1).clamp_min(0) + cached  # (B, L): 0 at each sequence's first real token
+    if cached:  # the mask covers the cached tokens too
+        mask = torch.cat([mask.new_ones(B, cached), mask], dim=1)
     out: list[list[int]] = [[] for _ in range(B)]
     running = [i for i in range(B) if max_new_tokens[i] > 0]  # batch row r holds sequence running[r]
     for i in sorted(set(range(B)) - set(running)):
@@ -75,7 +81,7 @@ def greedy_generate_batch(model, prompt_ids: list[list[int]], *, max_new_tokens:
         return out
     rows = torch.tensor(running, device=device)
     ids, mask, positions = ids[rows], mask[rows], positions[rows]
-    cache = growing_cache(model)
+    cache = cache if cache is not None else growing_cache(model)
     decode.reset()  # running V sums belong to one generation's cache
     # Inside a sparsify block the steps after the prompt are decode steps (statistics, the decode fast path), as in
     # model.generate, which the backend recognises on its own; a hand-written loop says so.

@@ -59,14 +59,15 @@ def pad_token_id(tokenizer) -> int:
 
 
 def generate_all(model, tokenizer, prompts: list[str], *, max_new_tokens: int | list[int] | Callable[[int], int],
-                 chat_template: bool, decode_batch: int = 1, progress=None) -> list[dict]:
+                 chat_template: bool, decode_batch: int = 1, share_prefix: bool = False, progress=None) -> list[dict]:
     """Greedy continuations of every prompt: ``{"text", "prompt_tokens", "seconds"}`` per prompt, in order.
 
     ``max_new_tokens``: one limit for all, one per prompt, or a function of a prompt's length in tokens (as the
     model sees it, chat template included), e.g. ``lambda n: max_length - n``. ``decode_batch`` > 1 decodes that
     many prompts together (``batched_generation``; prompts of similar length share a batch, and ``seconds`` is
     then the time from the batch's start to the sequence's end); 1 runs one ``model.generate`` per prompt, the
-    reference.
+    reference. ``share_prefix`` runs the leading tokens prompts have in common once (``prefix_sharing``; one prompt
+    at a time; ``seconds`` then counts from the call's start).
     """
     encoded = [encode_prompt(tokenizer, p, chat_template=chat_template) for p in prompts]
     if callable(max_new_tokens):
@@ -78,6 +79,23 @@ def generate_all(model, tokenizer, prompts: list[str], *, max_new_tokens: int | 
     if len(limits) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(limits)} token limits")
     results: list[dict | None] = [None] * len(prompts)
+    if share_prefix and decode_batch > 1:
+        raise ValueError("share_prefix continues one prompt at a time: use decode_batch=1 with it")
+    if share_prefix:
+        from .batched_generation import eos_ids
+        from .prefix_sharing import generate_shared
+
+        t0 = time.time()
+
+        def done(i: int, tokens: list[int]) -> None:
+            results[i] = {"text": tokenizer.decode(tokens, skip_special_tokens=True),
+                          "prompt_tokens": len(encoded[i]), "seconds": round(time.time() - t0, 2)}
+            if progress is not None:
+                progress.update()
+
+        generate_shared(model, encoded, max_new_tokens=limits, pad_token_id=pad_token_id(tokenizer),
+                        eos_token_ids=eos_ids(model, tokenizer), on_finish=done)
+        return results
     if decode_batch <= 1:
         for i, ids in enumerate(encoded):
             t0 = time.time()
@@ -128,7 +146,8 @@ def run_humaneval(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
         # completion ≤ max_length tokens
         outputs = generate_all(model, tokenizer, prompts, max_new_tokens=lambda n: max_length - n,
                                chat_template=chat_template,
-                               decode_batch=int(task.get("decode_batch") or 1), progress=bar)
+                               decode_batch=int(task.get("decode_batch") or 1),
+                               share_prefix=bool(task.get("share_prefix")), progress=bar)
     completions, samples = {}, []
     for (task_id, problem), out in zip(problems.items(), outputs):
         # A chat answer restates the function: prompt + code redefines it, and the redefinition wins.
@@ -161,7 +180,8 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
     from .passkey import build_passkey_records, score_passkey
 
     records = build_passkey_records(tokenizer, lengths=task.get("lengths") or (1024, 2048, 4096, 8192, 16384),
-                                    depths=task.get("depths") or (0.1, 0.5, 0.9), seed=int(task.get("seed", 0)))
+                                    depths=task.get("depths") or (0.1, 0.5, 0.9), seed=int(task.get("seed", 0)),
+                                    filler=task.get("filler") or "independent")
     if task.get("limit"):
         records = records[: int(task["limit"])]
     samples, task_stats = [], {}
@@ -172,7 +192,8 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
                 group = [r for r in records if r["target_tokens"] == length]
                 outputs = generate_all(model, tokenizer, [r["prompt"] for r in group],
                                        max_new_tokens=PASSKEY_NEW_TOKENS, chat_template=chat_template,
-                                       decode_batch=int(task.get("decode_batch") or 1), progress=bar)
+                                       decode_batch=int(task.get("decode_batch") or 1),
+                                       share_prefix=bool(task.get("share_prefix")), progress=bar)
                 for record, out in zip(group, outputs):
                     samples.append({"id": record["id"], "target_tokens": length, "length_tokens": out["prompt_tokens"],
                                     "depth": record["depth"], "generation": out["text"],
@@ -212,17 +233,25 @@ def check_context(task: dict, max_positions: int | None, model_name: str) -> Non
                          f"{max_positions} positions; set task.max_length={max_positions} or lower")
 
 
-def check_decode_batch(task: dict, model) -> None:
-    """Refuse batched decoding (task.decode_batch > 1) for a model whose generation config it would not honour."""
-    if int(task.get("decode_batch") or 1) <= 1:
+def check_decoding(task: dict, model) -> None:
+    """Refuse, before any prompt runs, decoding options (task.decode_batch, task.share_prefix) the model cannot honour."""
+    batched, shared = int(task.get("decode_batch") or 1) > 1, bool(task.get("share_prefix"))
+    if shared:
+        from .shared_context_lm import _has_sliding_window
+
+        if _has_sliding_window(model):
+            raise ValueError("task.share_prefix=true cuts the KV cache at each prompt's shared prefix, which "
+                             "sliding-window layers (they roll their cache) cannot do; leave task.share_prefix unset")
+    if not (batched or shared):
         return
     from .batched_generation import unsupported_settings
 
     ignored = unsupported_settings(model)
     if ignored:
-        raise ValueError(f"task.decode_batch={task['decode_batch']} decodes greedily without model.generate's logits "
-                         f"processors, but this model's generation_config sets {', '.join(ignored)}; "
-                         "leave task.decode_batch unset (one prompt at a time through model.generate)")
+        option = f"task.decode_batch={task['decode_batch']}" if batched else "task.share_prefix=true"
+        raise ValueError(f"{option} decodes greedily without model.generate's logits processors, but this model's "
+                         f"generation_config sets {', '.join(ignored)}; leave it unset (one prompt at a time "
+                         "through model.generate)")
 
 
 def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, stats=None) -> dict:

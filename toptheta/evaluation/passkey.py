@@ -8,6 +8,11 @@ project, drawn in a seeded order, so a (seed, length, depth, index) always gives
 Lengths are in tokens of the caller's tokenizer: the number of filler sentences is the largest
 that keeps the whole prompt at or under the target, so a prompt is at most one sentence (about
 10-15 tokens) short of it.
+
+Filler: ``"independent"`` (each prompt draws its own sentence order; the first layout of this project) or
+``"shared"`` (one order per length and sample index, the layout of the original passkey test, whose filler is
+one repeated text): prompts of one length then differ only in the key and where it sits, so everything before
+the key is a prefix they share, which generation can run once (``prefix_sharing.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ FILLER_SENTENCES: tuple[str, ...] = (
 )
 
 TokenCounter = Callable[[str], int]
+FILLERS = ("independent", "shared")
 
 
 def token_counter(tokenizer) -> TokenCounter:
@@ -70,19 +76,22 @@ def _compose(sentences: Sequence[str], depth: float, key: str) -> str:
 
 
 def make_passkey_prompt(count_tokens: TokenCounter, target_tokens: int, depth: float,
-                        rng: random.Random, digits: int = 5) -> tuple[str, str, int]:
+                        rng: random.Random, digits: int = 5,
+                        filler_rng: random.Random | None = None) -> tuple[str, str, int]:
     """One prompt of at most `target_tokens` tokens with the key after `depth` of the filler.
 
-    Returns (prompt, key, length in tokens). The key is drawn first, then the filler order.
+    Returns (prompt, key, length in tokens). The key is drawn from `rng` first, then the filler order from
+    `filler_rng` (default: `rng` too).
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1] (0 = start, 1 = end of the filler), got {depth}")
     key = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+    filler_rng = filler_rng or rng
     filler: list[str] = []
 
     def prompt_with(n: int) -> str:
         while len(filler) < n:  # drawn lazily, always in the same order for this rng
-            filler.append(rng.choice(FILLER_SENTENCES))
+            filler.append(filler_rng.choice(FILLER_SENTENCES))
         return _compose(filler[:n], depth, key)
 
     if count_tokens(prompt_with(0)) > target_tokens:
@@ -103,13 +112,17 @@ def make_passkey_prompt(count_tokens: TokenCounter, target_tokens: int, depth: f
 
 def build_passkey_records(tokenizer, lengths: Iterable[int] = (1024, 2048, 4096, 8192, 16384),
                           depths: Iterable[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
-                          samples_per_cell: int = 1, seed: int = 0, digits: int = 5) -> list[dict]:
+                          samples_per_cell: int = 1, seed: int = 0, digits: int = 5,
+                          filler: str = "independent") -> list[dict]:
     """The passkey data set: `samples_per_cell` prompts for each (length, depth).
 
-    Records: {id, prompt, answer, length_tokens, target_tokens, depth}. Deterministic in `seed`.
+    Records: {id, prompt, answer, length_tokens, target_tokens, depth}. Deterministic in `seed`. `filler`:
+    "independent" (a sentence order per prompt) or "shared" (per length and sample index: see the module's doc).
     """
     if samples_per_cell < 1 or not 1 <= digits <= 18:
         raise ValueError("samples_per_cell must be >= 1 and digits in 1..18")
+    if filler not in FILLERS:
+        raise ValueError(f"filler must be one of {', '.join(FILLERS)}, got {filler!r}")
     count = token_counter(tokenizer)
     records = []
     for target in lengths:
@@ -117,7 +130,8 @@ def build_passkey_records(tokenizer, lengths: Iterable[int] = (1024, 2048, 4096,
             for i in range(samples_per_cell):
                 # A string seed is hashed deterministically (not by PYTHONHASHSEED).
                 rng = random.Random(f"passkey:{seed}:{target}:{depth}:{i}")
-                prompt, key, n_tokens = make_passkey_prompt(count, int(target), float(depth), rng, digits)
+                order = random.Random(f"passkey-filler:{seed}:{target}:{i}") if filler == "shared" else None
+                prompt, key, n_tokens = make_passkey_prompt(count, int(target), float(depth), rng, digits, order)
                 records.append({"id": f"passkey-{target}-d{depth:g}-{i}", "prompt": prompt,
                                 "answer": key, "length_tokens": n_tokens,
                                 "target_tokens": int(target), "depth": float(depth)})
