@@ -220,6 +220,12 @@ def test_sub_task_rows_get_only_their_own_statistics():
     assert (rows["passkey"]["kept_attention_fraction"], rows["passkey"]["stats_scope"]) == (0.1, "run")
     assert (rows["passkey_2048"]["kept_attention_fraction"], rows["passkey_2048"]["stats_scope"]) == (None, None)
     assert (rows["passkey_8192"]["kept_attention_fraction"], rows["passkey_8192"]["stats_scope"]) == (0.05, "task")
+    assert rows["passkey"]["limit"] is None  # no lengths and depths in this config: the count is unknown
+    sized = config | {"task": {**config["task"], "lengths": [2048, 8192], "depths": [0.1, 0.5, 0.9]}}
+    rows = summary_rows("rid", sized, results, stats, commit="c")
+    assert {r["limit"] for r in rows} == {6}  # the prompts it evaluated: 6-prompt and 60-prompt runs do not mix
+    limited = sized | {"task": {**sized["task"], "limit": 4}}
+    assert {r["limit"] for r in summary_rows("rid", limited, results, stats, commit="c")} == {4}
 
 
 def test_an_old_summary_still_loads_and_migrates(tmp_path):

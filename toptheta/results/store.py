@@ -336,6 +336,8 @@ def summary_rows(
     used_limit = (lm_eval_results.get("config") or {}).get("limit")
     if used_limit is not None:
         base["limit"] = used_limit
+    elif base.get("limit") is None and _lookup(config, "task.kind") == "passkey":
+        base["limit"] = _passkey_prompts(config)
 
     if _lookup(config, "sparsifier.name") == "dense":
         base.update({column: None for column in SPARSE_ONLY_COLUMNS})
@@ -360,6 +362,13 @@ def summary_rows(
             row["stats_scope"] = scope
             rows.append(row | dict(overrides or {}))
     return rows
+
+
+def _passkey_prompts(config: Mapping[str, Any]) -> int | None:
+    """How many prompts a passkey run without a limit evaluates (one per length and depth): its `limit` column, so
+    runs over other lengths or depths form settings of their own, and a larger one supersedes a smaller one."""
+    lengths, depths = _lookup(config, "task.lengths"), _lookup(config, "task.depths")
+    return len(lengths) * len(depths) if lengths and depths else None
 
 
 def _stats_for(task: str, stats: Mapping[str, Any], *, own: bool) -> tuple[Mapping[str, Any], str | None]:
