@@ -150,6 +150,10 @@ def test_lm_eval_generate_until_batches_stop_each_sequence_at_its_own_end(monkey
     monkeypatch.setattr(BatchedHFLM, "_model_generate", HFLM._model_generate)  # model.generate for the batch
     stock, stock_counts = run(4)
     assert stock == one and stock_counts["decode_valid"].sum() > one_counts["decode_valid"].sum()
+    stock_one, stock_one_counts = run(1)  # batches of one: model.generate with transformers' own cache
+    assert stock_one == one
+    for key, value in one_counts.items():
+        assert torch.equal(stock_one_counts[key], value), key
 
 
 @pytest.mark.parametrize("decode_batch", [1, 2])

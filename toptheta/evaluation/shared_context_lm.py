@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from ..attention.cache import cache_keyword, forward_accepts
+from ..attention.cache import cache_keyword, forward_accepts, growing_cache
 from .generation import pad_token_id
 
 if TYPE_CHECKING:
@@ -86,7 +86,8 @@ class BatchedHFLM(HFLM):
         model.generate feeds a finished sequence padding until the batch's last one ends, and those rows would count
         in the sparsity statistics; here each sequence leaves the batch at its end token, its first stop string
         (checked as lm-eval's stopping criteria check it: in the decoded last tokens) or max_length. Batches of one,
-        sampling and extra generation settings take HFLM's path (model.generate), the reference.
+        sampling and extra generation settings take HFLM's path (model.generate), the reference, with our growing
+        KV cache (``attention/cache.py``: the same tokens; transformers' cache copies itself at every token).
         """
         from .batched_generation import eos_ids, greedy_generate_batch, unsupported_settings
 
@@ -95,6 +96,9 @@ class BatchedHFLM(HFLM):
         if (context.shape[0] == 1 or not greedy or mask is None or self.backend != "causal"
                 or set(generation_kwargs) - {"attention_mask", "do_sample", "temperature"}
                 or unsupported_settings(self.model)):
+            keyword = cache_keyword(self.model)
+            if self.backend == "causal" and keyword not in generation_kwargs:
+                generation_kwargs = {**generation_kwargs, keyword: growing_cache(self.model)}
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         B, L = context.shape
         prompts = [row[m.bool()].tolist() for row, m in zip(context.cpu(), mask.cpu())]
