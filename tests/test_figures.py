@@ -342,3 +342,24 @@ def test_threshold_files_in_run_directories(tmp_path):
     measured = storage.measured_table(tmp_path)
     assert measured.loc[0, "model"] == "tiny-llama" and measured.loc[0, "row_lengths"] == 40
     assert measured.loc[0, "MB"] == pytest.approx(3 * 2 * 41 * 4 / 1e6)  # float32 as stored
+
+
+def test_passkey_runs_over_other_prompt_sets_are_their_own_lines():
+    from toptheta.results import ablations
+
+    rows = []
+    for run, sparsifier, k, prompts, lengths in (("a", "dense", None, 6, (2048, 8192)), ("b", "topk", 64, 6, (2048, 8192)),
+                                                 ("c", "dense", None, 60, (2048, 4096, 8192)),
+                                                 ("d", "topk", 64, 60, (2048, 4096, 8192))):
+        for n in lengths:
+            rows.append({"run_id": run, "model": "m", "sparsifier": sparsifier, "placement": None if k is None else "post",
+                         "k": k, "comp": "vmc", "task": f"passkey_{n}", "limit": prompts, "metric": "accuracy,none",
+                         "value": 1.0, "timestamp": run})
+    table = ablations.passkey_table(pd.DataFrame(rows), "m")
+    assert set(table["prompts"]) == {6, 60}
+    fig = ablations.passkey_figure(table, "m")
+    labels = sorted(line.get_label() for line in fig.axes[0].get_lines())
+    assert labels == sorted(["Baseline (6 prompts)", "Baseline (60 prompts)", "Top-k post (+VMC), k=64 (6 prompts)",
+                             "Top-k post (+VMC), k=64 (60 prompts)"])
+    one = ablations.passkey_figure(table[table["prompts"] == 60], "m")
+    assert sorted(line.get_label() for line in one.axes[0].get_lines()) == ["Baseline", "Top-k post (+VMC), k=64"]

@@ -191,18 +191,22 @@ def ablation_figure(table: pd.DataFrame, ablation: str | Ablation, title: str) -
 # ---------------------------------------------------------------- passkey: accuracy per context length
 
 
+PASSKEY_COLUMNS = ["series", "k", "prompts", "length", "value", "kept_attention_fraction", "kept_vrow_fraction",
+                   "stats_scope", "run_id"]
+
+
 def passkey_table(summary: pd.DataFrame, model: str) -> pd.DataFrame:
-    """Per-length passkey rows (task passkey_<n>) of one model: series, k, length, accuracy and its statistics."""
+    """Per-length passkey rows (task passkey_<n>) of one model: series, k, the run's prompt count (its limit: runs
+    over other lengths or depths are other settings), length, accuracy and its statistics."""
     df = figures.latest(summary)
     df = df[(df["model"] == model) & df["task"].astype(str).str.fullmatch(r"passkey_\d+")].copy()
     if df.empty:
-        return pd.DataFrame(columns=["series", "k", "length", "value", "kept_attention_fraction", "kept_vrow_fraction",
-                                     "stats_scope", "run_id"])
+        return pd.DataFrame(columns=PASSKEY_COLUMNS)
     df["length"] = df["task"].str.removeprefix("passkey_").astype(int)
     df["series"] = [figures.series_label(r) for r in df.to_dict("records")]
-    df = df.sort_values(["series", "k", "length"], key=figures._sort_key, kind="stable")
-    cols = ["series", "k", "length", "value", "kept_attention_fraction", "kept_vrow_fraction", "stats_scope", "run_id"]
-    return df[[c for c in cols if c in df]].reset_index(drop=True)
+    df["prompts"] = pd.to_numeric(df["limit"], errors="coerce").astype("Int64") if "limit" in df else pd.NA
+    df = df.sort_values(["series", "k", "prompts", "length"], key=figures._sort_key, kind="stable")
+    return df[[c for c in PASSKEY_COLUMNS if c in df]].reset_index(drop=True)
 
 
 def passkey_models(summary: pd.DataFrame) -> list[str]:
@@ -213,11 +217,16 @@ def passkey_models(summary: pd.DataFrame) -> list[str]:
 def passkey_figure(table: pd.DataFrame, title: str) -> Figure:
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     ax = fig.add_subplot()
-    colors = figures.series_colors([f"{s}, k={figures._num(k)}" for s, k in zip(table["series"], table["k"])])
-    for (series, k), rows in table.groupby(["series", "k"], sort=False, dropna=False):
-        label = series if pd.isna(k) else f"{series}, k={figures._num(k)}"
-        ax.plot(rows["length"], rows["value"], marker="o", ms=4, lw=1.2, label=label,
-                color="black" if series == "Baseline" else colors.get(label))
+    several = table["prompts"].nunique(dropna=False) > 1  # runs of several prompt sets: each its own line
+    groups = list(table.groupby(["series", "k", "prompts"], sort=False, dropna=False))
+    names = []
+    for (series, k, prompts), _ in groups:
+        name = series if pd.isna(k) else f"{series}, k={figures._num(k)}"
+        names.append(f"{name} ({figures._num(prompts)} prompts)" if several and not pd.isna(prompts) else name)
+    colors = figures.series_colors(names)
+    for ((series, _, _), rows), name in zip(groups, names):
+        ax.plot(rows["length"], rows["value"], marker="o", ms=4, lw=1.2, label=name,
+                color="black" if series == "Baseline" and not several else colors.get(name))
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("context length (tokens, log scale)")
