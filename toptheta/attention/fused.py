@@ -3,8 +3,10 @@
 The pure-torch path makes five passes over a chunk's (Qc, Kc) scores between its two GEMMs: softmax,
 row maximum, comparison, zeroing and row sum. Here one C++ loop does all of it row by row while the
 row (≤ 32 kB for 8k keys) sits in L1: max, exp and sum, then p > cut, zeroing and the kept sum and
-count. Top-k finds each row's k-th largest logit with a linear-time selection (``std::nth_element`` on a copy of
-the row) instead of ``torch.topk``'s sort of k candidates, then keeps the logits above it, as the torch path does. It is compiled on first use with torch's C++ extension tooling (g++; about a minute, cached in
+count. Top-k first finds each row's k-th largest logit: the keys above a pivot placed by a strided sample of the
+row (about 4k of them; an AVX2 compaction copies them out) go through ``std::nth_element``, the whole row only where
+fewer than k pass; then it keeps the logits above that value, as the torch path (``torch.topk``) keeps the k largest.
+It is compiled on first use with torch's C++ extension tooling (g++; about a minute, cached in
 ``~/.cache/torch_extensions``); where that fails the kernel keeps the torch path and says so once.
 
 Set ``TOPTHETA_FUSED=0`` to disable it (the torch path is the reference; tests compare the two).
