@@ -23,7 +23,7 @@ import torch
 from ..sparsifiers.base import FusedRule
 
 log = logging.getLogger("toptheta")
-_VERSION = 8  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 9  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 # Kernels are built without -ffinite-math-only (see build()): masked keys hold -inf and rely on exp(-inf) = 0 and IEEE
 # comparisons. GCC still vectorises expf through glibc's libmvec when told the vector variants exist (glibc declares
@@ -66,6 +66,16 @@ _SOURCE = r"""
 #endif
 
 """ + VECTOR_EXPF + PARALLEL_PROBE + r"""
+// The largest logit of row x (K); a row with no valid key (or a NaN) gets weights 0 and returns -inf or NaN.
+static inline float row_max(float* x, int64_t K) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max:m)
+  for (int64_t j = 0; j < K; ++j) m = x[j] > m ? x[j] : m;
+  if (!(m > -std::numeric_limits<float>::infinity()))
+    for (int64_t j = 0; j < K; ++j) x[j] = 0.0f;
+  return m;
+}
+
 // s: (R, K) float32 contiguous scaled logits, -inf where invalid. theta: (R) float32. whole: (R) bool.
 // In place, each row becomes w = p * [p > cut] with p = softmax(row) and cut = min(theta, just below the
 // row's largest p) (so the maximum is always kept); rows marked whole keep every p (invalid keys hold 0).
@@ -88,11 +98,8 @@ std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, 
   at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* x = S + r * K;
-      float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max:m)
-      for (int64_t j = 0; j < K; ++j) m = x[j] > m ? x[j] : m;
-      if (!(m > -std::numeric_limits<float>::infinity())) {  // no valid key (or NaN): weights 0
-        for (int64_t j = 0; j < K; ++j) x[j] = 0.0f;
+      const float m = row_max(x, K);
+      if (!(m > -std::numeric_limits<float>::infinity())) {
         KS[r] = 0.0f; KC[r] = 0; E[r] = false;
         continue;
       }
@@ -161,11 +168,8 @@ std::vector<torch::Tensor> post_topk(torch::Tensor s, int64_t k, torch::Tensor w
     std::vector<float> e(K + 8);  // the selection's candidates, then the row's exp(s - m)
     for (int64_t r = r0; r < r1; ++r) {
       float* x = S + r * K;
-      float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max:m)
-      for (int64_t j = 0; j < K; ++j) m = x[j] > m ? x[j] : m;
-      if (!(m > -std::numeric_limits<float>::infinity())) {  // no valid key (or NaN): weights 0
-        for (int64_t j = 0; j < K; ++j) x[j] = 0.0f;
+      const float m = row_max(x, K);
+      if (!(m > -std::numeric_limits<float>::infinity())) {
         KS[r] = 0.0f; KC[r] = 0;
         continue;
       }
