@@ -81,28 +81,24 @@ def generate_all(model, tokenizer, prompts: list[str], *, max_new_tokens: int | 
     results: list[dict | None] = [None] * len(prompts)
     if share_prefix and decode_batch > 1:
         raise ValueError("share_prefix continues one prompt at a time: use decode_batch=1 with it")
+
+    def record(i: int, tokens: list[int], t0: float) -> None:
+        results[i] = {"text": tokenizer.decode(tokens, skip_special_tokens=True), "prompt_tokens": len(encoded[i]),
+                      "seconds": round(time.time() - t0, 2)}
+        if progress is not None:
+            progress.update()
     if share_prefix:
         from .batched_generation import eos_ids
         from .prefix_sharing import generate_shared
 
         t0 = time.time()
-
-        def done(i: int, tokens: list[int]) -> None:
-            results[i] = {"text": tokenizer.decode(tokens, skip_special_tokens=True),
-                          "prompt_tokens": len(encoded[i]), "seconds": round(time.time() - t0, 2)}
-            if progress is not None:
-                progress.update()
-
         generate_shared(model, encoded, max_new_tokens=limits, pad_token_id=pad_token_id(tokenizer),
-                        eos_token_ids=eos_ids(model, tokenizer), on_finish=done)
+                        eos_token_ids=eos_ids(model, tokenizer), on_finish=lambda i, tokens: record(i, tokens, t0))
         return results
     if decode_batch <= 1:
         for i, ids in enumerate(encoded):
             t0 = time.time()
-            text = tokenizer.decode(_generate_ids(model, tokenizer, ids, limits[i]), skip_special_tokens=True)
-            results[i] = {"text": text, "prompt_tokens": len(ids), "seconds": round(time.time() - t0, 2)}
-            if progress is not None:
-                progress.update()
+            record(i, _generate_ids(model, tokenizer, ids, limits[i]), t0)
         return results
     from .batched_generation import eos_ids, greedy_generate_batch
 
@@ -113,11 +109,7 @@ def generate_all(model, tokenizer, prompts: list[str], *, max_new_tokens: int | 
         t0 = time.time()
 
         def finish(j: int, tokens: list[int], batch=batch, t0=t0) -> None:
-            i = batch[j]
-            results[i] = {"text": tokenizer.decode(tokens, skip_special_tokens=True),
-                          "prompt_tokens": len(encoded[i]), "seconds": round(time.time() - t0, 2)}
-            if progress is not None:
-                progress.update()
+            record(batch[j], tokens, t0)
 
         greedy_generate_batch(model, [encoded[i] for i in batch], max_new_tokens=[limits[i] for i in batch],
                               pad_token_id=pad_token_id(tokenizer), eos_token_ids=eos, on_finish=finish)
