@@ -41,13 +41,12 @@ def section(results: Path, command: str) -> str:
              f"when it is above −{verdicts.MARGIN:g} and fails when it is below; otherwise undecided at this sample "
              f"size. The pairs behind each line: `figures/verdict_pairs.md`.", "", markdown(table).rstrip(), "",
              "### Where the small models disagree with the paper", ""]
-    fails = [v for v in found if v.verdict == "fails"]
-    if fails:
-        lines += [f"- {v.claim}: measured {v.effect:+.3f} [{v.ci_low:+.3f}, {v.ci_high:+.3f}] ({v.note})."
-                  for v in fails]
-    else:
-        lines.append("No claim fails at the sample sizes stored so far; claims marked undecided need the sweeps of "
-                     "`experiments/` (smol protocols) before the store can say more.")
+    disagree = verdicts.disagreements(found)
+    lines += [f"- {line}" for line in disagree] or [
+        "No claim fails at the sample sizes stored so far; claims marked undecided need the sweeps of "
+        "`experiments/` (smol protocols) before the store can say more."]
+    if disagree:
+        lines += ["", "Claims not listed here hold, or are undecided with room for the paper's effect."]
     lines += ["", "### Which command made each file", ""] + provenance(results) + ["", END]
     return "\n".join(lines) + "\n"
 

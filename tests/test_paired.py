@@ -228,3 +228,18 @@ def test_verdicts_on_a_synthetic_store(tmp_path):
     assert "2. post-softmax beats pre-softmax: measured -0.075" in text  # where the small models disagree
     first = text
     assert script.main(["--results", str(tmp_path)]) == 0 and readme.read_text() == first  # deterministic
+
+
+def test_disagreements_name_failures_and_bounded_superiority_claims():
+    from toptheta.results.verdicts import Verdict, disagreements
+
+    pair = [{"group": "g"}]
+    found = [Verdict("1. tracks", "non-inferiority", pair, -0.03, -0.05, -0.02, "fails", "a − b"),
+             Verdict("2. beats", "superiority", pair, -0.001, -0.007, 0.005, "undecided", "post − pre"),
+             Verdict("3. recovers", "superiority", pair, 0.012, -0.003, 0.027, "undecided", "c − u"),
+             Verdict("5. needs", "superiority", [], None, None, None, "undecided")]
+    lines = disagreements(found)
+    assert len(lines) == 2
+    assert lines[0].startswith("1. tracks: fails, measured -0.030 [-0.050, -0.020] over 1 pairs")
+    assert lines[1].startswith("2. beats: no gain of 0.01 or more here") and "at most +0.005" in lines[1]
+    assert disagreements(found[2:]) == []

@@ -307,3 +307,20 @@ def verdict_table(results: Sequence[Verdict]) -> pd.DataFrame:
 def pairs_table(results: Sequence[Verdict]) -> pd.DataFrame:
     rows = [{"claim": v.claim.split(".")[0], **p} for v in results for p in v.pairs]
     return pd.DataFrame(rows)
+
+
+def disagreements(results: Sequence[Verdict], margin: float = MARGIN) -> list[str]:
+    """Plain sentences on where the store disagrees with the paper: claims that fail, and superiority
+    claims still undecided whose interval already rules out a gain of `margin` or more (the paper reports an
+    advantage; here any advantage is smaller than a point, however many more pairs are run)."""
+    lines = []
+    for v in results:
+        if not v.pairs or v.effect is None:
+            continue
+        measured = f"measured {v.effect:+.3f} [{v.ci_low:+.3f}, {v.ci_high:+.3f}] over {len(v.pairs)} pairs"
+        if v.verdict == "fails":
+            lines.append(f"{v.claim}: fails, {measured} ({v.note}).")
+        elif v.kind == "superiority" and v.verdict == "undecided" and v.ci_high < margin:
+            lines.append(f"{v.claim}: no gain of {margin:g} or more here, {measured}: on these models the effect "
+                         f"is at most {v.ci_high:+.3f}, if there is one ({v.note}).")
+    return lines
