@@ -34,10 +34,7 @@ Outputs: results/bench/decode.{json,md} (the command on the first line of each).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,13 +45,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import transformers  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 import toptheta  # noqa: E402
-from toptheta.atomic import write_text_atomic  # noqa: E402
 from toptheta.attention import decode, prefill  # noqa: E402
 from toptheta.calibration.thresholds import Thresholds  # noqa: E402
+from toptheta.results import bench_report  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 METHODS = ("sdpa", "ours_dense", "ours_post_vmc", "ours_pre_sdc_vmc", "plain_post_vmc")
@@ -236,13 +232,8 @@ def bench_generate(args) -> list[dict]:
 
 
 def write_report(args, command: str, rows: list[dict], e2e: list[dict], meta: dict) -> None:
-    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
-    body = json.dumps({"meta": meta, "attention": rows, "generate": e2e}, indent=2)
-    write_text_atomic(out.with_suffix(".json"), '{"command": ' + json.dumps(command) + ",\n" + body[2:] + "\n")
-    lines = [f"Command: `{command}`", "", "# Decode attention benchmark", "",
-             f"{meta['cpus']} CPUs ({meta['torch_threads']} torch threads), torch {meta['torch']}, transformers "
-             f"{meta['transformers']}, {meta['date']}, load average {meta['load_start']} at start, "
-             f"{meta['load_end']} at end. Ratios are to sdpa of the same statistic, measured in this process."]
+    lines = ["# Decode attention benchmark", "",
+             f"{bench_report.describe(meta)} Ratios are to sdpa of the same statistic, measured in this process."]
     if rows:
         lines += ["", "| shape | KV len | V rows kept | method | median ms | ×sdpa | min ms | ×sdpa (min) | cpu ×sdpa |",
                   "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
@@ -261,8 +252,7 @@ def write_report(args, command: str, rows: list[dict], e2e: list[dict], meta: di
     lines += ["", "Target (issue 9): ≥ 1.5× faster than sdpa at 16k with 1/10 of the V rows kept (time ratio ≤ 0.67).",
               "Thresholds: per-head quantiles of the benchmark's own scores, aimed at the target union fraction; "
               "the realised fraction is in the table."]
-    write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    bench_report.write(args.out, command, meta, {"attention": rows, "generate": e2e}, lines)
 
 
 def main(argv=None) -> int:
@@ -288,18 +278,14 @@ def main(argv=None) -> int:
         args.repeats = min(args.repeats, 3)
     if "sdpa" not in args.methods:
         p.error("--methods must include sdpa: every ratio is to sdpa")
-    command = " ".join(["python", *sys.argv]) if argv is None else " ".join(["python", "scripts/bench_decode.py", *argv])
+    command = bench_report.command_line("bench_decode.py", argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    meta = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "load_start": [round(x, 2) for x in os.getloadavg()],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "shapes": {s: dict(zip(("heads", "kv_heads", "head_dim"), SHAPES[s])) for s in args.shapes},
-            "dtype": "float32", "batch": 1}
+    meta = bench_report.machine(shapes={s: dict(zip(("heads", "kv_heads", "head_dim"), SHAPES[s])) for s in args.shapes},
+                                dtype="float32", batch=1)
     print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), load {meta['load_start']}", flush=True)
     rows = [] if args.e2e_only else bench_attention(args)
     e2e = bench_generate(args) if args.e2e or args.e2e_only else []
-    meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    bench_report.finish(meta)
     write_report(args, command, rows, e2e, meta)
     return 0
 

@@ -28,10 +28,7 @@ Writes <out>.json and <out>.md (the command on the first line of both).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import toptheta  # noqa: E402
-from toptheta.atomic import write_text_atomic  # noqa: E402
+from toptheta.results import bench_report  # noqa: E402
 from toptheta.evaluation import lm_eval_adapter as adapter  # noqa: E402
 from toptheta.evaluation.tasks import check_tasks, resolve_data_dir, task_include_paths  # noqa: E402
 
@@ -171,25 +168,22 @@ def run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir) -> dict:
     return out
 
 
-def markdown(report: dict) -> str:
-    lines = [f"`{report['command']}`", "",
-             f"{report['model']}, Top-θ post-softmax + VMC, {report['threads']} threads, {report['date']}; "
-             f"speed-up = stock time / method time (min over {report['repeats']} repeats; median in brackets); "
+def markdown(meta: dict, settings: list[dict]) -> list[str]:
+    lines = [f"{meta['model']}, Top-θ post-softmax + VMC. {bench_report.describe(meta)} "
+             f"speed-up = stock time / method time (min over {meta['repeats']} repeats; median in brackets); "
              "token ratio = token positions stock runs / positions the method runs; FLOP ratio = linear-layer "
              "multiply-adds stock runs / the method's (stock computes LM-head logits at every position, the "
              "others only where scored): the bound on the speed-up where the linear layers set the cost.", "",
              "| task | method | seconds | speed-up | token ratio | FLOP ratio | acc | acc_norm | max Δ loglik | kept attention |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in report["settings"]:
+    for s in settings:
         for m, r in s["methods"].items():
             lines.append(f"| {s['task']} {s['num_fewshot']}-shot, k={s['k']}, {s['documents']} q | {m} | "
                          f"{r['seconds_min']:.1f} | {r['speedup_min']:.2f}× ({r['speedup_median']:.2f}×) | "
                          f"{r['token_ratio']:.2f}× | {r['flop_ratio']:.2f}× | "
                          f"{r['acc']:.3f} | {r['acc_norm']:.3f} | {r['max_abs_loglikelihood_diff']:.1e} | "
                          f"{r['kept_attention_fraction']:.4f} |")
-    return "\n".join(lines) + "\n"
-
-
+    return lines
 
 
 def main(argv=None) -> int:
@@ -215,18 +209,14 @@ def main(argv=None) -> int:
     from toptheta.models import load_model
 
     model, tokenizer, info = load_model("smollm2-135m")
-    command = " ".join(["python", os.path.relpath(sys.argv[0], ROOT) if argv is None else "scripts/bench_eval.py",
-                        *(sys.argv[1:] if argv is None else argv)])
-    report = {"command": command, "model": "SmolLM2-135M", "threads": torch.get_num_threads(),
-              "repeats": args.repeats, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "platform": platform.platform(), "torch": torch.__version__, "settings": []}
-    for task, num_fewshot, k in SETTINGS:
-        if task in args.tasks:
-            report["settings"].append(run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir))
-    out = Path(args.out)
-    write_text_atomic(out.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
-    write_text_atomic(out.with_suffix(".md"), markdown(report))
-    print(markdown(report))
+    command = bench_report.command_line("bench_eval.py", argv)
+    meta = bench_report.machine(model="SmolLM2-135M", repeats=args.repeats)
+    settings = [run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir)
+                for task, num_fewshot, k in SETTINGS if task in args.tasks]
+    bench_report.finish(meta)
+    lines = markdown(meta, settings)
+    bench_report.write(args.out, command, meta, {"settings": settings}, lines)
+    print("\n".join(lines))
     return 0
 
 

@@ -15,8 +15,6 @@ Outputs: results/bench/generate.{json,md} (the command on the first line of each
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -27,12 +25,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import transformers  # noqa: E402
 
-from toptheta.atomic import write_text_atomic  # noqa: E402
 from toptheta.evaluation.generation import HUMANEVAL_INSTRUCTION, generate_all  # noqa: E402
 from toptheta.evaluation.humaneval import load_problems  # noqa: E402
 from toptheta.models import load_model  # noqa: E402
+from toptheta.results import bench_report  # noqa: E402
 
 
 def run(model, tokenizer, prompts: list[str], max_length: int, batch: int) -> dict:
@@ -57,38 +54,29 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.problems < 1 or args.batch < 2:
         p.error("--problems must be >= 1 and --batch >= 2 (batch 1 is the reference it is compared with)")
-    command = " ".join(["python", *sys.argv]) if argv is None else " ".join(["python", "scripts/bench_generate.py", *argv])
+    command = bench_report.command_line("bench_generate.py", argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     model, tokenizer, _ = load_model(args.model)
     problems = load_problems(limit=args.problems)
     prompts = [HUMANEVAL_INSTRUCTION.format(prompt=pr.prompt) for pr in problems.values()]
-    meta = {"model": args.model, "problems": args.problems, "max_length": args.max_length,
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "load_start": [round(x, 2) for x in os.getloadavg()],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    meta = bench_report.machine(model=args.model, problems=args.problems, max_length=args.max_length)
     one = run(model, tokenizer, prompts, args.max_length, 1)
     print(f"one at a time: {one['seconds']} s, {one['tokens_per_s']} tokens/s", flush=True)
     batched = run(model, tokenizer, prompts, args.max_length, args.batch)
     print(f"batch {args.batch}: {batched['seconds']} s, {batched['tokens_per_s']} tokens/s", flush=True)
-    meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    bench_report.finish(meta)
     same = sum(a == b for a, b in zip(one["texts"], batched["texts"]))
     summary = {"speedup": round(one["seconds"] / batched["seconds"], 2), "identical_completions": same}
 
-    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
-    body = json.dumps({"meta": meta, "summary": summary, "runs": [one, batched]}, indent=2)
-    write_text_atomic(out.with_suffix(".json"), '{"command": ' + json.dumps(command) + ",\n" + body[2:] + "\n")
-    lines = [f"Command: `{command}`", "", "# Batched greedy decoding (task.decode_batch)", "",
+    lines = ["# Batched greedy decoding (task.decode_batch)", "",
              f"{args.model}, the first {args.problems} HumanEval prompts (chat template), prompt + completion ≤ "
-             f"{args.max_length} tokens, dense attention. {meta['cpus']} CPUs ({meta['torch_threads']} torch threads), "
-             f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['date']}, load average "
-             f"{meta['load_start']} at start, {meta['load_end']} at end.", "",
+             f"{args.max_length} tokens, dense attention. {bench_report.describe(meta)}", "",
              "| decode_batch | seconds | generated tokens | tokens/s | speed ×(one at a time) |", "|---:|---:|---:|---:|---:|"]
     for r in (one, batched):
         lines.append(f"| {r['decode_batch']} | {r['seconds']:.1f} | {r['generated_tokens']} | {r['tokens_per_s']:.2f} | "
                      f"{one['seconds'] / r['seconds']:.2f} |")
     lines += ["", f"Completions identical to one at a time: {same} of {args.problems}."]
-    write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    bench_report.write(args.out, command, meta, {"summary": summary, "runs": [one, batched]}, lines)
     return 0
 
 

@@ -15,8 +15,6 @@ Outputs: results/bench/prefix.{json,md} (the command on the first line of each).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -27,14 +25,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import transformers  # noqa: E402
 
 import toptheta  # noqa: E402
-from toptheta.atomic import write_text_atomic  # noqa: E402
 from toptheta.evaluation.generation import PASSKEY_NEW_TOKENS, generate_all  # noqa: E402
 from toptheta.evaluation.passkey import build_passkey_records, score_passkey  # noqa: E402
 from toptheta.evaluation.prefix_sharing import plan  # noqa: E402
 from toptheta.models import load_model  # noqa: E402
+from toptheta.results import bench_report  # noqa: E402
 
 
 def sparsifier_for(method: str, k: int):
@@ -72,7 +69,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.depths < 2:
         p.error("--depths must be >= 2 (one prompt shares nothing)")
-    command = " ".join(["python", *sys.argv]) if argv is None else " ".join(["python", "scripts/bench_prefix.py", *argv])
+    command = bench_report.command_line("bench_prefix.py", argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     model, tokenizer, _ = load_model(args.model)
     depths = [(i + 0.5) / args.depths for i in range(args.depths)]
@@ -82,11 +79,7 @@ def main(argv=None) -> int:
     encoded = [encode_prompt(tokenizer, r["prompt"], chat_template=True) for r in records]
     _, shared = plan(encoded)
     tokens = {"whole": sum(map(len, encoded)), "shared": sum(map(len, encoded)) - sum(shared) + max(shared)}
-    meta = {"model": args.model, "length": args.length, "depths": depths, "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "load_start": [round(x, 2) for x in os.getloadavg()],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "prompt_tokens_run": tokens}
+    meta = bench_report.machine(model=args.model, length=args.length, depths=depths, prompt_tokens_run=tokens)
     runs, rows = [], []
     for method in args.methods:
         one = run(model, tokenizer, records, method, args.k, share=False)
@@ -97,17 +90,12 @@ def main(argv=None) -> int:
                      "identical": sum(a == b for a, b in zip(one["texts"], shared_run["texts"])),
                      "same_elements": one["prefill_attention_elements"] == shared_run["prefill_attention_elements"]
                      and one["decode_attention_elements"] == shared_run["decode_attention_elements"]})
-    meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    bench_report.finish(meta)
 
-    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
-    body = json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=2)
-    write_text_atomic(out.with_suffix(".json"), '{"command": ' + json.dumps(command) + ",\n" + body[2:] + "\n")
-    lines = [f"Command: `{command}`", "", "# Shared-prefix generation (task.share_prefix)", "",
+    lines = ["# Shared-prefix generation (task.share_prefix)", "",
              f"{args.model}, {len(records)} passkey prompts of {args.length} tokens with a shared filler (key depths "
              f"{', '.join(f'{d:.3f}' for d in depths)}), chat template, {PASSKEY_NEW_TOKENS} new tokens. Prompt tokens "
-             f"run: {tokens['whole']} one at a time, {tokens['shared']} shared. {meta['cpus']} CPUs "
-             f"({meta['torch_threads']} torch threads), torch {meta['torch']}, transformers {meta['transformers']}, "
-             f"{meta['date']}, load average {meta['load_start']} at start, {meta['load_end']} at end.", "",
+             f"run: {tokens['whole']} one at a time, {tokens['shared']} shared. {bench_report.describe(meta)}", "",
              "| method | share_prefix | seconds | speed ×(one at a time) | correct keys | kept attention | kept V rows |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in runs:
@@ -118,8 +106,7 @@ def main(argv=None) -> int:
     for row in rows:
         lines.append(f"- {row['method']}: generations identical to one at a time: {row['identical']} of {len(records)}; "
                      f"prefill and decode attention elements equal: {row['same_elements']}.")
-    write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    bench_report.write(args.out, command, meta, {"summary": rows, "runs": runs}, lines)
     return 0
 
 

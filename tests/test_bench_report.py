@@ -1,0 +1,30 @@
+"""The benchmark scripts' shared report: the command, the machine and the payload, written where verdicts.py reads."""
+
+import json
+
+from toptheta.results import bench_report
+
+
+def test_a_report_names_its_command_machine_and_payload(tmp_path):
+    command = bench_report.command_line("bench_x.py", ["--n", "3"])
+    assert command == "python scripts/bench_x.py --n 3"
+    meta = bench_report.finish(bench_report.machine(model="m"))
+    assert meta["model"] == "m" and meta["torch_threads"] >= 1 and len(meta["load_end"]) == 3
+    assert "at start" in bench_report.describe(meta) and "at end" in bench_report.describe(meta)
+    bench_report.write(tmp_path / "sub" / "x", command, meta, {"rows": [1, 2]}, ["# Title", "", "| a |"])
+    report = json.loads((tmp_path / "sub" / "x.json").read_text())
+    assert list(report) == ["command", "meta", "rows"] and report["rows"] == [1, 2]
+    md = (tmp_path / "sub" / "x.md").read_text().splitlines()
+    assert md[0] == "Command: `python scripts/bench_x.py --n 3`" and md[2] == "# Title"
+    assert not list((tmp_path / "sub").glob("*.tmp*"))  # written atomically: no temporary file left
+
+
+def test_verdicts_reads_the_command_from_a_report(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    bench_report.write(tmp_path / "x", "python scripts/bench_x.py --n 3", bench_report.machine(), {}, ["text"])
+    assert script._command_in((tmp_path / "x.md").read_text().splitlines()[0]) == "python scripts/bench_x.py --n 3"
