@@ -187,6 +187,11 @@ def test_figure_and_granularity(results):
     assert sorted(t.get_text() for t in ax.texts) == sorted(["16", "32", "16", "32", "16", "16"])
     assert "Top-θ" in ax.get_title() and "Top-k" in ax.get_title()
     assert len(ax.containers) == 4  # one curve with error bars per sparse series
+    colors = [c.lines[0].get_color() for c in ax.containers]
+    assert len(set(colors)) == 4
+    # Series left out of the figure take no colour: ten others still get ten colours of their own.
+    others = [f"series {i}" for i in range(10)]
+    assert len(set(figures.series_colors(others).values()) - set(figures.SERIES_COLORS.values())) == 10
     gran = figures.granularity_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
     assert list(gran["granularity"].fillna("")) == ["", "layer", "layer-head-n", "layer-head-n"]
     assert list(gran["series"]) == ["Baseline"] + ["Top-θ post (+VMC)"] * 3 and list(gran["k"][1:]) == [16, 16, 32]

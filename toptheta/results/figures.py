@@ -36,7 +36,8 @@ PREFERRED_METRICS = ("acc_norm,none", "pass@1,none", "rouge_score,none", "rouge_
                      "acc,none", "score,none")
 SERIES_ORDER = ("Baseline", "Top-θ pre (+SDC +VMC)", "Top-θ post (+VMC)", "Top-k pre (+SDC +VMC)", "Top-k post (+VMC)")
 SERIES_COLORS = dict(zip(SERIES_ORDER, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red")))
-OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray", "gold", "navy", "teal",
+                "magenta")
 X_LABELS = {"kept_attention_fraction": "kept attention elements (fraction)",
             "kept_vrow_fraction": "kept V rows (fraction)"}
 NUMERIC = ("k", "num_fewshot", "limit", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction",
@@ -293,19 +294,22 @@ def tradeoff_figure(summary: pd.DataFrame, *, model: str, task: str, metric: str
     if x not in X_LABELS:
         raise ValueError(f"x={x!r}: use one of {', '.join(X_LABELS)}")
     table = tradeoff_table(summary, model=model, task=task, metric=metric, num_fewshot=num_fewshot, limit=limit)
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    drawn = [name for name in dict.fromkeys(table["series"]) if name == "Baseline"
+             or (name in series if series is not None else main_series(name))]
+    crowded = len(drawn) > 5  # the legend goes below the axes, where it hides no point
+    fig = Figure(figsize=(6.4, 4.2 + (0.15 * len(drawn) if crowded else 0.0)), layout="constrained")
     ax = fig.add_subplot()
-    colors = series_colors(list(table["series"]))
+    colors = series_colors(drawn)  # colours for the series drawn only: the table's others would use some up
     lowest = 1.0
     for name, rows in table.groupby("series", sort=False):
+        if name not in drawn:
+            continue
         color = colors[name]
         if name == "Baseline":
             value, stderr = rows["value"].iloc[0], rows["stderr"].iloc[0]
             ax.axhline(value, color=color, lw=1.2, ls="--", label="Baseline (dense)")
             if pd.notna(stderr):
                 ax.axhspan(value - stderr, value + stderr, color=color, alpha=0.12, lw=0)
-            continue
-        if (series is not None and name not in series) or (series is None and not main_series(name)):
             continue
         rows = rows[rows[x].notna() & (rows[x] > 0)].sort_values(x)
         if rows.empty:
@@ -323,7 +327,10 @@ def tradeoff_figure(summary: pd.DataFrame, *, model: str, task: str, metric: str
     ax.set_title("Top-θ and Top-k (SDC, VMC): " + group_title(model, task, _full_metric(metric), *_setting(table)),
                  fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="best")
+    if crowded:
+        fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside lower center", ncols=2)
+    else:
+        ax.legend(fontsize=7, loc="best")
     return fig
 
 
