@@ -137,12 +137,13 @@ def write_ablations(outputs: Outputs, summary, results: Path) -> None:
                            f"Numbers: `{name}.csv`.\n\n" + _runs_note(table))
 
 
-def write_passkey(outputs: Outputs, summary) -> None:
+def write_passkey(outputs: Outputs, summary, results: Path) -> None:
     for model in ablations.passkey_models(summary):
-        table = ablations.passkey_table(summary, model)
+        table = ablations.passkey_table(summary, model, results_dir=results)
         name = slug("passkey", model, "accuracy_by_length")
-        note = ("Kept fractions per length appear only where the run recorded per-length statistics "
-                "(stats_scope = task); pooled statistics are not copied onto per-length rows.\n\n")
+        note = ("correct of prompts_at_length: counted in each run's samples; ci_low, ci_high: the 95 % Wilson "
+                "interval of that proportion. Kept fractions per length appear only where the run recorded per-length "
+                "statistics (stats_scope = task); pooled statistics are not copied onto per-length rows.\n\n")
         outputs.table(name, table, f"Passkey accuracy by context length: {model}", note)
         outputs.figure(f"{name}-fig", ablations.passkey_figure(table, model),
                        f"Passkey accuracy by context length: {model}",
@@ -220,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     outputs = Outputs(out, command, results / "summary.csv")
     write_tradeoffs(outputs, summary)
     write_ablations(outputs, summary, results)
-    write_passkey(outputs, summary)
+    write_passkey(outputs, summary, results)
     write_per_layer(outputs, results)
     write_thresholds(outputs, results)
     write_vrow_popularity(outputs, results)

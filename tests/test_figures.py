@@ -363,8 +363,34 @@ def test_passkey_runs_over_other_prompt_sets_are_their_own_lines():
     table = ablations.passkey_table(pd.DataFrame(rows), "m")
     assert set(table["prompts"]) == {6, 60}
     fig = ablations.passkey_figure(table, "m")
-    labels = sorted(line.get_label() for line in fig.axes[0].get_lines())
+    labels = sorted(fig.axes[0].get_legend_handles_labels()[1])
     assert labels == sorted(["Baseline (6 prompts)", "Baseline (60 prompts)", "Top-k post (+VMC), k=64 (6 prompts)",
                              "Top-k post (+VMC), k=64 (60 prompts)"])
     one = ablations.passkey_figure(table[table["prompts"] == 60], "m")
-    assert sorted(line.get_label() for line in one.axes[0].get_lines()) == ["Baseline", "Top-k post (+VMC), k=64"]
+    assert sorted(one.axes[0].get_legend_handles_labels()[1]) == ["Baseline", "Top-k post (+VMC), k=64"]
+
+
+def test_passkey_counts_and_wilson_intervals_come_from_the_samples(tmp_path):
+    from toptheta.results import ablations
+    from toptheta.results.store import RunStore
+
+    # 19 of 20 keys found at 2048 tokens, 20 of 20 at 4096; an older run's samples name only the real length.
+    samples = ([{"target_tokens": 2048, "length_tokens": 2040, "correct": i > 0} for i in range(20)]
+               + [{"target_tokens": 4096, "length_tokens": 4090, "correct": True} for _ in range(20)])
+    old = [{"length_tokens": 2030, "correct": True}, {"length_tokens": 4100, "correct": False}]
+    store = RunStore(tmp_path)
+    rows = []
+    for run, these in (("new", samples), ("old", old)):
+        store.write_run(run, config={"model": {"name": "m"}}, lm_eval_results={"samples": these},
+                        stats={}, thresholds_ref=None)
+        for n in (2048, 4096):
+            rows.append({"run_id": run, "model": "m", "sparsifier": "dense", "placement": None, "k": None, "comp": "none",
+                         "task": f"passkey_{n}", "limit": len(these),
+                         "metric": "accuracy,none", "value": 1.0, "timestamp": run})
+    table = ablations.passkey_table(pd.DataFrame(rows), "m", results_dir=tmp_path).set_index(["run_id", "length"])
+    assert table.loc[("new", 2048), ["correct", "prompts_at_length"]].tolist() == [19, 20]
+    assert table.loc[("old", 4096), ["correct", "prompts_at_length"]].tolist() == [0, 1]
+    low, high = table.loc[("new", 4096), ["ci_low", "ci_high"]]
+    assert low == pytest.approx(0.8389, abs=1e-4) and high == 1.0  # Wilson, 20 of 20
+    assert ablations.wilson_interval(19, 20) == pytest.approx((0.7639, 0.9911), abs=1e-4)
+    assert ablations.passkey_table(pd.DataFrame(rows), "m")["ci_low"].isna().all()  # no store, no counts

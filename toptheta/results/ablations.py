@@ -191,13 +191,45 @@ def ablation_figure(table: pd.DataFrame, ablation: str | Ablation, title: str) -
 # ---------------------------------------------------------------- passkey: accuracy per context length
 
 
-PASSKEY_COLUMNS = ["series", "k", "prompts", "length", "value", "kept_attention_fraction", "kept_vrow_fraction",
-                   "stats_scope", "run_id"]
+PASSKEY_COLUMNS = ["series", "k", "prompts", "length", "value", "correct", "prompts_at_length", "ci_low", "ci_high",
+                   "kept_attention_fraction", "kept_vrow_fraction", "stats_scope", "run_id"]
 
 
-def passkey_table(summary: pd.DataFrame, model: str) -> pd.DataFrame:
+def wilson_interval(correct: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95 % by default): unlike p ± z·stderr it is not
+    [1, 1] for 20 correct of 20, it says how low the accuracy could be (0.84 there)."""
+    if n < 1:
+        raise ValueError("an interval needs at least one prompt")
+    p, z2 = correct / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * (p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _passkey_counts(run_dir: Path, lengths: list[int]) -> dict[int, tuple[int, int]]:
+    """length -> (correct, prompts) from a run's per-prompt samples; {} without them. Older samples carry only
+    the prompt's real token count: they go to the nearest of the run's lengths."""
+    from .store import read_samples, samples_path
+
+    path = samples_path(run_dir)
+    if path is None or not lengths:
+        return {}
+    samples = read_samples(path)
+    if isinstance(samples, dict):  # lm-eval's layout, task -> samples
+        samples = samples.get("passkey", [])
+    counts: dict[int, list[int]] = {}
+    for sample in samples:
+        length = sample.get("target_tokens") or min(lengths, key=lambda n: abs(n - sample["length_tokens"]))
+        counts.setdefault(int(length), [0, 0])
+        counts[int(length)][0] += bool(sample["correct"])
+        counts[int(length)][1] += 1
+    return {length: (c, n) for length, (c, n) in counts.items()}
+
+
+def passkey_table(summary: pd.DataFrame, model: str, results_dir: str | Path | None = None) -> pd.DataFrame:
     """Per-length passkey rows (task passkey_<n>) of one model: series, k, the run's prompt count (its limit: runs
-    over other lengths or depths are other settings), length, accuracy and its statistics."""
+    over other lengths or depths are other settings), length, accuracy and its statistics. With `results_dir`,
+    the correct and total prompts per length come from each run's samples, with a 95 % Wilson interval."""
     df = figures.latest(summary)
     df = df[(df["model"] == model) & df["task"].astype(str).str.fullmatch(r"passkey_\d+")].copy()
     if df.empty:
@@ -205,6 +237,13 @@ def passkey_table(summary: pd.DataFrame, model: str) -> pd.DataFrame:
     df["length"] = df["task"].str.removeprefix("passkey_").astype(int)
     df["series"] = [figures.series_label(r) for r in df.to_dict("records")]
     df["prompts"] = pd.to_numeric(df["limit"], errors="coerce").astype("Int64") if "limit" in df else pd.NA
+    counts = {run: _passkey_counts(Path(results_dir) / "runs" / str(run), sorted(rows["length"]))
+              for run, rows in df.groupby("run_id")} if results_dir is not None else {}
+    cells = [counts.get(run, {}).get(length) for run, length in zip(df["run_id"], df["length"])]
+    df["correct"] = pd.array([c[0] if c else None for c in cells], dtype="Int64")
+    df["prompts_at_length"] = pd.array([c[1] if c else None for c in cells], dtype="Int64")
+    intervals = [wilson_interval(*c) if c else (float("nan"), float("nan")) for c in cells]
+    df["ci_low"], df["ci_high"] = [i[0] for i in intervals], [i[1] for i in intervals]
     df = df.sort_values(["series", "k", "prompts", "length"], key=figures._sort_key, kind="stable")
     return df[[c for c in PASSKEY_COLUMNS if c in df]].reset_index(drop=True)
 
@@ -224,13 +263,21 @@ def passkey_figure(table: pd.DataFrame, title: str) -> Figure:
         name = series if pd.isna(k) else f"{series}, k={figures._num(k)}"
         names.append(f"{name} ({figures._num(prompts)} prompts)" if several and not pd.isna(prompts) else name)
     colors = figures.series_colors(names)
-    for ((series, _, _), rows), name in zip(groups, names):
-        ax.plot(rows["length"], rows["value"], marker="o", ms=4, lw=1.2, label=name,
-                color="black" if series == "Baseline" and not several else colors.get(name))
+    markers = "osD^vP*X"
+    for i, (((series, _, _), rows), name) in enumerate(zip(groups, names)):
+        # Series often coincide (all keys found): each sits a little to the side of the true length.
+        x = rows["length"] * 2 ** (0.04 * (i - (len(groups) - 1) / 2))
+        low, high = rows["ci_low"].astype(float), rows["ci_high"].astype(float)
+        yerr = [(rows["value"] - low).fillna(0.0).clip(lower=0), (high - rows["value"]).fillna(0.0).clip(lower=0)]
+        ax.errorbar(x, rows["value"], yerr=yerr, marker=markers[i % len(markers)], ms=4, lw=1.2, capsize=3,
+                    label=name, color="black" if series == "Baseline" and not several else colors.get(name))
     ax.set_xscale("log", base=2)
+    lengths = sorted(table["length"].unique())
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
     ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("context length (tokens, log scale)")
-    ax.set_ylabel("passkey accuracy")
+    ax.set_xlabel("context length (tokens, log scale; series side by side)")
+    ax.set_ylabel("passkey accuracy (95 % Wilson interval)")
     ax.set_title(f"Top-θ and Top-k long-context retrieval: {title}", fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="best")
