@@ -139,27 +139,39 @@ def _store_with_verdict_cases(root, small_setting: bool = False):
     add("topk", "pre", 8, "none", pre, 0.2)
     add("topk", "post", 8, "none", post, 0.2)
     add("topk", "post", 8, "vmc", dense.copy(), 0.18, layer_k=None, stderr=0.05, samples=False)
-    if small_setting:  # the same setting on its first 100 questions, where a sparse run lost 30 points
+    if small_setting:  # the same setting on its first 100 questions: Top-θ k=8 (also on 800) lost 30 points there;
+        # Top-k post + VMC at k=4, measured on these 100 only, agrees with dense
         add("dense", None, None, "none", dense[:100], 1.0)
         worse = dense[:100].copy()
         worse[np.nonzero(worse == 1)[0][:30]] = 0.0
-        add("toptheta", "post", 4, "vmc", worse, 0.1)
+        add("toptheta", "post", 8, "vmc", worse, 0.1)
+        add("topk", "post", 4, "vmc", dense[:100].copy(), 0.1)
 
 
-def test_a_setting_measured_on_more_questions_speaks_for_its_smaller_sample(tmp_path):
+def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sample(tmp_path):
     from toptheta.results import verdicts
     from toptheta.results.store import load_summary
 
     _store_with_verdict_cases(tmp_path, small_setting=True)
-    claim6 = verdicts.verdicts(load_summary(tmp_path), tmp_path)[5]
+    summary = load_summary(tmp_path)
+    rows = verdicts.store_rows(summary)
+    small = rows[rows["g_limit"].astype(str) == "100"]
+    theta_100 = small.loc[small["sparsifier"] == "toptheta", "run_id"].item()
+    topk_100 = small.loc[small["sparsifier"] == "topk", "run_id"].item()
+    assert verdicts._superseded_runs(rows) == {theta_100}  # Top-k k=4 was measured on the 100 questions only
+    claim6 = verdicts.verdicts(summary, tmp_path)[5]
+    # One setting (model, task, shots, metric) whatever the number of questions: one line, decided by the best run.
     assert claim6.verdict == "holds" and [p["group"] for p in claim6.pairs] == ["tiny · arc_easy (0-shot, limit 800) · acc_norm"]
-    assert "left out, measured on more questions elsewhere: tiny · arc_easy (0-shot, limit 100) · acc_norm" in claim6.note
-    kept = verdicts._superseded_groups
-    try:  # without the rule the small setting's loss decides the claim
-        verdicts._superseded_groups = lambda rows: set()
-        assert verdicts.verdicts(load_summary(tmp_path), tmp_path)[5].verdict == "fails"
+    assert "their configuration measured on more questions: tiny · arc_easy (0-shot, limit 100) · acc_norm" in claim6.note
+    candidates = int(claim6.pairs[0]["method"].split("best of ")[1].split()[0])
+    kept = verdicts._superseded_runs
+    try:  # without the rule the 100-question Top-θ run would be one more candidate
+        verdicts._superseded_runs = lambda rows: set()
+        again = verdicts.verdicts(summary, tmp_path)[5]
+        assert int(again.pairs[0]["method"].split("best of ")[1].split()[0]) == candidates + 1
     finally:
-        verdicts._superseded_groups = kept
+        verdicts._superseded_runs = kept
+    assert topk_100 not in verdicts._superseded_runs(rows)
 
 
 def test_verdict_rules():
@@ -225,7 +237,7 @@ def test_verdicts_on_a_synthetic_store(tmp_path):
     text = readme.read_text()
     assert text.startswith("# Results\n\nhand-written intro") and text.rstrip().endswith("tail") and "STALE SECTION" not in text
     assert "| 2. post-softmax beats pre-softmax |" in text and "| fails |" in text
-    assert "2. post-softmax beats pre-softmax: measured -0.075" in text  # where the small models disagree
+    assert "2. post-softmax beats pre-softmax: fails, measured -0.075" in text  # where the small models disagree
     first = text
     assert script.main(["--results", str(tmp_path)]) == 0 and readme.read_text() == first  # deterministic
 
