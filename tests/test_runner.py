@@ -224,3 +224,31 @@ def test_layer_k_covering_every_layer_is_warned_about(caplog):
     with pytest.raises(ValueError, match="nothing would be sparsified"):
         pipeline.check_sparsifies({**sparsifier, "layer_k": {0: 512, 1: 512}}, 2, 512, "m")
     pipeline.check_sparsifies({**sparsifier, "layer_k": {0: 512, 1: 512}}, 6, 512, "m")  # layers 2-5 at k = 64
+
+
+def test_a_stop_file_finishes_the_run_in_hand_and_starts_no_other(tmp_path, monkeypatch):
+    """`touch <results_dir>/STOP`: a long sweep stops at a run boundary, losing nothing; removing it goes on."""
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    overrides = ("model=tiny-llama", "sparsifier=topk", "sparsifier.k=4", "sparsifier.layer_k=null", "task=smoke",
+                 "task.limit=2", f"results_dir={tmp_path}")
+    executed = []
+    real = pipeline.execute
+
+    def execute_then_stop(spec, *args, **kwargs):
+        real(spec, *args, **kwargs)
+        executed.append(spec.run_id)
+        pipeline.stop_file(tmp_path).touch()  # asked to stop while the first run (the dense baseline) ran
+
+    monkeypatch.setattr(pipeline, "execute", execute_then_stop)
+    pipeline.run(cfg(*overrides))
+    assert len(executed) == 1 and (tmp_path / "runs" / executed[0] / "DONE").is_file()
+    import toptheta.models
+
+    with monkeypatch.context() as m:
+        m.setattr(toptheta.models, "load_model", lambda *a, **k: pytest.fail("loaded a model while stopped"))
+        pipeline.run(cfg(*overrides))  # still stopped: nothing starts, nothing loads
+    assert len(executed) == 1
+    pipeline.stop_file(tmp_path).unlink()
+    monkeypatch.setattr(pipeline, "execute", real)
+    pipeline.run(cfg(*overrides))
+    assert len(list((tmp_path / "runs").glob("*/DONE"))) == 2

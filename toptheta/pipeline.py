@@ -346,6 +346,20 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     return rows
 
 
+STOP_FILE = "STOP"
+
+
+def stop_file(results_dir: str | Path) -> Path:
+    """`<results_dir>/STOP`: while it exists, runs in progress finish and no new one starts (a sweep's remaining
+    jobs skip theirs), so a long sweep can be stopped without losing the run in hand; delete it and rerun the
+    sweep's command to go on."""
+    return Path(results_dir) / STOP_FILE
+
+
+def stop_requested(results_dir: str | Path) -> bool:
+    return stop_file(results_dir).exists()
+
+
 def run(cfg: DictConfig):
     """The main flow of ``python run.py``; returns the comparison table (a pandas DataFrame)."""
     from .models import load_model
@@ -363,6 +377,9 @@ def run(cfg: DictConfig):
     for spec in specs:
         if spec not in todo:
             log.info("%s: identical run %s already finished; skipping (force=true reruns it)", spec.label, spec.run_id)
+    if todo and stop_requested(cfg.results_dir):
+        log.warning("%s exists: not starting %d run(s) (remove it to go on)", stop_file(cfg.results_dir), len(todo))
+        todo = []
     if todo and cfg.task.kind == "humaneval":  # refuse unisolated code execution before loading anything
         from .evaluation.sandbox import require_isolation
 
@@ -388,6 +405,10 @@ def run(cfg: DictConfig):
 
             with torch.no_grad():
                 for spec in todo:
+                    if stop_requested(cfg.results_dir):  # finish the run in hand, start no other
+                        log.warning("%s exists: stopping before %s (remove it to go on)", stop_file(cfg.results_dir),
+                                    spec.label)
+                        break
                     # The claim makes parallel jobs (a sweep's launcher, several shells) compute each run once:
                     # a job that finds it claimed waits, then reuses what the other one stored.
                     with store.claim(spec.run_id):
