@@ -163,6 +163,7 @@ def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sampl
     # One setting (model, task, shots, metric) whatever the number of questions: one line, decided by the best run.
     assert claim6.verdict == "holds" and [p["group"] for p in claim6.pairs] == ["tiny · arc_easy (0-shot, limit 800) · acc_norm"]
     assert "their configuration measured on more questions: tiny · arc_easy (0-shot, limit 100) · acc_norm" in claim6.note
+    assert claim6.note.startswith("settings: 1 holds;")
     candidates = int(claim6.pairs[0]["method"].split("best of ")[1].split()[0])
     kept = verdicts._superseded_runs
     try:  # without the rule the 100-question Top-θ run would be one more candidate

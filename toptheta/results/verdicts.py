@@ -292,7 +292,9 @@ def _several_fold(main: pd.DataFrame, rows: pd.DataFrame, results_dir: Path | No
         v.effect, v.ci_low, v.ci_high = worst["diff"], worst["ci_low"], worst["ci_high"]
     if per_setting:
         v.verdict = "fails" if "fails" in per_setting else ("holds" if set(per_setting) == {"holds"} else "undecided")
-        v.note = ("best run keeping ≤ 1/3 (V rows for generation tasks) vs dense, per setting (its runs on any "
+        tally = ", ".join(f"{per_setting.count(x)} {x}" for x in ("holds", "fails", "undecided") if x in per_setting)
+        v.note = (f"settings: {tally}; "
+                  "best run keeping ≤ 1/3 (V rows for generation tasks) vs dense, per setting (its runs on any "
                   "number of questions), Bonferroni over the candidates; effect shown: the weakest tested setting's"
                   + (f"; runs left out, their configuration measured on more questions: {', '.join(left_out)}"
                      if left_out else ""))
