@@ -256,3 +256,30 @@ def test_disagreements_name_failures_and_bounded_superiority_claims():
     assert lines[0].startswith("1. tracks: fails, measured -0.030 [-0.050, -0.020] over 1 pairs")
     assert lines[1].startswith("2. beats: no gain of 0.01 or more here") and "at most +0.005" in lines[1]
     assert disagreements(found[2:]) == []
+
+
+def test_humaneval_transfer_is_measured_against_code_calibration(tmp_path):
+    """Verdict 4 for HumanEval (no train split): ARC-Challenge thresholds against HumanEval-disjoint code's."""
+    from toptheta.results import verdicts
+    from toptheta.results.store import RunStore, load_summary, summary_rows
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(1)
+    dense = (rng.random(80) < 0.5).astype(float)
+    for calib_task, outcomes in ((None, dense), ("arc_challenge", dense), ("python_code", dense)):
+        theta = calib_task is not None
+        config = {"model": {"name": "tiny"}, "task": {"name": "humaneval", "limit": 80},
+                  "sparsifier": {"name": "toptheta" if theta else "dense", "placement": "post" if theta else None,
+                                 "k": 64 if theta else None, "layer_k": {"0": 256} if theta else {}},
+                  "comp": {"sdc": None, "sdc_scale": 1.0, "vmc": theta},
+                  "calib": {"task": calib_task, "granularity": "layer-head-n", "num_samples": 32} if theta else None}
+        run_id = store.run_id_for(config)
+        results = {"results": {"humaneval": {"pass@1,none": float(outcomes.mean()), "pass@1_stderr,none": 0.05}},
+                   "samples": [{"task_id": f"HumanEval/{i}", "passed": bool(x)} for i, x in enumerate(outcomes)]}
+        stats = {"kept_attention_fraction": 0.3 if theta else 1.0, "kept_vrow_fraction": 0.4 if theta else 1.0}
+        store.write_run(run_id, config=config, lm_eval_results=results, stats=stats, thresholds_ref=None)
+        store.append_summary(summary_rows(run_id, config, results, stats, commit="c", timestamp="t"))
+    claim4 = verdicts.verdicts(load_summary(tmp_path), tmp_path)[3]
+    assert [(p["a"], p["b"]) for p in claim4.pairs] == [("Top-θ post (+VMC) [cal. arc_challenge]",
+                                                         "Top-θ post (+VMC) [cal. python_code]")]
+    assert claim4.pairs[0]["diff"] == 0.0
