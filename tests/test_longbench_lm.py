@@ -155,6 +155,10 @@ def test_end_to_end_with_chat_template_and_middle_truncation(data_dir, monkeypat
     long_input = tok.decode(max(seen, key=len))
     assert len(max(seen, key=len)) == budget and "HEAD-OF-NEWS" in long_input and "END-OF-NEWS" in long_input
     assert res["configs"]["longbench_multi_news"]["dataset_path"] == "json"
+    from toptheta import pipeline
+
+    counted = pipeline._count_generated(res, tok)  # lm-eval's samples hold each generation as resps[0][0]
+    assert 0 <= counted["generated_tokens"] <= 2 * max_gen_toks
 
 
 def test_shipped_multi_news_resolves():

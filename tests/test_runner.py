@@ -152,6 +152,7 @@ def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkey
     assert not sparse.empty and set(summary["sparsifier"]) == {"dense", "topk"}
     assert (0 < sparse["kept_vrow_fraction"]).all() and (sparse["kept_vrow_fraction"] < 1).all()
     assert summary[summary["sparsifier"] == "dense"]["kept_vrow_fraction"].eq(1.0).all()
+    assert (summary["generated_tokens"] > 0).all()  # how long the model talked, dense and sparse
     if task == "passkey":  # each length has its own statistics; together they make the run's
         lengths = everything[everything["task"].isin(["passkey_300", "passkey_400"]) & (everything["sparsifier"] == "topk")]
         assert len(lengths) == 2 and lengths["stats_scope"].eq("task").all()
@@ -252,3 +253,17 @@ def test_a_stop_file_finishes_the_run_in_hand_and_starts_no_other(tmp_path, monk
     monkeypatch.setattr(pipeline, "execute", real)
     pipeline.run(cfg(*overrides))
     assert len(list((tmp_path / "runs").glob("*/DONE"))) == 2
+
+
+def test_generated_tokens_count_generation_texts_only():
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return text.split()
+
+    ours = pipeline._count_generated({"samples": [{"generation": "a b c"}, {"generation": "d"}]}, Tokenizer())
+    assert ours["generated_tokens"] == 2.0
+    lm_eval = {"samples": {"longbench": [{"resps": [["one two three four"]]}, {"resps": [["five six"]]}]}}
+    assert pipeline._count_generated(lm_eval, Tokenizer())["generated_tokens"] == 3.0
+    choices = {"samples": {"arc_easy": [{"resps": [[[-1.5, False]], [[-0.5, True]]]}]}}  # log-likelihoods
+    assert "generated_tokens" not in pipeline._count_generated(choices, Tokenizer())
+    assert "generated_tokens" not in pipeline._count_generated({}, Tokenizer())

@@ -264,12 +264,33 @@ def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict
                                  num_fewshot=task.get("num_fewshot"), limit=task.get("limit"),
                                  batch_size=task.get("batch_size", 1), max_length=task.get("max_length"),
                                  chat_template=chat, include_path=task.get("include_path"), log_samples=log_samples)
+        _count_generated(results, tokenizer)  # before clipping: a long response would count short
         if results.get("samples"):  # stored per run: few-shot prompts and long contexts clipped
             results["samples"] = clip_samples(results["samples"])
         return results
     from .evaluation.generation import evaluate_generation
 
-    return evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")), stats=stats)
+    results = evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")), stats=stats)
+    return _count_generated(results, tokenizer)
+
+
+def _count_generated(results: dict, tokenizer) -> dict:
+    """Add ``generated_tokens``, the mean length in tokens of the generated texts, to a generation task's results:
+    sparse attention can change how long a model talks (and so a run's cost and its score) as much as what it says.
+    Multiple-choice tasks generate nothing and get none."""
+    samples = results.get("samples") or []
+    rows = [row for rows in samples.values() for row in rows] if isinstance(samples, dict) else list(samples)
+    texts = []
+    for row in rows:
+        text = row.get("generation")  # our generation tasks
+        if text is None:  # lm-eval's generate_until: resps = [[text]]
+            resps = row.get("resps") or [[None]]
+            text = resps[0][0] if resps and isinstance(resps[0], (list, tuple)) and resps[0] else None
+        if isinstance(text, str):
+            texts.append(text)
+    if texts:
+        results["generated_tokens"] = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts) / len(texts)
+    return results
 
 
 def _thresholds_claim(spec: RunSpec, model):
@@ -330,6 +351,8 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
         results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"],
                            log_samples=spec.log_samples, stats=stats)
     summary = {**stats.summary(), **results.pop("task_stats", {}), "seconds": time.time() - t0}
+    if "generated_tokens" in results:
+        summary["generated_tokens"] = results.pop("generated_tokens")
     extra_stats = {"vrow_popularity": recorder.to_dict(group)} if recorder is not None else {}
     if spec.config["sparsifier"]["name"] != "dense" and summary.get("kept_attention_fraction") == 1.0:
         log.warning("%s kept every attention element: no row was longer than its layer's k (sparsifier.k=%s, "

@@ -85,6 +85,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "kept_vrow_fraction",
     "clamped_rows",
     "empty_row_count",
+    "generated_tokens",
     "stats_scope",
     "git_commit",
     "phase",
@@ -123,6 +124,7 @@ STAT_SOURCES: dict[str, tuple[str, ...]] = {
     "kept_vrow_fraction": ("kept_vrow_fraction",),
     "clamped_rows": ("clamped_rows",),  # rows longer than the calibrated lengths (θ of the longest one used)
     "empty_row_count": ("empty_rows", "empty_row_count"),  # Top-θ rows where nothing passed θ
+    "generated_tokens": ("generated_tokens",),  # generation tasks: mean tokens per generated text
 }
 STAT_COLUMNS: tuple[str, ...] = tuple(STAT_SOURCES)
 
