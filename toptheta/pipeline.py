@@ -282,10 +282,9 @@ def _count_generated(results: dict, tokenizer) -> dict:
     rows = [row for rows in samples.values() for row in rows] if isinstance(samples, dict) else list(samples)
     texts = []
     for row in rows:
-        text = row.get("generation")  # our generation tasks
-        if text is None:  # lm-eval's generate_until: resps = [[text]]
-            resps = row.get("resps") or [[None]]
-            text = resps[0][0] if resps and isinstance(resps[0], (list, tuple)) and resps[0] else None
+        text, resps = row.get("generation"), row.get("resps")  # ours; lm-eval's generate_until: resps = [[text]]
+        if text is None and resps and isinstance(resps[0], (list, tuple)) and resps[0]:
+            text = resps[0][0]
         if isinstance(text, str):
             texts.append(text)
     if texts:
