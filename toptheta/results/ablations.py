@@ -195,11 +195,12 @@ PASSKEY_COLUMNS = ["series", "k", "prompts", "length", "value", "correct", "prom
                    "kept_attention_fraction", "kept_vrow_fraction", "stats_scope", "run_id"]
 
 
-def wilson_interval(correct: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """The Wilson score interval of a binomial proportion (95 % by default): unlike p ± z·stderr it is not
-    [1, 1] for 20 correct of 20, it says how low the accuracy could be (0.84 there)."""
+def wilson_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion: unlike p ± z·stderr it is not [1, 1] for 20 correct
+    of 20, it says how low the accuracy could be (0.84 there at 95 %)."""
     if n < 1:
         raise ValueError("an interval needs at least one prompt")
+    z = paired._normal_quantile(0.5 + level / 2)
     p, z2 = correct / n, z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * (p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5
