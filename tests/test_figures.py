@@ -394,3 +394,12 @@ def test_passkey_counts_and_wilson_intervals_come_from_the_samples(tmp_path):
     assert low == pytest.approx(0.8389, abs=1e-4) and high == 1.0  # Wilson, 20 of 20
     assert ablations.wilson_interval(19, 20) == pytest.approx((0.7639, 0.9911), abs=1e-4)
     assert ablations.passkey_table(pd.DataFrame(rows), "m")["ci_low"].isna().all()  # no store, no counts
+
+
+def test_ablation_reference_ties_are_broken_the_same_way_every_time():
+    from toptheta.results import ablations
+
+    transfer = ablations.ABLATIONS["transfer"]
+    for order in (["arc_easy", "arc_challenge"], ["arc_challenge", "arc_easy"]):  # neither is HellaSwag's own
+        cell = pd.DataFrame({"setting": order, "task": ["hellaswag"] * 2})
+        assert ablations._reference(cell, transfer) == "arc_challenge"

@@ -119,7 +119,8 @@ def _reference(cell: pd.DataFrame, ab: Ablation) -> Any:
         if own:
             return own[0]
     numeric = [v for v in values if _num_or_inf(v) != float("inf")]
-    return max(numeric, key=float) if numeric else max(set(values), key=values.count)
+    # the most common value; ties go to the first in sorted order (a set's order changes with each process)
+    return max(numeric, key=float) if numeric else max(sorted(set(values)), key=values.count)
 
 
 def _base_label(row: dict, ab: Ablation) -> str:
