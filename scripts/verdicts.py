@@ -6,8 +6,8 @@ The section between `<!-- verdicts:start -->` and `<!-- verdicts:end -->` is rep
 the markers are missing); the rest of the README is left as it is. It holds: for each claim of the
 paper, the measured effect with its 95 % interval and a verdict (holds / fails / undecided at this
 sample size; rules in toptheta/results/verdicts.py), where the small models disagree with the paper,
-and which command made each file of the store. Deterministic: rerunning on the same store rewrites
-the same bytes.
+the generation tasks' runs at a glance, and which command made each file of the store. Deterministic:
+rerunning on the same store rewrites the same bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from toptheta.results import experiments, verdicts
+from toptheta.results import experiments, figures, verdicts
 from toptheta.results.render import markdown, write_text
 from toptheta.results.store import load_summary
 
@@ -47,6 +47,13 @@ def section(results: Path, command: str) -> str:
         "`experiments/` (smol protocols) before the store can say more."]
     if disagree:
         lines += ["", "Claims not listed here hold, or are undecided with room for the paper's effect."]
+    glance = figures.generation_glance(summary)
+    if not glance.empty:
+        lines += ["", "### Generation tasks at a glance", "",
+                  "Every run of each generation task on its most documents (score: the task's metric ± its standard "
+                  "error; kept fractions as the run measured them; generated tokens: the mean length of a generated "
+                  "text). The trade-off tables and figures in `figures/` hold the same runs with every column.", "",
+                  markdown(glance).rstrip()]
     lines += ["", "### Which command made each file", ""] + provenance(results) + ["", END]
     return "\n".join(lines) + "\n"
 

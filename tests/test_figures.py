@@ -403,3 +403,20 @@ def test_ablation_reference_ties_are_broken_the_same_way_every_time():
     for order in (["arc_easy", "arc_challenge"], ["arc_challenge", "arc_easy"]):  # neither is HellaSwag's own
         cell = pd.DataFrame({"setting": order, "task": ["hellaswag"] * 2})
         assert ablations._reference(cell, transfer) == "arc_challenge"
+
+
+def test_generation_glance_shows_each_generation_task_on_its_most_documents(tmp_path):
+    store = RunStore(tmp_path / "results")
+    _add(store, QA_RUNS[0])  # a QA setting: not a generation task
+    _add(store, QA_RUNS[1])
+    for limit, values in ((5, (0.2, 0.4)), (80, (0.6, 0.55))):
+        _add(store, ("dense", None, None, "none", None, values[0], 0.05, 1.0), task="humaneval", metric="pass@1",
+             limit=limit, vrow=1.0)
+        _add(store, ("topk", "post", 32, "vmc", None, values[1], 0.05, 0.25), task="humaneval", metric="pass@1",
+             limit=limit, vrow=0.125)
+    glance = figures.generation_glance(load_summary(tmp_path / "results"))
+    assert glance["setting"].tolist() == ["tiny-llama · humaneval (0-shot, limit 80) · pass@1"] * 2
+    assert glance["series"].tolist() == ["Baseline", "Top-k post (+VMC)"]
+    assert glance["score"].tolist() == ["0.6000 ± 0.0500", "0.5500 ± 0.0500"]
+    assert glance[["k", "kept attention", "kept V rows"]].values.tolist() == [["", "1.000", "1.000"],
+                                                                              [32, "0.250", "0.125"]]

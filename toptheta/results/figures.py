@@ -252,6 +252,35 @@ def tradeoff_table(summary: pd.DataFrame, *, model: str, task: str, metric: str,
     return df[TABLE_COLUMNS].reset_index(drop=True)
 
 
+GENERATION_METRICS = ("pass@1,none", "rouge_score,none", "rouge_l,none", "qa_f1,none", "accuracy,none")
+
+
+def generation_glance(summary: pd.DataFrame) -> pd.DataFrame:
+    """The generation tasks at a glance: every run of each (model, task) on its most documents, one row each.
+
+    A task counts as generation when the metric it is judged by is one of GENERATION_METRICS (HumanEval,
+    LongBench, passkey and its per-length sub-tasks). Kept fractions and generated tokens as the store has them.
+    """
+    groups = [g for g in tradeoff_groups(summary) if g["metric"] in GENERATION_METRICS]
+    largest: dict[tuple[str, str], dict[str, Any]] = {}
+    for g in groups:  # the setting on the most documents (None: the whole split)
+        key, size = (g["model"], g["task"]), math.inf if g["limit"] is None else g["limit"]
+        if key not in largest or size > (math.inf if largest[key]["limit"] is None else largest[key]["limit"]):
+            largest[key] = g
+    columns = ["setting", "series", "k", "score", "kept attention", "kept V rows", "generated tokens"]
+    rows = []
+    for g in sorted(largest.values(), key=lambda g: (g["model"], g["task"])):
+        table = tradeoff_table(summary, **g)
+        setting = group_title(**g)
+        for r in table.to_dict("records"):
+            shown = {c: "" if pd.isna(r[c]) else format(float(r[c]), spec)
+                     for c, spec in (("kept_attention_fraction", ".3f"), ("kept_vrow_fraction", ".3f"),
+                                     ("generated_tokens", ".0f"))}
+            rows.append([setting, r["series"], "" if pd.isna(r["k"]) else int(r["k"]), r["value_pm_stderr"],
+                         *shown.values()])
+    return pd.DataFrame(rows, columns=columns)
+
+
 def _sort_key(col: pd.Series) -> pd.Series:
     """sort_values key: series in legend order, granularities coarse to fine, other columns as they are."""
     if col.name == "series":
