@@ -248,3 +248,30 @@ def test_jobs_are_the_cartesian_product():
 def test_readme_lists_every_experiment():
     text = (ROOT / "experiments" / "README.md").read_text(encoding="utf-8")
     assert all(f"`{name}`" in text for name in EXPERIMENTS)
+
+
+def _sweep_status_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep_status", ROOT / "scripts" / "sweep_status.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sweep_status_counts_the_runs_a_sweep_plans_and_finds_in_the_store(tmp_path, capsys):
+    script, name = _sweep_status_script(), "longbench/smol"
+    _register_schema()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        empty = script.status(name, str(tmp_path))
+        assert empty["runs"] == 7 and empty["done"] == 0 and len(empty["jobs_left"]) == len(E.jobs(name)) == 6
+        dense = [run_id for label, run_id in empty["left"] if label == "dense"]
+        assert len(dense) == 1  # one baseline shared by every job
+        (tmp_path / "runs" / dense[0]).mkdir(parents=True)
+        (tmp_path / "runs" / dense[0] / "DONE").write_text("")
+        after = script.status(name, str(tmp_path))
+    assert after["done"] == 1 and len(after["left"]) == 6 and len(after["jobs_left"]) == 6
+    assert script.main([name, "--results", str(tmp_path), "--jobs"]) == 0
+    out = capsys.readouterr().out
+    assert "1/7" in out and out.count("python run.py experiment=longbench/smol") == 6
+    assert script.main(["no_such/smol"]) == 2

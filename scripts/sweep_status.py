@@ -1,0 +1,80 @@
+"""How far each experiment's sweep has got in its results store: runs finished, runs left, the jobs still to run.
+
+    python scripts/sweep_status.py [EXPERIMENT ...] [--results DIR] [--jobs]
+
+An experiment's runs are the ones `python run.py -m experiment=<name>` plans: every job of its sweep is composed
+and planned as run.py does (configuration checks included, no model loaded), and a run counts as finished when its
+directory in the store holds DONE. Runs shared between experiments (a dense baseline, an ablation reusing the
+trade-off's runs) count in each. Default: every protocol but `paper` (GPU sweeps), in the store each experiment names
+(`results_dir`, `results/` for the committed ones); `--results` reads another store. `--jobs` lists the override
+lists of the jobs that still have a run to make (`python run.py <overrides>` runs one). Exit status 0 whether or
+not sweeps are complete; 2 on a name that is not an experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from toptheta import pipeline
+from toptheta.config import register
+from toptheta.results import experiments
+from toptheta.results.store import RunStore
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def status(name: str, results: str | None = None) -> dict:
+    """{'experiment', 'results', 'runs', 'done', 'left': [(run label, run id)], 'jobs_left': [override lists]}."""
+    extra = [f"results_dir={results}"] if results else []
+    runs: dict[str, str] = {}  # run id -> label, in plan order
+    jobs_left, store_dir = [], results
+    for job in experiments.jobs(name):
+        cfg = compose("config", overrides=[*job, *extra])
+        store_dir = cfg.results_dir
+        store = RunStore(store_dir)
+        specs = pipeline.plan(cfg)
+        for spec in specs:
+            runs.setdefault(spec.run_id, spec.label)
+        if any(not store.exists(s.run_id) for s in specs):
+            jobs_left.append(job)
+    store = RunStore(store_dir)
+    left = [(label, run_id) for run_id, label in runs.items() if not store.exists(run_id)]
+    return {"experiment": name, "results": str(store_dir), "runs": len(runs), "done": len(runs) - len(left),
+            "left": left, "jobs_left": jobs_left}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="EXPERIMENT",
+                        help="experiments, e.g. qa_tradeoff/smol (default: all but the paper protocols)")
+    parser.add_argument("--results", default=None, help="read this store instead of the one each experiment names")
+    parser.add_argument("--jobs", action="store_true", help="list the jobs that still have a run to make")
+    args = parser.parse_args(argv)
+    known = experiments.list_experiments()
+    names = args.names or [n for n in known if not n.endswith("/paper")]  # the paper protocols are GPU sweeps
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"not an experiment: {', '.join(unknown)}; choose from: {', '.join(known)}", file=sys.stderr)
+        return 2
+    logging.getLogger("toptheta").setLevel(logging.WARNING)  # plan()'s notes are not status
+    register()
+    width = max(map(len, names))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for name in names:
+            s = status(name, args.results)
+            state = "complete" if not s["left"] else f"{len(s['left'])} left"
+            print(f"{name:<{width}}  {s['done']:>3}/{s['runs']:<3} runs finished  ({state}; store {s['results']})")
+            if args.jobs:
+                for job in s["jobs_left"]:
+                    print("    python run.py " + " ".join(job))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
