@@ -163,6 +163,18 @@ def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkey
         record = stats["vrow_popularity"]
         assert (record["layer"], record["group"], record["steps"], len(record["counts"])) == (3, 1, 3, 3)
         assert 0 < max(max(step) for step in record["counts"]) <= record["heads_per_group"]
+        dense = json.loads((tmp_path / "runs" / summary.loc[summary["sparsifier"] == "dense", "run_id"].iloc[0]
+                            / "stats.json").read_text())
+        assert "vrow_popularity" not in dense  # dense keeps every V row: nothing to record
+
+
+def test_runs_recording_popularity_at_other_layers_share_one_dense_baseline():
+    def ids(layer):
+        return [s.run_id for s in pipeline.plan(cfg("model=tiny-llama", "task=humaneval", "sparsifier=topk",
+                                                    "comp=vmc", f"task.vrow_popularity={{layer:{layer}}}"))]
+    (dense_a, sparse_a), (dense_b, sparse_b) = ids(1), ids(2)
+    assert dense_a == dense_b and sparse_a != sparse_b
+    assert dense_a == pipeline.plan(cfg("model=tiny-llama", "task=humaneval", "sparsifier=topk", "comp=vmc"))[0].run_id
 
 
 def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):

@@ -86,7 +86,10 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     store = RunStore(c["results_dir"])
     specs = []
     if c.get("baseline", True) and sparsifier["name"] != "dense":
-        specs.append(_spec(store, base, {"name": "dense", "placement": None, "k": None, "layer_k": {}},
+        # Dense attention keeps every V row: its popularity is no record, and without it sparse runs recording
+        # other layers share one baseline.
+        dense_base = {**base, "task": {k: v for k, v in evaluation.items() if k != "vrow_popularity"}}
+        specs.append(_spec(store, dense_base, {"name": "dense", "placement": None, "k": None, "layer_k": {}},
                            {"sdc": None, "sdc_scale": 1.0, "vmc": False}, None, "dense"))
     calib_cfg = None
     if needs_thresholds:
