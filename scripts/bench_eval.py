@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import toptheta  # noqa: E402
+from toptheta.pipeline import calibrate_on_task  # noqa: E402
 from toptheta.results import bench_report  # noqa: E402
 from toptheta.evaluation import lm_eval_adapter as adapter  # noqa: E402
 from toptheta.evaluation.tasks import check_tasks, resolve_data_dir, task_include_paths  # noqa: E402
@@ -64,11 +65,9 @@ def thresholds_for(model, tokenizer, task: str, k: int, data_dir, calib_docs: in
     path = cache / f"smollm2-135m_{task}_k{k}_post_docs{calib_docs}.safetensors"
     if path.is_file():
         return toptheta.Thresholds.load(path, model)
-    requests = adapter.calibration_requests(tokenizer, task, data_dir=data_dir, num_fewshot=0, limit=calib_docs,
-                                            max_length=adapter.hflm_max_length(model, tokenizer), seed=0)
-    print(f"calibrating k={k} on {len(requests)} sequences of {task} train", flush=True)
-    thresholds = toptheta.calibrate(model, [[r] for r in requests], k=k, placement="post", layer_k=LAYER_K,
-                                    progress=False)
+    print(f"calibrating k={k} on {calib_docs} documents of {task} train", flush=True)
+    thresholds = calibrate_on_task(model, tokenizer, task, data_dir=data_dir, num_fewshot=0, num_samples=calib_docs,
+                                   k=k, placement="post", layer_k=LAYER_K, progress=False)
     thresholds.save(path)
     return thresholds
 

@@ -216,10 +216,23 @@ def thresholds_dir() -> Path:
     return Path(root) / "thresholds"
 
 
+def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
+                      max_length: int | None = None, seed: int = 0, **options):
+    """Thresholds calibrated on the first `num_samples` train documents of one of our tasks (None: all), each
+    scored as its lm-eval request is (`num_fewshot` shots, cut to `max_length`, the model's limit by default);
+    `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...)."""
+    from .calibration import calibrate
+    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
+
+    requests = calibration_requests(tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot, limit=num_samples,
+                                    max_length=max_length or hflm_max_length(model, tokenizer), seed=seed)
+    log.info("calibrating on %d sequences of %s (train split)", len(requests), task)
+    return calibrate(model, [[r] for r in requests], seed=seed, **options)
+
+
 def obtain_thresholds(spec: RunSpec, model, tokenizer):
     """Load cached thresholds for this calibration key, or calibrate and cache them."""
-    from .calibration import Thresholds, calibrate, model_fingerprint
-    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
+    from .calibration import Thresholds, model_fingerprint
 
     calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
     path = thresholds_dir() / spec.config["model"]["name"] / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
@@ -227,17 +240,14 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     if path.is_file():
         log.info("thresholds: reusing %s", path)
         return Thresholds.load(path, model, **options), str(path)
-    max_length = spec.config["model"].get("max_length") or hflm_max_length(model, tokenizer)
-    requests = calibration_requests(tokenizer, calib["task"], data_dir=spec.config["data_dir_path"],
-                                    num_fewshot=calib.get("num_fewshot"), limit=calib.get("num_samples"),
-                                    max_length=max_length, seed=calib.get("seed", 0))
-    log.info("calibrating on %d sequences of %s (train split)", len(requests), calib["task"])
     t0 = time.time()
-    thresholds = calibrate(
-        model, [[r] for r in requests], k=sparsifier["k"], placement=sparsifier["placement"],
+    thresholds = calibrate_on_task(
+        model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
+        num_samples=calib.get("num_samples"), max_length=spec.config["model"].get("max_length"),
+        seed=calib.get("seed", 0), k=sparsifier["k"], placement=sparsifier["placement"],
         layer_k=sparsifier.get("layer_k"), statistic=calib.get("statistic", "order"),
         sigma_add=calib.get("sigma_add", 0.1), granularity=calib.get("granularity", "layer-head-n"),
-        tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0), seed=calib.get("seed", 0),
+        tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0),
         compensations=_compensation(spec.config["comp"]), compensation=calib.get("compensation", "run"),
         generate_tokens=int(calib.get("decode_tokens") or 0),
         metadata={"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
