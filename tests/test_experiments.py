@@ -248,6 +248,9 @@ def test_jobs_are_the_cartesian_product():
 def test_readme_lists_every_experiment():
     text = (ROOT / "experiments" / "README.md").read_text(encoding="utf-8")
     assert all(f"`{name}`" in text for name in EXPERIMENTS)
+    rows = {cells[1].strip("` "): cells[2].strip() for line in text.splitlines() if line.startswith("| `")
+            for cells in [line.split("|")]}
+    assert {name: rows.get(name) for name in EXPERIMENTS} == {name: str(len(E.jobs(name))) for name in EXPERIMENTS}
 
 
 def _sweep_status_script():
