@@ -33,18 +33,18 @@ def status(name: str, results: str | None = None) -> dict:
     """{'experiment', 'results', 'runs', 'done', 'left': [(run label, run id)], 'jobs_left': [override lists]}."""
     extra = [f"results_dir={results}"] if results else []
     runs: dict[str, str] = {}  # run id -> label, in plan order
-    jobs_left, store_dir = [], results
+    jobs_left, stores = [], set()
     for job in experiments.jobs(name):
         cfg = compose("config", overrides=[*job, *extra])
-        store_dir = cfg.results_dir
-        store = RunStore(store_dir)
+        stores.add(cfg.results_dir)
+        store = RunStore(cfg.results_dir)
         specs = pipeline.plan(cfg)
         for spec in specs:
             runs.setdefault(spec.run_id, spec.label)
         if any(not store.exists(s.run_id) for s in specs):
             jobs_left.append(job)
-    store = RunStore(store_dir)
-    left = [(label, run_id) for run_id, label in runs.items() if not store.exists(run_id)]
+    (store_dir,) = stores  # an experiment sets results_dir once, for all its jobs
+    left = [(label, run_id) for run_id, label in runs.items() if not RunStore(store_dir).exists(run_id)]
     return {"experiment": name, "results": str(store_dir), "runs": len(runs), "done": len(runs) - len(left),
             "left": left, "jobs_left": jobs_left}
 
