@@ -262,10 +262,13 @@ def generation_glance(summary: pd.DataFrame) -> pd.DataFrame:
     LongBench, passkey and its per-length sub-tasks). Kept fractions and generated tokens as the store has them.
     """
     groups = [g for g in tradeoff_groups(summary) if g["metric"] in GENERATION_METRICS]
+    def size(g: dict[str, Any]) -> float:  # documents evaluated (limit None: the whole split)
+        return math.inf if g["limit"] is None else g["limit"]
+
     largest: dict[tuple[str, str], dict[str, Any]] = {}
-    for g in groups:  # the setting on the most documents (None: the whole split)
-        key, size = (g["model"], g["task"]), math.inf if g["limit"] is None else g["limit"]
-        if key not in largest or size > (math.inf if largest[key]["limit"] is None else largest[key]["limit"]):
+    for g in groups:
+        key = (g["model"], g["task"])
+        if key not in largest or size(g) > size(largest[key]):
             largest[key] = g
     columns = ["setting", "series", "k", "score", "kept attention", "kept V rows", "generated tokens"]
     rows = []
