@@ -98,7 +98,7 @@ def test_outcomes_from_each_sample_format(tmp_path):
 # ---------------------------------------------------------------- verdicts on a synthetic store
 
 
-def _store_with_verdict_cases(root, small_setting: bool = False):
+def _store_with_verdict_cases(root, small_setting: bool = False, small_pairs: bool = False):
     """arc_easy, 800 questions (identical answers bound a difference to ±0.0055 at 98.75 %, the Bonferroni level for
     claim 6's 4 candidates): dense; Top-θ and Top-k post + VMC at k=8 agreeing with dense on all but 2
     questions (claim 1 holds, claim 6 holds: kept 0.2); Top-k post at k=8 wrong on 60 questions Top-k pre gets
@@ -146,6 +146,9 @@ def _store_with_verdict_cases(root, small_setting: bool = False):
         worse[np.nonzero(worse == 1)[0][:30]] = 0.0
         add("toptheta", "post", 8, "vmc", worse, 0.1)
         add("topk", "post", 4, "vmc", dense[:100].copy(), 0.1)
+    if small_pairs:  # on the first 100 too: Top-k post + VMC k=8 (also on 800) and Top-θ post + VMC k=4 (100 only)
+        add("topk", "post", 8, "vmc", dense[:100].copy(), 0.2)
+        add("toptheta", "post", 4, "vmc", dense[:100].copy(), 0.1)
 
 
 def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sample(tmp_path):
@@ -173,6 +176,27 @@ def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sampl
     finally:
         verdicts._superseded_runs = kept
     assert topk_100 not in verdicts._superseded_runs(rows)
+
+
+def test_a_pair_measured_on_more_questions_counts_once(tmp_path):
+    """Top-θ and Top-k post + VMC at k=8 were compared on 800 questions and again on their first 100 (where
+    Top-θ lost 30 points): claim 1 pools the 800-question pair only, else those 100 questions would weigh twice.
+    The k=4 pair, measured on the 100 only, still counts."""
+    from toptheta.results import verdicts
+    from toptheta.results.store import load_summary
+
+    _store_with_verdict_cases(tmp_path, small_setting=True, small_pairs=True)
+    summary = load_summary(tmp_path)
+    claim1 = verdicts.verdicts(summary, tmp_path)[0]
+    assert sorted((p["k"], p["group"].split("limit ")[1][:3]) for p in claim1.pairs) == [(4, "100"), (8, "800")]
+    assert claim1.verdict == "holds"
+    kept = verdicts._pair_superseded
+    try:  # without the rule the 100-question k=8 pair enters too and drags the pooled effect below the margin
+        verdicts._pair_superseded = lambda a, b, sizes: False
+        again = verdicts.verdicts(summary, tmp_path)[0]
+    finally:
+        verdicts._pair_superseded = kept
+    assert len(again.pairs) == 3 and again.effect < claim1.effect - 0.02 and again.verdict != "holds"
 
 
 def test_verdict_rules():

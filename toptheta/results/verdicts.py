@@ -3,10 +3,12 @@
 Each claim compares pairs of runs that differ in one respect and agree on everything else (model, task,
 shots, questions, k, calibration). A pair's difference in the task metric comes with a 95 % interval:
 paired per question when both runs kept per-sample outputs (paired.py), else from the two stderrs.
-A claim's effect is the mean of its pairs' differences weighted by their numbers of questions; its interval comes from one bootstrap that
-resamples each task's questions once for all pairs on that task (`paired.pooled_bootstrap`: the pairs
-share questions and baselines, so they are not independent). That interval decides, with a margin δ
-of one point (0.01) where the claim is "no worse than":
+A claim's effect is the mean of its pairs' differences weighted by their numbers of questions; its interval
+comes from one bootstrap that resamples each task's questions once for all pairs on that task
+(`paired.pooled_bootstrap`: the pairs share questions and baselines, so they are not independent). A pair
+whose two configurations were also measured on more questions of the same setting (e.g. ARC-Easy's first
+500 and the whole split) speaks from the larger sample only, so no question weighs twice. The interval decides,
+with a margin δ of one point (0.01) where the claim is "no worse than":
 
     superiority  (A beats B)          holds: low > 0       fails: high < 0      else undecided
     non-inferiority (A ≈ B, ≤ δ loss) holds: low > −δ      fails: high < −δ     else undecided
@@ -130,12 +132,18 @@ CALIBRATION = ("calib_task", "calib_statistic", "sigma_add", "tac", "calib_docum
 IN_DOMAIN = {"humaneval": "python_code"}
 
 
-def _pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir, accept=None) -> list[dict]:
+def _pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir, accept=None,
+           sizes: dict[tuple, set[float]] | None = None) -> list[dict]:
+    """Every (a, b) in one group picked by pick_a / pick_b, equal on `match`; with `sizes` (_sample_sizes of all
+    rows) a pair whose two configurations were both measured on more questions of the setting is left to that
+    larger sample (the same questions must not count twice)."""
     out = []
     for _, group in rows.groupby("group", sort=True):
         for _, a in group[group.apply(pick_a, axis=1)].iterrows():
             for _, b in group[group.apply(pick_b, axis=1)].iterrows():
                 if a["run_id"] == b["run_id"] or not _same(a, b, match) or (accept and not accept(a, b)):
+                    continue
+                if sizes is not None and _pair_superseded(a, b, sizes):
                     continue
                 d, data = _compare(a, b, results_dir)
                 if not usable(d):
@@ -169,6 +177,7 @@ def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> li
     rows = store_rows(summary)
     if rows.empty:
         return [Verdict(c, k) for c, k in CLAIMS]
+    sizes = _sample_sizes(rows)  # a pair speaks from the largest sample holding both its runs' configurations
     main = rows[[figures.main_series(str(s)) for s in rows["series"]]]
     out = []
 
@@ -177,17 +186,19 @@ def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> li
     for placement, comp_theta, comp_k in (("post", "vmc", "vmc"), ("post", "none", "none"), ("pre", "none", "none"),
                                           ("pre", "sdc=exact+vmc", None)):
         if comp_k is None:  # Top-k pre + exact SDC + VMC is Top-k post + VMC (run once)
-            pairs += _pairs(main, _is("toptheta", "pre", comp_theta), _is("topk", "post", "vmc"), ["k"], results_dir)
+            pairs += _pairs(main, _is("toptheta", "pre", comp_theta), _is("topk", "post", "vmc"), ["k"], results_dir,
+                            sizes=sizes)
         else:
             pairs += _pairs(main, _is("toptheta", placement, comp_theta), _is("topk", placement, comp_k), ["k"],
-                            results_dir)
+                            results_dir, sizes=sizes)
     out.append(_verdict(CLAIMS[0][0], CLAIMS[0][1], pairs, "Top-θ − Top-k at equal k"))
 
     close = lambda a, b: _close(a["kept_attention_fraction"], b["kept_attention_fraction"])  # noqa: E731
-    pairs = _pairs(main, _is("topk", "post", "none"), _is("topk", "pre", "none"), ["k"], results_dir)
+    pairs = _pairs(main, _is("topk", "post", "none"), _is("topk", "pre", "none"), ["k"], results_dir, sizes=sizes)
     pairs += _pairs(main, _is("toptheta", "post", "vmc"), _is("toptheta", "pre", "sdc=exact+vmc"), same_k, results_dir,
-                    close)
-    pairs += _pairs(main, _is("toptheta", "post", "none"), _is("toptheta", "pre", "none"), same_k, results_dir, close)
+                    close, sizes=sizes)
+    pairs += _pairs(main, _is("toptheta", "post", "none"), _is("toptheta", "pre", "none"), same_k, results_dir, close,
+                    sizes=sizes)
     out.append(_verdict(CLAIMS[1][0], CLAIMS[1][1], pairs, "post − pre; Top-θ pairs only where kept fractions are "
                                                            "within ×1.25"))
 
@@ -199,20 +210,21 @@ def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> li
                                                     ("topk", "vmc", "none", "pre"), ("topk", "vmc", "none", "post")):
         placement_a = "pre" if "sdc" in a_comp else "post"
         pairs += _pairs(aggressive, _is(sparsifier, placement_a, a_comp), _is(sparsifier, placement_b, b_comp),
-                        same_k, results_dir)
+                        same_k, results_dir, sizes=sizes)
     out.append(_verdict(CLAIMS[2][0], CLAIMS[2][1], pairs, "compensated − uncompensated at each setting's smallest k"))
 
     theta = rows[rows["sparsifier"] == "toptheta"]
     own = lambda r: _norm(r["calib_task"]) in (_norm(r["task"]), IN_DOMAIN.get(_norm(r["task"]), ""))  # noqa: E731
     cross = lambda r: _norm(r["calib_task"]) != "" and not own(r)  # noqa: E731
     pairs = _pairs(theta, cross, own, ["k", "placement", "comp", "granularity", "layer_k", "calib_documents"],
-                   results_dir)
+                   results_dir, sizes=sizes)
     out.append(_verdict(CLAIMS[3][0], CLAIMS[3][1], pairs, "cross-dataset − self-calibrated Top-θ"))
 
     protected = lambda r: _norm(r["layer_k"]) not in ("", "none")  # noqa: E731
     unprotected = lambda r: _norm(r["layer_k"]) == "none"  # noqa: E731
     pairs = _pairs(rows[rows["sparsifier"] != "dense"], protected, unprotected,
-                   ["k", "sparsifier", "placement", "comp", "calib_task", "granularity", "calib_documents"], results_dir)
+                   ["k", "sparsifier", "placement", "comp", "calib_task", "granularity", "calib_documents"],
+                   results_dir, sizes=sizes)
     out.append(_verdict(CLAIMS[4][0], CLAIMS[4][1], pairs, "layers 0-1 at a larger k − at k"))
 
     out.append(_several_fold(main, rows, results_dir))
@@ -223,20 +235,39 @@ FAMILY = ["g_model", "g_task", "g_num_fewshot", "g_metric"]  # a setting up to i
 CONFIGURATION = ["series", "k", *CALIBRATION]  # what a run computes, whatever it is evaluated on
 
 
+def _size(row: pd.Series) -> float:
+    """The number of questions a run's group evaluates, as an order: its limit, or ∞ for the whole split."""
+    limit = figures._num(row["g_limit"])
+    return math.inf if limit is None else float(limit)
+
+
+def _configuration(row: pd.Series) -> tuple:
+    """(setting, configuration): what a run computes and where, whatever number of questions it saw."""
+    return tuple(_norm(row.get(c)) for c in FAMILY), tuple(_norm(row.get(c)) for c in CONFIGURATION)
+
+
+def _sample_sizes(rows: pd.DataFrame) -> dict[tuple, set[float]]:
+    """_configuration → the numbers of questions (_size) it was measured on."""
+    out: dict[tuple, set[float]] = {}
+    for _, row in rows.iterrows():
+        out.setdefault(_configuration(row), set()).add(_size(row))
+    return out
+
+
 def _superseded_runs(rows: pd.DataFrame) -> set[str]:
     """Runs whose configuration was also measured on more questions of the same setting (a larger limit; none =
     all): a first small run (e.g. 20 problems) decides nothing beside the same configuration at 80."""
-    size = lambda limit: math.inf if figures._num(limit) is None else float(figures._num(limit))  # noqa: E731
     sparse = rows[rows["series"] != "Baseline"]
-    out = set()
-    for _, family in sparse.groupby(FAMILY, dropna=False):
-        sizes = [size(x) for x in family["g_limit"]]
-        keys = [tuple(_norm(r.get(c)) for c in CONFIGURATION) for _, r in family.iterrows()]
-        largest: dict[tuple, float] = {}
-        for key, n in zip(keys, sizes):
-            largest[key] = max(largest.get(key, 0.0), n)
-        out |= {run for run, key, n in zip(family["run_id"], keys, sizes) if n < largest[key]}
-    return out
+    sizes = _sample_sizes(sparse)
+    return {row["run_id"] for _, row in sparse.iterrows() if _size(row) < max(sizes[_configuration(row)])}
+
+
+def _pair_superseded(a: pd.Series, b: pd.Series, sizes: dict[tuple, set[float]]) -> bool:
+    """Both configurations of a pair were also measured together on more questions of the setting: the pair
+    speaks from there. (The larger sample usually contains the smaller one, e.g. ARC-Easy's first 500 questions
+    and the whole split: pooling both would count those 500 twice.)"""
+    both = sizes.get(_configuration(a), set()) & sizes.get(_configuration(b), set())
+    return max(both, default=0.0) > _size(a)
 
 
 def _close(x: Any, y: Any, ratio: float = 1.25) -> bool:
