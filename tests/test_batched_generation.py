@@ -137,16 +137,30 @@ def test_lm_eval_generate_until_batches_stop_each_sequence_at_its_own_end(monkey
     requests = [Instance("generate_until", {}, (c, {"until": ["w", "m"], "max_gen_toks": 12}), i)
                 for i, c in enumerate(contexts)]
 
-    def run(batch_size):
-        lm = BatchedHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=64)
+    def run(batch_size, **kwargs):
+        lm = BatchedHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=64, **kwargs)
         with toptheta.sparsify(model, toptheta.TopK(3, "post"), [toptheta.VMC()]) as stats:
             texts = lm.generate_until(requests)
+        assert lm.batch_size == batch_size  # decode_batch leaves the scoring batch as it was
         return texts, _counts(stats)
 
     (one, one_counts), (four, four_counts) = run(1), run(4)
     assert four == one and len(set(map(len, one))) > 1  # some stopped at a stop string, some ran to 12 tokens
     for key, value in one_counts.items():
         assert torch.equal(four_counts[key], value), key
+    widths = []
+    batched = BatchedHFLM._model_generate
+    monkeypatch.setattr(BatchedHFLM, "_model_generate",
+                        lambda self, context, *a, **kw: widths.append(len(context)) or batched(self, context, *a, **kw))
+    for decode_batch, expected in ((4, [4]), (3, [3, 1]), (1, [1, 1, 1, 1])):  # generation batches, scoring at 1
+        widths.clear()
+        texts, counts = run(1, decode_batch=decode_batch)
+        assert widths == expected and texts == one
+        for key, value in one_counts.items():
+            assert torch.equal(counts[key], value), key
+    with pytest.raises(ValueError, match="decode_batch must be None"):
+        BatchedHFLM(pretrained=model, tokenizer=tokenizer, decode_batch=0)
+    monkeypatch.undo()
     monkeypatch.setattr(BatchedHFLM, "_model_generate", HFLM._model_generate)  # model.generate for the batch
     stock, stock_counts = run(4)
     assert stock == one and stock_counts["decode_valid"].sum() > one_counts["decode_valid"].sum()

@@ -100,7 +100,7 @@ def test_a_wrong_type_or_unknown_key_fails_at_composition(override):
     ("model.max_length=1", "model.max_length=1"),
     ("task.vrow_popularity={layer:0}", "only generation tasks"),  # smoke is a multiple-choice task
     ("task.vrow_popularity={layer:-1}", "task.vrow_popularity.layer=-1: an integer >= 0"),
-    ("task.decode_batch=4", "null for lm_eval tasks (they batch with task.batch_size)"),
+    ("task.decode_batch=0", "null (one generation request at a time) or an integer >= 1"),
     ("task.share_prefix=true", "null for lm_eval tasks (multiple-choice contexts are shared by task.batch_size)"),
     ("task.filler=shared", "task.filler='shared': null, independent or shared, for passkey tasks only"),
 ])
@@ -109,6 +109,23 @@ def test_out_of_range_values_fail_before_anything_loads(override, message, tmp_p
     with pytest.raises(ValueError, match="invalid configuration") as err:
         pipeline.plan(c)
     assert message in str(err.value)
+
+
+def test_lm_eval_generation_batches_with_decode_batch_in_the_run_id(tmp_path, monkeypatch):
+    """task=longbench_multi_news: task.decode_batch=4 decodes 4 documents together (evaluate_tasks gets it; unset,
+    1: generation never follows task.batch_size, which is not in the run id); set, it changes the run id."""
+    from toptheta.evaluation import lm_eval_adapter
+
+    base = ("model=tiny-llama", "task=longbench_multi_news", f"results_dir={tmp_path}")
+    plain, batched = pipeline.plan(cfg(*base, "task.batch_size=8")), pipeline.plan(cfg(*base, "task.decode_batch=4"))
+    assert "decode_batch" not in plain[-1].config["task"] and batched[-1].config["task"]["decode_batch"] == 4
+    assert batched[-1].run_id != plain[-1].run_id
+    assert plain[-1].run_id == pipeline.plan(cfg(*base))[-1].run_id  # batch_size: not part of the id
+    seen = []
+    monkeypatch.setattr(lm_eval_adapter, "evaluate_tasks", lambda *a, **kw: seen.append(kw["decode_batch"]) or {})
+    for task, expected in ((plain[-1].config["task"], 1), (batched[-1].config["task"], 4)):
+        pipeline.evaluate(dict(task), None, None, None, {})
+        assert seen[-1] == expected
 
 
 @pytest.mark.parametrize("overrides,message", [

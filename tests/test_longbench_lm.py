@@ -168,3 +168,29 @@ def test_shipped_multi_news_resolves():
     first = json.loads(gzip.open(SHIPPED_DATA / "longbench" / "multi_news.jsonl.gz", "rt", encoding="utf-8").readline())
     assert len(task.eval_docs) == 200
     assert task.eval_docs[0]["context"] == first["context"] and task.eval_docs[0]["answers"] == first["answers"]
+
+
+def test_documents_decoded_together_score_as_one_at_a_time(data_dir, monkeypatch):
+    """decode_batch=3: LongBench's three documents decode in one batch through MiddleTruncatingHFLM, with the
+    generations and scores of one document at a time. The first is truncated to head + tail, so its context starts
+    with the BOS text and the others do not: each is encoded as alone (HFLM would drop the others' BOS)."""
+    from toptheta.evaluation.shared_context_lm import BatchedHFLM
+
+    tok = tiny_tokenizer()
+    model = tiny_model(tok)
+    widths = []
+    generate = BatchedHFLM._model_generate
+    monkeypatch.setattr(BatchedHFLM, "_model_generate",
+                        lambda self, context, *a, **kw: widths.append(len(context)) or generate(self, context, *a, **kw))
+    runs = {}
+    for decode_batch in (None, 3):
+        runs[decode_batch] = adapter.evaluate_tasks(
+            model, tok, ["longbench_multi_news"], data_dir=data_dir, num_fewshot=None, limit=3, max_length=512,
+            gen_kwargs={"max_gen_toks": 8}, log_samples=True, bootstrap_iters=0, decode_batch=decode_batch)
+    assert widths == [1, 1, 1, 3]
+    one, batched = (runs[b]["samples"]["longbench_multi_news"] for b in (None, 3))
+    assert [s["resps"] for s in batched] == [s["resps"] for s in one]
+    assert runs[3]["results"]["longbench_multi_news"] == runs[None]["results"]["longbench_multi_news"]
+    with pytest.raises(ValueError, match="decode_batch must be None or an int >= 1 with scoring"):
+        adapter.evaluate_tasks(model, tok, ["longbench_multi_news"], data_dir=data_dir, num_fewshot=None, limit=1,
+                               scoring="stock", decode_batch=2)

@@ -120,8 +120,9 @@ class TaskConfig:
     depths: Optional[List[float]] = None   # passkey
     seed: Optional[int] = None             # passkey
     allow_unsafe_code: Optional[bool] = None  # humaneval: run completions without the sandbox
-    # Generation tasks: prompts decoded together (null = 1: one model.generate per prompt, the reference). Part of
-    # the run id, unlike batch_size: a batch's GEMMs round differently, so a near-tie greedy token can differ.
+    # Generation tasks: prompts decoded together (null = 1: one model.generate per prompt, the reference); lm_eval
+    # tasks: generate_until requests decoded together (null = 1; batch_size batches multiple-choice scoring only).
+    # Part of the run id, unlike batch_size: a batch's GEMMs round differently, so a near-tie greedy token can differ.
     decode_batch: Optional[int] = None
     # Generation tasks: run the leading tokens prompts share once (evaluation/prefix_sharing.py; passkey prompts with
     # filler: shared). Part of the run id like decode_batch (Top-k's plain kernel rounds per forward).
@@ -223,8 +224,8 @@ def _check_task(task: Any, get, need) -> None:
         need(False, "task.include_path", get(task, "include_path"), f"only lm_eval tasks read task YAMLs, not {get(task, 'kind')}")
     decode_batch = get(task, "decode_batch")
     if str(get(task, "kind")) == "lm_eval":
-        need(decode_batch is None, "task.decode_batch", decode_batch,
-             "null for lm_eval tasks (they batch with task.batch_size)")
+        need(decode_batch is None or _int(decode_batch, 1), "task.decode_batch", decode_batch,
+             "null (one generation request at a time) or an integer >= 1")
     else:
         need(batch_size == 1, "task.batch_size", batch_size,
              f"1 for {get(task, 'kind')} (to decode prompts together, set task.decode_batch=16)")

@@ -276,7 +276,8 @@ def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict
         results = evaluate_tasks(model, tokenizer, [task["lm_eval_task"]], data_dir=data_dir,
                                  num_fewshot=task.get("num_fewshot"), limit=task.get("limit"),
                                  batch_size=task.get("batch_size", 1), max_length=task.get("max_length"),
-                                 chat_template=chat, include_path=task.get("include_path"), log_samples=log_samples)
+                                 chat_template=chat, include_path=task.get("include_path"), log_samples=log_samples,
+                                 decode_batch=task.get("decode_batch") or 1)  # in the run id; batch_size is not
         _count_generated(results, tokenizer)  # before clipping: a long response would count short
         if results.get("samples"):  # stored per run: few-shot prompts and long contexts clipped
             results["samples"] = clip_samples(results["samples"])

@@ -204,6 +204,7 @@ def evaluate_tasks(
     chat_template: bool = False,
     gen_kwargs: dict[str, Any] | None = None,
     include_path: str | os.PathLike[str] | None = None,
+    decode_batch: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` on `tasks` with lm-eval and return lm-eval's results dict.
 
@@ -227,6 +228,8 @@ def evaluate_tasks(
     left-padded batches with an attention mask) or "stock" (lm-eval's HFLM; with batch_size > 1 its
     right-padded rows would count in the statistics). `batch_size` ("auto": the largest batch within
     a token budget on CPU) is contexts per forward for "shared", sequences per forward otherwise.
+    `decode_batch` is the number of generation (generate_until) requests decoded together (None:
+    `batch_size`); greedy batches decode through batched_generation (not with "stock" scoring).
     LongBench tasks run through MiddleTruncatingHFLM: a prompt longer than max_length minus the
     generation budget keeps its head and tail (LongBench's rule) instead of HFLM's tail only.
 
@@ -238,6 +241,9 @@ def evaluate_tasks(
     _check_run_args(num_fewshot, limit, batch_size, max_length)
     if scoring not in SCORING:
         raise ValueError(f"scoring must be one of {sorted(SCORING)}, got {scoring!r}")
+    if decode_batch is not None and (not _is_int(decode_batch, 1) or scoring == "stock"):
+        raise ValueError(f"decode_batch must be None or an int >= 1 with scoring 'shared' or 'batched', got "
+                         f"decode_batch={decode_batch!r} with scoring={scoring!r}")
     resolved = resolve_data_dir(data_dir)
     tasks = list(tasks) if isinstance(tasks, tuple) else tasks
     if not isinstance(tasks, list) or not tasks:
@@ -261,7 +267,8 @@ def evaluate_tasks(
         # Datasets load here, still before the model is wrapped: data errors surface first.
         loaded = _load_tasks(manager, tasks, resolved)
         lm_class = MiddleTruncatingHFLM if any(is_longbench(t) for t in tasks) else _lm_class(scoring)
-        lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        batching = {} if decode_batch is None else {"decode_batch": decode_batch}  # HFLM has no decode_batch
+        lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, **batching)
         results = simple_evaluate(
             model=lm,
             tasks=list(loaded.values()),

@@ -27,6 +27,7 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
 ``data_dir``        ``auto`` (shipped data / $TOPTHETA_DATA_DIR), ``hub`` or a folder: calibration data, and the
                     data of the offline tasks ``toptheta-eval`` runs
 ``dtype``, ``device``, ``revision``, ``chunk_size``: loading and attention chunking
+``decode_batch``    generation (generate_until) requests decoded together; default ``batch_size``
 ==================  =============================================================================================
 
 Every request runs inside ``toptheta.sparsify``, one block per task, so each task gets its own sparsity

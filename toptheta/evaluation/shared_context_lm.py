@@ -69,7 +69,29 @@ class _Input:
 
 
 class BatchedHFLM(HFLM):
-    """HFLM whose loglikelihood requests run in left-padded batches with exact sparsity statistics."""
+    """HFLM whose loglikelihood requests run in left-padded batches with exact sparsity statistics.
+
+    ``decode_batch`` (None: ``batch_size``, as HFLM) is the number of generate_until requests decoded together,
+    so a long-context generation task can decode several documents at once while its scoring keeps its own
+    batch size (greedy batches decode through ``batched_generation``; see ``_model_generate``).
+    """
+
+    def __init__(self, *args, decode_batch: int | None = None, **kwargs):
+        if decode_batch is not None and (isinstance(decode_batch, bool) or not isinstance(decode_batch, int)
+                                         or decode_batch < 1):
+            raise ValueError(f"decode_batch must be None (batch_size) or an int >= 1, got {decode_batch!r}")
+        super().__init__(*args, **kwargs)
+        self.decode_batch = decode_batch
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        if self.decode_batch is None:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        scoring_batch = self.batch_size_per_gpu  # HFLM's generate_until batches by self.batch_size
+        self.batch_size_per_gpu = self.decode_batch
+        try:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self.batch_size_per_gpu = scoring_batch
 
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
                               override_bs: int | None = None) -> list[tuple[float, bool]]:
@@ -79,6 +101,26 @@ class BatchedHFLM(HFLM):
         with self._progress(requests, disable_tqdm) as bar:
             self._score_batched(requests, list(range(len(requests))), answers, bar, override_bs)
         return answers  # type: ignore[return-value]
+
+    def tok_batch_encode(self, strings: list[str], padding_side: str = "left", left_truncate_len: int | None = None,
+                         truncation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """HFLM's, each string encoded as in a batch of one, then padded.
+
+        HFLM decides whether to add a BOS token from the batch's first string alone (no BOS added when it starts
+        with the BOS text), so a batch mixing contexts with and without the BOS text, as LongBench's head + tail
+        truncation makes them, would encode some rows differently from batch 1.
+        """
+        if len(strings) <= 1 or self.backend != "causal":
+            return super().tok_batch_encode(strings, padding_side, left_truncate_len, truncation)
+        rows = [super(BatchedHFLM, self).tok_batch_encode([s], padding_side, left_truncate_len, truncation)[0][0]
+                for s in strings]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=rows[0].dtype)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            span = slice(width - len(r), width) if padding_side == "left" else slice(0, len(r))
+            ids[i, span], mask[i, span] = r, 1
+        return ids, mask
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         """generate_until's batches: greedy ones decode through ``batched_generation``, the rest through HFLM.

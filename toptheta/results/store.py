@@ -53,10 +53,10 @@ if TYPE_CHECKING:
 # only costs a rerun while a missing key would silently reuse a different experiment's result.
 IGNORED_CONFIG_KEYS: tuple[str, ...] = ("logger", "force", "results_dir", "hydra", "wandb",
                                         # how code runs or how many contexts share a forward, not what it scores
-                                        # (batches score as batch 1 does: tests/test_shared_context.py). An lm-eval
-                                        # generate_until task in batches decodes greedily as batch 1 does up to
-                                        # GEMM rounding at a near-tie; our generation tasks batch with
-                                        # task.decode_batch, which is part of the id.
+                                        # (batches score as batch 1 does: tests/test_shared_context.py). Generation
+                                        # (ours, and lm-eval's generate_until requests) batches with task.decode_batch,
+                                        # which is part of the id: at a near-tie a batch's GEMM rounding can change a
+                                        # greedy token.
                                         "task.allow_unsafe_code", "task.batch_size")
 
 SUMMARY_COLUMNS: tuple[str, ...] = (
