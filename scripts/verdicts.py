@@ -26,8 +26,8 @@ from toptheta.results.store import load_summary
 
 START, END = "<!-- verdicts:start -->", "<!-- verdicts:end -->"
 FIGURE_SUFFIX = re.compile(r"(-fig|-kept_attn|-kept_vrow|-bars)?\.(csv|md|tex|png|pdf)$")
-UNNAMED = ("named in no experiment's `feeds:` (other views of the runs above, or of runs made by direct `python run.py` "
-           "commands; `git log results/` gives each commit's command)")
+UNNAMED = ("named in no experiment's `feeds:` (other views of the runs above, or of runs made by direct "
+           "`python run.py` commands; `git log results/` gives each commit's command)")
 PER_RUN_THRESHOLDS = re.compile(r"thresholds-([0-9a-f]{16})(-by_length|-hist)?")  # make_figures.write_thresholds
 
 

@@ -45,7 +45,7 @@ def test_provenance_counts_each_runs_thresholds_figures_on_one_line(tmp_path):
     (tmp_path / "figures" / "manifest.txt").write_text("\n".join(names) + "\n")
     lines = script.provenance(tmp_path)
     assert [line for line in lines if "thresholds" in line] == [
-        "  - each Top-θ run's own thresholds (`runs/<run_id>/`, made by that run's command): `thresholds-<run_id>`, "
-        "`-by_length`, `-hist` for 2 runs"]
+        ("  - each Top-θ run's own thresholds (`runs/<run_id>/`, made by that run's command): `thresholds-<run_id>`, "
+         "`-by_length`, `-hist` for 2 runs")]
     assert any("`tradeoff-tiny-smoke-0shot-acc`" in line for line in lines)
     assert any(line.startswith("  - the whole store: `index`") for line in lines)
