@@ -44,6 +44,7 @@ def test_import_toptheta_registers_the_model_without_importing_it():
         ({"layer_k": "0-512"}, "layer_k=0:512\\+1:512"),
         ({"placement": "pre", "comp": "vmc"}, "VMC"),
         ({"placement": "middle"}, "pre, post or auto"),
+        ({"decode_batch": 0}, "decode_batch must be None \\(batch_size\\) or an int >= 1, got 0"),
     ],
 )
 def test_bad_model_args_fail_before_the_model_loads(monkeypatch, args, message):

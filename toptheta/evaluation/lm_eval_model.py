@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from lm_eval.api.registry import register_model
 
-from .shared_context_lm import SharedContextHFLM
+from .shared_context_lm import SharedContextHFLM, check_decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class TopThetaLM(SharedContextHFLM):
             raise ValueError(f"sparsifier={sparsifier!r}; valid: {', '.join(SPARSIFIERS)}")
         if sparsifier != "dense" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"k={k!r}: give a positive integer, e.g. k=64")
+        check_decode_batch(hflm_kwargs.get("decode_batch"))
         if placement not in PLACEMENTS:
             raise ValueError(f"placement={placement!r}: use pre, post or auto (pre when SDC is on, else post)")
         self.comp = parse_comp(comp, sdc, sdc_scale) if sparsifier != "dense" else parse_comp(None, sdc, 1.0)

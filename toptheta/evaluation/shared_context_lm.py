@@ -68,6 +68,13 @@ class _Input:
     split: int = 0  # SharedContextHFLM: length of the context this input is scored against
 
 
+def check_decode_batch(value) -> None:
+    """BatchedHFLM's decode_batch: None (batch_size) or a positive int; anything else raises, naming the fix."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"decode_batch must be None (batch_size) or an int >= 1, got {value!r}: give the number of "
+                         "generation requests to decode together, e.g. decode_batch=8, or leave it out")
+
+
 class BatchedHFLM(HFLM):
     """HFLM whose loglikelihood requests run in left-padded batches with exact sparsity statistics.
 
@@ -77,9 +84,7 @@ class BatchedHFLM(HFLM):
     """
 
     def __init__(self, *args, decode_batch: int | None = None, **kwargs):
-        if decode_batch is not None and (isinstance(decode_batch, bool) or not isinstance(decode_batch, int)
-                                         or decode_batch < 1):
-            raise ValueError(f"decode_batch must be None (batch_size) or an int >= 1, got {decode_batch!r}")
+        check_decode_batch(decode_batch)
         super().__init__(*args, **kwargs)
         self.decode_batch = decode_batch
 
