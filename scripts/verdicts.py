@@ -91,8 +91,8 @@ def provenance(results: Path) -> list[str]:
         if stem in whole_store:
             by_command["the whole store"].append(stem)
             continue
-        if PER_RUN_THRESHOLDS.fullmatch(stem):
-            per_run.add(PER_RUN_THRESHOLDS.fullmatch(stem).group(1))
+        if per_run_figure := PER_RUN_THRESHOLDS.fullmatch(stem):
+            per_run.add(per_run_figure.group(1))
             continue
         made = experiments.experiments_feeding(stem, records)
         by_command["; ".join(f"`{c}`" for c in made) or UNNAMED].append(stem)
