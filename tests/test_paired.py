@@ -98,7 +98,7 @@ def test_outcomes_from_each_sample_format(tmp_path):
 # ---------------------------------------------------------------- verdicts on a synthetic store
 
 
-def _store_with_verdict_cases(root, small_setting: bool = False, small_pairs: bool = False):
+def _store_with_verdict_cases(root, small_setting: bool = False, small_pairs: bool = False, drift: bool = False):
     """arc_easy, 800 questions (identical answers bound a difference to ±0.0055 at 98.75 %, the Bonferroni level for
     claim 6's 4 candidates): dense; Top-θ and Top-k post + VMC at k=8 agreeing with dense on all but 2
     questions (claim 1 holds, claim 6 holds: kept 0.2); Top-k post at k=8 wrong on 60 questions Top-k pre gets
@@ -149,6 +149,10 @@ def _store_with_verdict_cases(root, small_setting: bool = False, small_pairs: bo
     if small_pairs:  # on the first 100 too: Top-k post + VMC k=8 (also on 800) and Top-θ post + VMC k=4 (100 only)
         add("topk", "post", 8, "vmc", dense[:100].copy(), 0.2)
         add("toptheta", "post", 4, "vmc", dense[:100].copy(), 0.1)
+    if drift:  # Top-θ pre + SDC + VMC at k=8: its kept fraction matches post + VMC's on the first 100 questions
+        # (0.11 against 0.1, with small_setting) but not on all 800 (0.4 against 0.2)
+        add("toptheta", "pre", 8, "sdc+vmc", dense.copy(), 0.4)
+        add("toptheta", "pre", 8, "sdc+vmc", dense[:100].copy(), 0.11)
 
 
 def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sample(tmp_path):
@@ -192,11 +196,36 @@ def test_a_pair_measured_on_more_questions_counts_once(tmp_path):
     assert claim1.verdict == "holds"
     kept = verdicts._pair_superseded
     try:  # without the rule the 100-question k=8 pair enters too and drags the pooled effect below the margin
-        verdicts._pair_superseded = lambda a, b, sizes: False
+        verdicts._pair_superseded = lambda a, b, sizes, accept=None: False
         again = verdicts.verdicts(summary, tmp_path)[0]
     finally:
         verdicts._pair_superseded = kept
     assert len(again.pairs) == 3 and again.effect < claim1.effect - 0.02 and again.verdict != "holds"
+
+
+def test_a_pair_the_larger_sample_rejects_speaks_from_the_smaller(tmp_path):
+    """Claim 2 compares Top-θ post and pre only at kept fractions within ×1.25. Both were measured on 800 questions
+    and on their first 100, but only the 100-question pair is comparable: it must count, not be left to a larger
+    sample that has no pair."""
+    from toptheta.results import verdicts
+    from toptheta.results.store import load_summary
+
+    _store_with_verdict_cases(tmp_path, small_setting=True, drift=True)
+    claim2 = verdicts.verdicts(load_summary(tmp_path), tmp_path)[1]
+    theta = [p for p in claim2.pairs if p["a"].startswith("Top-θ")]
+    assert [(p["k"], p["group"].split("limit ")[1][:3]) for p in theta] == [(8, "100")]
+    # accepting every pair, the 800-question pair supersedes the 100 one
+    assert verdicts._pair_superseded(*_theta_pair(tmp_path, "100"), verdicts._sample_sizes(
+        verdicts.store_rows(load_summary(tmp_path))))
+
+
+def _theta_pair(root, limit: str):
+    from toptheta.results import verdicts
+    from toptheta.results.store import load_summary
+
+    rows = verdicts.store_rows(load_summary(root))
+    rows = rows[(rows["g_limit"].astype(str) == limit) & (rows["sparsifier"] == "toptheta") & (rows["k"] == 8)]
+    return rows[rows["placement"] == "post"].iloc[0], rows[rows["placement"] == "pre"].iloc[0]
 
 
 def test_verdict_rules():

@@ -133,17 +133,17 @@ IN_DOMAIN = {"humaneval": "python_code"}
 
 
 def _pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir, accept=None,
-           sizes: dict[tuple, set[float]] | None = None) -> list[dict]:
-    """Every (a, b) in one group picked by pick_a / pick_b, equal on `match`; with `sizes` (_sample_sizes of all
-    rows) a pair whose two configurations were both measured on more questions of the setting is left to that
-    larger sample (the same questions must not count twice)."""
+           sizes: dict[tuple, dict[float, list[pd.Series]]] | None = None) -> list[dict]:
+    """Every (a, b) in one group picked by pick_a / pick_b, equal on `match` and passing `accept`; with `sizes`
+    (_sample_sizes of all rows) a pair whose two configurations also make an accepted pair on more questions of
+    the setting is left to that larger sample (the same questions must not count twice)."""
     out = []
     for _, group in rows.groupby("group", sort=True):
         for _, a in group[group.apply(pick_a, axis=1)].iterrows():
             for _, b in group[group.apply(pick_b, axis=1)].iterrows():
                 if a["run_id"] == b["run_id"] or not _same(a, b, match) or (accept and not accept(a, b)):
                     continue
-                if sizes is not None and _pair_superseded(a, b, sizes):
+                if sizes is not None and _pair_superseded(a, b, sizes, accept):
                     continue
                 d, data = _compare(a, b, results_dir)
                 if not usable(d):
@@ -246,11 +246,11 @@ def _configuration(row: pd.Series) -> tuple:
     return tuple(_norm(row.get(c)) for c in FAMILY), tuple(_norm(row.get(c)) for c in CONFIGURATION)
 
 
-def _sample_sizes(rows: pd.DataFrame) -> dict[tuple, set[float]]:
-    """_configuration → the numbers of questions (_size) it was measured on."""
-    out: dict[tuple, set[float]] = {}
+def _sample_sizes(rows: pd.DataFrame) -> dict[tuple, dict[float, list[pd.Series]]]:
+    """_configuration → number of questions (_size) → the runs that measured it on that many."""
+    out: dict[tuple, dict[float, list[pd.Series]]] = {}
     for _, row in rows.iterrows():
-        out.setdefault(_configuration(row), set()).add(_size(row))
+        out.setdefault(_configuration(row), {}).setdefault(_size(row), []).append(row)
     return out
 
 
@@ -262,12 +262,15 @@ def _superseded_runs(rows: pd.DataFrame) -> set[str]:
     return {row["run_id"] for _, row in sparse.iterrows() if _size(row) < max(sizes[_configuration(row)])}
 
 
-def _pair_superseded(a: pd.Series, b: pd.Series, sizes: dict[tuple, set[float]]) -> bool:
-    """Both configurations of a pair were also measured together on more questions of the setting: the pair
-    speaks from there. (The larger sample usually contains the smaller one, e.g. ARC-Easy's first 500 questions
-    and the whole split: pooling both would count those 500 twice.)"""
-    both = sizes.get(_configuration(a), set()) & sizes.get(_configuration(b), set())
-    return max(both, default=0.0) > _size(a)
+def _pair_superseded(a: pd.Series, b: pd.Series, sizes: dict[tuple, dict[float, list[pd.Series]]],
+                     accept=None) -> bool:
+    """Both configurations of a pair were also measured on more questions of the setting, and make a pair there
+    that `accept` (if given) takes: the pair speaks from there. (The larger sample usually contains the smaller
+    one, e.g. ARC-Easy's first 500 questions and the whole split: pooling both would count those 500 twice.) A
+    pair the larger sample rejects (say, kept fractions drifting apart) still speaks from the smaller one."""
+    at_a, at_b = sizes.get(_configuration(a), {}), sizes.get(_configuration(b), {})
+    return any(n > _size(a) and (accept is None or any(accept(x, y) for x in at_a[n] for y in at_b[n]))
+               for n in at_a.keys() & at_b.keys())
 
 
 def _close(x: Any, y: Any, ratio: float = 1.25) -> bool:
