@@ -14,38 +14,26 @@ not sweeps are complete; 2 on a name that is not an experiment.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from toptheta import pipeline
-from toptheta.config import register
-from toptheta.results import experiments
+from toptheta.results import experiments, sweeps
 from toptheta.results.store import RunStore
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def status(name: str, results: str | None = None) -> dict:
     """{'experiment', 'results', 'runs', 'done', 'left': [(run label, run id)], 'jobs_left': [override lists]}."""
     extra = [f"results_dir={results}"] if results else []
     runs: dict[str, str] = {}  # run id -> label, in plan order
-    jobs_left, stores = [], set()
-    for job in experiments.jobs(name):
-        cfg = compose("config", overrides=[*job, *extra])
-        stores.add(cfg.results_dir)
-        store = RunStore(cfg.results_dir)
-        specs = pipeline.plan(cfg)
-        for spec in specs:
-            runs.setdefault(spec.run_id, spec.label)
-        if any(not store.exists(s.run_id) for s in specs):
-            jobs_left.append(job)
-    (store_dir,) = stores  # an experiment sets results_dir once, for all its jobs
-    left = [(label, run_id) for run_id, label in runs.items() if not RunStore(store_dir).exists(run_id)]
-    return {"experiment": name, "results": str(store_dir), "runs": len(runs), "done": len(runs) - len(left),
+    planned = sweeps.plan_jobs(name, extra)
+    (store_dir,) = {job.results_dir for job in planned}  # an experiment sets results_dir once, for all its jobs
+    store = RunStore(store_dir)
+    for job in planned:
+        for run_id, label in job.runs:
+            runs.setdefault(run_id, label)
+    jobs_left = [job.overrides for job in planned if any(not store.exists(run_id) for run_id, _ in job.runs)]
+    left = [(label, run_id) for run_id, label in runs.items() if not store.exists(run_id)]
+    return {"experiment": name, "results": store_dir, "runs": len(runs), "done": len(runs) - len(left),
             "left": left, "jobs_left": jobs_left}
 
 
@@ -62,10 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"not an experiment: {', '.join(unknown)}; choose from: {', '.join(known)}", file=sys.stderr)
         return 2
-    logging.getLogger("toptheta").setLevel(logging.WARNING)  # plan()'s notes are not status
-    register()
     width = max(map(len, names))
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with sweeps.composing():
         for name in names:
             s = status(name, args.results)
             state = "complete" if not s["left"] else f"{len(s['left'])} left"

@@ -13,6 +13,7 @@ rerunning on the same store rewrites the same bytes.
 from __future__ import annotations
 
 import argparse
+import csv
 import re
 import shlex
 import sys
@@ -20,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from toptheta.results import experiments, figures, verdicts
+from toptheta.results import experiments, figures, sweeps, verdicts
 from toptheta.results.render import markdown, write_text
 from toptheta.results.store import load_summary
 
@@ -28,6 +29,8 @@ START, END = "<!-- verdicts:start -->", "<!-- verdicts:end -->"
 FIGURE_SUFFIX = re.compile(r"(-fig|-kept_attn|-kept_vrow|-bars)?\.(csv|md|tex|png|pdf)$")
 UNNAMED = ("named in no experiment's `feeds:` (other views of the runs above, or of runs made by direct "
            "`python run.py` commands; `git log results/` gives each commit's command)")
+DIRECT = ("direct `python run.py` commands, in no experiment's sweep (each run's `config.json` holds its "
+          "configuration; `git log results/` gives each commit's command)")
 PER_RUN_THRESHOLDS = re.compile(r"thresholds-([0-9a-f]{16})(-by_length|-hist)?")  # make_figures.write_thresholds
 
 
@@ -69,42 +72,89 @@ def _command_in(line: str) -> str:
     return re.sub(r"^\S*/python3?(\.\d+)?\s", "python ", command)  # a machine's interpreter path: `python`
 
 
-def provenance(results: Path) -> list[str]:
-    """One line per group of outputs: the command that wrote it and the experiment whose runs it shows."""
+def provenance(results: Path, owners: sweeps.Owners | None = None) -> list[str]:
+    """One line per group of outputs and the command that wrote it. Runs and the tables drawn from them are
+    attributed exactly: every experiment's sweep is planned (sweeps.run_owners; `owners` for a precomputed one)
+    and a table names the fewest experiments whose sweeps make all its runs (its csv's run_id column)."""
+    found = _stored_runs(results)
+    figures_dir = results / "figures"
+    manifest = figures_dir / "manifest.txt"
+    names = manifest.read_text(encoding="utf-8").split() if manifest.is_file() else []
+    stems = sorted({FIGURE_SUFFIX.sub("", n) for n in names if FIGURE_SUFFIX.search(n)})
+    drawn = {stem: runs for stem in stems if (runs := _table_runs(figures_dir / f"{stem}.csv"))}
+    if owners is None and (found or drawn):
+        owners = sweeps.run_owners()
     lines = ["- `summary.csv`, `runs/<run_id>/`: `python run.py ...` (each run directory's `config.json` holds "
              "the resolved configuration; the experiments: `python run.py -m experiment=<artefact>/<protocol>`, "
              "see `experiments/`).",
              "- `summary.csv` rebuilt from the run directories (new columns for older runs): "
              "`python -m toptheta.results.migrate --results results`."]
+    if found and owners is not None:
+        lines += _runs_by_experiment(found, owners)
     for bench in sorted((results / "bench").glob("*.md")):
         first = bench.read_text(encoding="utf-8").splitlines()[:3]
         made = next((_command_in(line) for line in first if "python" in line), "")
         lines.append(f"- `bench/{bench.stem}.*`: {f'`{made}`' if made else 'see the file header'}")
-    figures_dir = results / "figures"
-    manifest = figures_dir / "manifest.txt"
-    names = manifest.read_text(encoding="utf-8").split() if manifest.is_file() else []
     by_command: dict[str, list[str]] = defaultdict(list)
     records = experiments.catalogue()
     whole_store = ("index", "verdicts", "verdict_pairs", "threshold_storage")
     per_run = set()
-    for stem in sorted({FIGURE_SUFFIX.sub("", n) for n in names if FIGURE_SUFFIX.search(n)}):
+    for stem in stems:
         if stem in whole_store:
             by_command["the whole store"].append(stem)
-            continue
-        if per_run_figure := PER_RUN_THRESHOLDS.fullmatch(stem):
+        elif per_run_figure := PER_RUN_THRESHOLDS.fullmatch(stem):
             per_run.add(per_run_figure.group(1))
-            continue
-        made = experiments.experiments_feeding(stem, records)
-        by_command["; ".join(f"`{c}`" for c in made) or UNNAMED].append(stem)
+        elif stem in drawn:
+            chosen, direct = sweeps.cover(drawn[stem], owners)
+            made = [f"`{experiments.COMMAND_PREFIX}{name}`" for name in chosen] + [DIRECT] * bool(direct)
+            by_command["; ".join(made)].append(stem)
+        else:  # no table of runs beside it: the experiments whose `feeds:` name it
+            made = experiments.experiments_feeding(stem, records)
+            by_command["; ".join(f"`{c}`" for c in made) or UNNAMED].append(stem)
     if names:
         lines.append("- `figures/*`: `python scripts/make_figures.py` (every table as csv, md, tex; every figure as "
-                     "png, pdf, md), from these runs:")
-        for command, stems in sorted(by_command.items()):
-            lines.append(f"  - {command}: " + ", ".join(f"`{s}`" for s in stems))
+                     "png, pdf, md), from the runs these commands make (for each table, the fewest experiments "
+                     "whose sweeps make all its runs):")
+        for command, group in sorted(by_command.items()):
+            lines.append(f"  - {command}: " + ", ".join(f"`{s}`" for s in group))
         if per_run:
             lines.append(f"  - each Top-θ run's own thresholds (`runs/<run_id>/`, made by that run's command): "
                          f"`thresholds-<run_id>`, `-by_length`, `-hist` for {len(per_run)} runs")
     lines.append("- this section: `python scripts/verdicts.py`.")
+    return lines
+
+
+def _stored_runs(results: Path) -> set[str]:
+    """The finished runs of the store (their directories hold DONE)."""
+    return {p.parent.name for p in (results / "runs").glob("*/DONE")}
+
+
+def _table_runs(path: Path) -> set[str]:
+    """The run ids a table of make_figures lists (its run_id column); empty for tables without one."""
+    if not path.is_file():
+        return set()
+    with path.open(encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {row["run_id"] for row in rows if row.get("run_id")}
+
+
+def _runs_by_experiment(found: set[str], owners: sweeps.Owners) -> list[str]:
+    """How many of the stored runs each experiment's sweep makes (a run shared by sweeps counts in each)."""
+    counts: dict[str, int] = defaultdict(int)
+    for run_id in found:
+        for name in owners.by_run.get(run_id, []):
+            counts[name] += 1
+    direct = sum(run_id not in owners.by_run for run_id in found)
+    lines = [f"- the {len(found)} stored runs, by the experiment whose sweep makes them (a run shared by several "
+             f"sweeps, such as a dense baseline, counts in each; `python scripts/sweep_status.py` lists what is "
+             f"left):"]
+    lines += [f"  - `{experiments.COMMAND_PREFIX}{name}`: {n} of its {owners.planned[name]} runs"
+              for name, n in sorted(counts.items())]
+    if direct:
+        lines.append(f"  - {DIRECT}: {direct} runs")
+    if owners.unplannable:
+        lines.append("  - not planned here (they would not run here either): " + "; ".join(
+            f"`{name}` ({why})" for name, why in sorted(owners.unplannable.items())))
     return lines
 
 

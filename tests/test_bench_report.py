@@ -49,3 +49,40 @@ def test_provenance_counts_each_runs_thresholds_figures_on_one_line(tmp_path):
          "`-by_length`, `-hist` for 2 runs")]
     assert any("`tradeoff-tiny-smoke-0shot-acc`" in line for line in lines)
     assert any(line.startswith("  - the whole store: `index`") for line in lines)
+
+
+def test_provenance_names_the_fewest_experiments_that_make_a_tables_runs(tmp_path):
+    """A table's runs (its csv's run_id column) are attributed to the experiments whose sweeps plan them: the fewest
+    that make them all (a smol protocol over a paper one on a tie), and direct commands for runs no sweep plans."""
+    from toptheta.results import sweeps
+
+    script = _verdicts_script()
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    (figures / "tradeoff-tiny-smoke-0shot-acc.csv").write_text("series,k,run_id\ndense,,aaa\nTop-k,4,bbb\nTop-k,8,ccc\n")
+    (figures / "ablation-tiny-smoke-0shot-acc.csv").write_text("series,k,run_id\ndense,,aaa\nTop-k,4,bbb\n")
+    (figures / "manifest.txt").write_text("tradeoff-tiny-smoke-0shot-acc.csv\ntradeoff-tiny-smoke-0shot-acc-fig.png\n"
+                                          "ablation-tiny-smoke-0shot-acc.csv\n")
+    for run_id in ("aaa", "bbb", "ccc", "ddd"):
+        (tmp_path / "runs" / run_id).mkdir(parents=True)
+        (tmp_path / "runs" / run_id / "DONE").write_text("")
+    owners = sweeps.Owners(by_run={"aaa": ["x/paper", "x/smol", "y/smol"], "bbb": ["x/paper", "x/smol"],
+                                   "ddd": ["y/smol"]},
+                           planned={"x/paper": 2, "x/smol": 5, "y/smol": 2}, unplannable={"z/paper": "no data"})
+    lines = script.provenance(tmp_path, owners)
+    assert "  - `python run.py -m experiment=x/smol`: `ablation-tiny-smoke-0shot-acc`" in lines
+    assert any(line.startswith("  - `python run.py -m experiment=x/smol`; direct `python run.py` commands")
+               and line.endswith(": `tradeoff-tiny-smoke-0shot-acc`") for line in lines)
+    assert "  - `python run.py -m experiment=x/smol`: 2 of its 5 runs" in lines
+    assert "  - `python run.py -m experiment=y/smol`: 2 of its 2 runs" in lines
+    assert any(line.startswith("  - direct `python run.py` commands") and line.endswith(": 1 runs") for line in lines)
+    assert any("`z/paper` (no data)" in line for line in lines)
+    assert sweeps.cover(["aaa", "ddd"], owners) == (["y/smol"], 0)
+
+
+def test_run_owners_plans_a_sweep_and_records_one_it_cannot_plan():
+    from toptheta.results import sweeps
+
+    owners = sweeps.run_owners(["longbench/smol", "no_such/smol"])
+    assert owners.planned == {"longbench/smol": 7} and list(owners.unplannable) == ["no_such/smol"]
+    assert len(owners.by_run) == 7 and all(names == ["longbench/smol"] for names in owners.by_run.values())

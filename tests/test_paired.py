@@ -263,7 +263,7 @@ def test_pooling_resamples_shared_questions_together():
     assert mean == pytest.approx(d.mean() * 300 / (300 + 0.25 / 0.05**2)) and low < mean < high
 
 
-def test_verdicts_on_a_synthetic_store(tmp_path):
+def test_verdicts_on_a_synthetic_store(tmp_path, monkeypatch):
     import importlib.util
 
     from toptheta.results import verdicts
@@ -285,6 +285,9 @@ def test_verdicts_on_a_synthetic_store(tmp_path):
     spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    from toptheta.results import sweeps
+    # planning every experiment's sweep takes minutes: here no experiment makes these tiny runs
+    monkeypatch.setattr(sweeps, "run_owners", lambda names=None: sweeps.Owners())
     readme = tmp_path / "README.md"
     readme.write_text("# Results\n\nhand-written intro\n\n<!-- verdicts:start -->\nSTALE SECTION\n<!-- verdicts:end -->\n\ntail\n")
     assert script.main(["--results", str(tmp_path)]) == 0
@@ -292,6 +295,7 @@ def test_verdicts_on_a_synthetic_store(tmp_path):
     assert text.startswith("# Results\n\nhand-written intro") and text.rstrip().endswith("tail") and "STALE SECTION" not in text
     assert "| 2. post-softmax beats pre-softmax |" in text and "| fails |" in text
     assert "2. post-softmax beats pre-softmax: fails, measured -0.075" in text  # where the small models disagree
+    assert "  - direct `python run.py` commands, in no experiment's sweep" in text  # the provenance of the runs
     first = text
     assert script.main(["--results", str(tmp_path)]) == 0 and readme.read_text() == first  # deterministic
 
