@@ -43,10 +43,10 @@ def section(results: Path, command: str) -> str:
              f"Effect: the mean difference in the task metric over a claim's pairs (fraction; 0.01 = one point; "
              f"pairs weighted by their numbers of questions) with its 95 % interval from one bootstrap that "
              f"resamples each task's questions once for all pairs (pairs share questions and baselines); a pair "
-             f"also measured on more questions of its setting counts there only. Rules: superiority holds when the "
-             f"interval is above 0 and fails when it is below 0; non-inferiority (margin {verdicts.MARGIN:g}) holds "
-             f"when it is above −{verdicts.MARGIN:g} and fails when it is below; otherwise undecided at this sample "
-             f"size. The pairs behind each line: `figures/verdict_pairs.md`.", "", markdown(table).rstrip(), "",
+             f"also measured on more questions of its setting, and still a pair there, counts there only. Rules: "
+             f"superiority holds when the interval is above 0 and fails when it is below 0; non-inferiority (margin "
+             f"{verdicts.MARGIN:g}) holds when it is above −{verdicts.MARGIN:g} and fails when it is below; "
+             f"otherwise undecided at this sample size. The pairs behind each line: `figures/verdict_pairs.md`.", "", markdown(table).rstrip(), "",
              "### Where the small models disagree with the paper", ""]
     disagree = verdicts.disagreements(found)
     lines += [f"- {line}" for line in disagree] or [
