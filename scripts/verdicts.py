@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import shlex
 import sys
@@ -83,7 +84,7 @@ def provenance(results: Path, owners: sweeps.Owners | None = None) -> list[str]:
     stems = sorted({FIGURE_SUFFIX.sub("", n) for n in names if FIGURE_SUFFIX.search(n)})
     drawn = {stem: runs for stem in stems if (runs := _table_runs(figures_dir / f"{stem}.csv"))}
     if owners is None and (found or drawn):
-        owners = sweeps.run_owners()
+        owners = sweeps.run_owners(models=_stored_models(results))
     lines = ["- `summary.csv`, `runs/<run_id>/`: `python run.py ...` (each run directory's `config.json` holds "
              "the resolved configuration; the experiments: `python run.py -m experiment=<artefact>/<protocol>`, "
              "see `experiments/`).",
@@ -127,6 +128,14 @@ def provenance(results: Path, owners: sweeps.Owners | None = None) -> list[str]:
 def _stored_runs(results: Path) -> set[str]:
     """The finished runs of the store (their directories hold DONE)."""
     return {p.parent.name for p in (results / "runs").glob("*/DONE")}
+
+
+def _stored_models(results: Path) -> set[str]:
+    """The model names of the store's runs (each run directory's config.json)."""
+    models = set()
+    for config in (results / "runs").glob("*/config.json"):
+        models.add(str(json.loads(config.read_text(encoding="utf-8")).get("model", {}).get("name")))
+    return models
 
 
 def _table_runs(path: Path) -> set[str]:

@@ -86,3 +86,8 @@ def test_run_owners_plans_a_sweep_and_records_one_it_cannot_plan():
     owners = sweeps.run_owners(["longbench/smol", "no_such/smol"])
     assert owners.planned == {"longbench/smol": 7} and list(owners.unplannable) == ["no_such/smol"]
     assert len(owners.by_run) == 7 and all(names == ["longbench/smol"] for names in owners.by_run.values())
+    # a store holding SmolLM2 runs only: longbench/smol (Qwen2.5-Coder) cannot own any, so it is not planned
+    with sweeps.composing():
+        assert sweeps._job_models("longbench/smol") == {"qwen2.5-coder-0.5b"}
+    assert sweeps.run_owners(["longbench/smol"], models={"smollm2-135m"}).planned == {}
+    assert sweeps.run_owners(["longbench/smol"], models={"qwen2.5-coder-0.5b"}).planned == {"longbench/smol": 7}

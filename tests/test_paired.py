@@ -287,7 +287,7 @@ def test_verdicts_on_a_synthetic_store(tmp_path, monkeypatch):
     spec.loader.exec_module(script)
     from toptheta.results import sweeps
     # planning every experiment's sweep takes minutes: here no experiment makes these tiny runs
-    monkeypatch.setattr(sweeps, "run_owners", lambda names=None: sweeps.Owners())
+    monkeypatch.setattr(sweeps, "run_owners", lambda names=None, models=None: sweeps.Owners())
     readme = tmp_path / "README.md"
     readme.write_text("# Results\n\nhand-written intro\n\n<!-- verdicts:start -->\nSTALE SECTION\n<!-- verdicts:end -->\n\ntail\n")
     assert script.main(["--results", str(tmp_path)]) == 0

@@ -72,12 +72,17 @@ class Owners:
     unplannable: dict[str, str] = field(default_factory=dict)  # experiment -> the first line of its error
 
 
-def run_owners(names: Iterable[str] | None = None) -> Owners:
-    """Plan every named experiment (default: all of them, the `paper` protocols included) and index its runs."""
+def run_owners(names: Iterable[str] | None = None, models: Iterable[str] | None = None) -> Owners:
+    """Plan every named experiment (default: all of them, the `paper` protocols included) and index its runs.
+    With `models` (model names), an experiment none of whose jobs uses one of them is not planned: it cannot own
+    a run of those models, and composing a big GPU sweep job by job takes a minute."""
     owners = Owners()
+    wanted = set(models) if models is not None else None
     with composing():
         for name in names if names is not None else experiments.list_experiments():
             try:
+                if wanted is not None and not _job_models(name) & wanted:
+                    continue
                 planned = plan_jobs(name)
             except Exception as error:  # noqa: BLE001 - a sweep that cannot be planned here owns nothing here
                 owners.unplannable[name] = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -89,6 +94,19 @@ def run_owners(names: Iterable[str] | None = None) -> Owners:
                     if name not in names_of:
                         names_of.append(name)
     return owners
+
+
+def _job_models(name: str) -> set[str]:
+    """The model names an experiment's jobs use: their `model=` overrides, and the experiment's own model for
+    jobs without one (one job composed). Inside `composing()`."""
+    from hydra import compose
+
+    jobs = experiments.jobs(name)
+    models = {o.split("=", 1)[1] for job in jobs for o in job if o.split("=", 1)[0] == "model"}
+    plain = next((job for job in jobs if not any(o.split("=", 1)[0] == "model" for o in job)), None)
+    if plain is not None:
+        models.add(str(compose("config", overrides=plain).model.name))
+    return models
 
 
 def cover(run_ids: Iterable[str], owners: Owners) -> tuple[list[str], int]:
