@@ -102,8 +102,8 @@ def _job_models(name: str) -> set[str]:
     from hydra import compose
 
     jobs = experiments.jobs(name)
-    models = {o.split("=", 1)[1] for job in jobs for o in job if o.split("=", 1)[0] == "model"}
-    plain = next((job for job in jobs if not any(o.split("=", 1)[0] == "model" for o in job)), None)
+    models = {o.split("=", 1)[1] for job in jobs for o in job if experiments._key(o) == "model"}
+    plain = next((job for job in jobs if not any(experiments._key(o) == "model" for o in job)), None)
     if plain is not None:
         models.add(str(compose("config", overrides=plain).model.name))
     return models
