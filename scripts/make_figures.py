@@ -162,6 +162,10 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
     pairs = verdicts.pairs_table(found)
     if len(pairs):
         outputs.table("verdict_pairs", pairs, "The run pairs behind each verdict")
+    settings = verdicts.settings_table(found)
+    if len(settings):
+        outputs.table("verdict_settings", settings, "Each claim in each setting",
+                      " ".join(verdicts.per_setting.__doc__.split("\n\n", 1)[1].split()) + "\n\n")
 
 
 def write_thresholds(outputs: Outputs, results: Path) -> None:

@@ -47,7 +47,8 @@ def section(results: Path, command: str) -> str:
              f"also measured on more questions of its setting, and still a pair there, counts there only. Rules: "
              f"superiority holds when the interval is above 0 and fails when it is below 0; non-inferiority (margin "
              f"{verdicts.MARGIN:g}) holds when it is above −{verdicts.MARGIN:g} and fails when it is below; "
-             f"otherwise undecided at this sample size. The pairs behind each line: `figures/verdict_pairs.md`.", "", markdown(table).rstrip(), "",
+             f"otherwise undecided at this sample size. The pairs behind each line: `figures/verdict_pairs.md`; each claim "
+             f"in each setting on its own: `figures/verdict_settings.md`.", "", markdown(table).rstrip(), "",
              "### Where the small models disagree with the paper", ""]
     disagree = verdicts.disagreements(found)
     lines += [f"- {line}" for line in disagree] or [

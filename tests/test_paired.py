@@ -241,6 +241,10 @@ def test_verdict_rules():
     same = paired.PairedOutcomes("t", tuple(range(100)), np.zeros(100))
     mean, low, high = verdicts.pool([same])
     assert mean == 0.0 and high == pytest.approx(-math.log(0.05) / 100) and low == pytest.approx(math.log(0.05) / 100)
+    # A continuous score (Rouge) gets no such floor: 3/10 would swamp a 10-document difference of 0.01.
+    rouge = paired.PairedOutcomes("longbench", tuple(range(10)), np.linspace(-0.02, 0.04, 10))
+    mean, low, high = verdicts.pool([rouge])
+    assert mean == pytest.approx(0.01) and high - low < 0.05
 
 
 def test_pooling_resamples_shared_questions_together():
@@ -313,6 +317,42 @@ def test_disagreements_name_failures_and_bounded_superiority_claims():
     assert lines[0].startswith("1. tracks: fails, measured -0.030 [-0.050, -0.020] over 1 pairs")
     assert lines[1].startswith("2. beats: no gain of 0.01 or more here") and "at most +0.005" in lines[1]
     assert disagreements(found[2:]) == []
+
+
+def test_a_claim_is_also_decided_per_setting():
+    """Pooled over six settings the claim holds, yet one setting loses 5 points on its own: per_setting says so
+    (also at the Bonferroni level), the one-point loss in another fails only nominally, and disagreements names
+    both settings and the failing pairs."""
+    from toptheta.results import verdicts
+
+    rng = np.random.default_rng(3)
+
+    def pair(universe, n, losses, k):
+        d = np.zeros(n)
+        d[rng.choice(n, losses, replace=False)] = -1.0
+        return {"group": universe, "a": "Top-θ", "b": "Top-k", "k": k, "_d": paired.PairedOutcomes(universe, tuple(range(n)), d)}
+
+    pairs = [pair("big", 2000, 0, 8), pair("big", 2000, 0, 16), pair("lossy", 400, 20, 8), pair("slight", 1000, 20, 8),
+             *(pair(f"more{i}", 1000, 0, 8) for i in range(3))]
+    for p in pairs:
+        d = paired.compare(p["_d"].d, np.zeros(len(p["_d"].d)))
+        p.update(diff=d.diff, ci_low=d.ci_low, ci_high=d.ci_high)
+    v = verdicts._verdict("1. Top-θ tracks Top-k", "non-inferiority", pairs)
+    assert v.verdict == "holds"
+    by = {s["group"]: s for s in v.settings}
+    assert [by[g]["pairs"] for g in ("big", "lossy", "slight")] == [2, 1, 1]
+    assert by["big"]["verdict"] == by["big"]["verdict_adjusted"] == "holds"
+    assert by["lossy"]["verdict"] == by["lossy"]["verdict_adjusted"] == "fails"
+    assert by["lossy"]["level_adjusted"] == pytest.approx(1 - 0.05 / 6)
+    assert by["slight"]["verdict"] == "fails" and by["slight"]["verdict_adjusted"] == "undecided"
+    assert by["slight"]["ci_high"] < -0.01 <= by["slight"]["ci_high_adjusted"]
+    lines = verdicts.disagreements([v])
+    assert any(line.startswith("1. Top-θ tracks Top-k, lossy: fails in this setting (pooled verdict: holds), -0.050")
+               and "and still at 0.9917" in line for line in lines)
+    assert any(line.startswith("1. Top-θ tracks Top-k, slight: fails") and "nominally: not at 0.9917" in line
+               for line in lines)
+    assert "2 of its 7 pairs fail on their own" in lines[-1] and "lossy: Top-θ − Top-k at k = 8 -0.050" in lines[-1]
+    assert list(verdicts.settings_table([v])["group"]) == ["big", "lossy", "more0", "more1", "more2", "slight"]
 
 
 def test_humaneval_transfer_is_measured_against_code_calibration(tmp_path):

@@ -229,9 +229,10 @@ def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resa
     much as a 500-question one, and a pair that happens to agree everywhere does not swamp the rest as
     it would under inverse-variance weights.
 
-    With no discordant question at all the resampled interval shrinks to a point; the rule of three
-    (no event among n ⇒ rate < −ln(1 − level)/n, 3/n at 95 %) keeps at least that half-width, n the
-    largest universe's size.
+    With no discordant question at all the resampled interval shrinks to a point; for 0/1 scores the rule
+    of three (no event among n ⇒ rate < −ln(1 − level)/n, 3/n at 95 %) keeps at least that half-width, n the
+    largest 0/1 universe's size. Continuous scores (Rouge) get no floor: 3/n of a 10-document task would
+    swamp a Rouge difference of a few hundredths.
     """
     if not pairs:
         raise ValueError("pooled_bootstrap needs at least one pair")
@@ -265,7 +266,9 @@ def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resa
         means[start:start + size] = total
     alpha = (1.0 - level) / 2
     low, high = float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
-    if universes:
-        half = -math.log(1 - level) / max(len(ids) for ids in universes.values())
+    binary = [len(ids) for u, ids in universes.items()
+              if all(_binary(np.abs(p.d)) for p in pairs if isinstance(p, PairedOutcomes) and p.universe == u)]
+    if binary:  # 0/1 scores only: a continuous score (Rouge) gives the bootstrap its spread by itself
+        half = -math.log(1 - level) / max(binary)
         low, high = min(low, point - half), max(high, point + half)
     return point, low, high

@@ -13,6 +13,10 @@ with a margin δ of one point (0.01) where the claim is "no worse than":
     superiority  (A beats B)          holds: low > 0       fails: high < 0      else undecided
     non-inferiority (A ≈ B, ≤ δ loss) holds: low > −δ      fails: high < −δ     else undecided
 
+A claim that holds pooled can still fail in one setting (a task, a model): `per_setting` decides each claim in
+each setting (group) on its own pairs, at 95 % and Bonferroni-adjusted over the claim's settings, and
+`disagreements` names the settings and the single pairs that fail on their own.
+
 Claims (method.md §8; "paper" = what the paper reports):
     1 Top-θ tracks Top-k: Top-θ − Top-k at equal k, same placement and compensation (non-inferiority).
     2 post-softmax beats pre-softmax: post − pre, same sparsifier and k, kept fractions within ×1.25
@@ -60,6 +64,7 @@ class Verdict:
     ci_high: float | None = None
     verdict: str = "undecided"
     note: str = ""
+    settings: list[dict[str, Any]] = field(default_factory=list)  # per_setting(): the claim in each setting
 
     def as_row(self) -> dict[str, Any]:
         ci = "" if self.ci_low is None else f"[{self.ci_low:+.3f}, {self.ci_high:+.3f}]"
@@ -166,7 +171,34 @@ def _verdict(claim: str, kind: str, pairs: list[dict], note: str = "") -> Verdic
     if pairs:
         v.effect, v.ci_low, v.ci_high = pool([p["_d"] for p in pairs])
         v.verdict = decide(kind, v.ci_low, v.ci_high)
+        v.settings = per_setting(kind, pairs)
     return v
+
+
+def per_setting(kind: str, pairs: Sequence[dict]) -> list[dict[str, Any]]:
+    """The claim in each setting (a group: model, task, shots, questions) on its own pairs, pooled as the claim is.
+
+    A claim that holds pooled can still fail in one setting (one task, one model); the pooled verdict does
+    not show it. Testing m settings, about m × 2.5 % of them fail at 95 % by chance alone, so each setting is
+    decided twice: at 95 % (nominal) and at 1 − 0.05/m (Bonferroni over the claim's m settings; a failure
+    there is a disagreement with the paper, not noise)."""
+    groups: dict[str, list[dict]] = {}
+    for p in pairs:
+        groups.setdefault(p["group"], []).append(p)
+    adjusted = 1 - (1 - LEVEL) / len(groups)
+    out = []
+    for group, members in sorted(groups.items()):
+        data = [p["_d"] for p in members]
+        effect, low, high = pool(data)
+        _, low_adj, high_adj = paired.pooled_bootstrap(data, level=adjusted) if len(groups) > 1 else (effect, low, high)
+        worst = min(members, key=lambda p: p["ci_high"])
+        out.append({"group": group, "pairs": len(members), "effect": effect, "ci_low": low, "ci_high": high,
+                    "verdict": decide(kind, low, high), "level_adjusted": adjusted, "ci_low_adjusted": low_adj,
+                    "ci_high_adjusted": high_adj, "verdict_adjusted": decide(kind, low_adj, high_adj),
+                    "weakest_pair": f"{worst['a']} − {worst['b']}"
+                                    + (f" at k = {worst['k']:g}" if worst.get("k") is not None else "")
+                                    + f": {worst['diff']:+.3f} [{worst['ci_low']:+.3f}, {worst['ci_high']:+.3f}]"})
+    return out
 
 
 # ---------------------------------------------------------------- the claims
@@ -309,7 +341,7 @@ def _several_fold(main: pd.DataFrame, rows: pd.DataFrame, results_dir: Path | No
             d, _ = _compare(run, dense[run["group"]], results_dir, level=level)
             if not usable(d):
                 continue
-            if d.n:  # the rule-of-three floor, as in pool()
+            if d.n and d.a_only is not None:  # 0/1 scores: the rule-of-three floor, as in pool()
                 half = -math.log(1 - level) / d.n
                 d = paired.PairedDifference(**{**d.as_dict(), "ci_low": min(d.ci_low, d.diff - half),
                                                "ci_high": max(d.ci_high, d.diff + half)})
@@ -357,10 +389,16 @@ def pairs_table(results: Sequence[Verdict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def settings_table(results: Sequence[Verdict]) -> pd.DataFrame:
+    """Every claim in every setting (per_setting), one row each."""
+    return pd.DataFrame([{"claim": v.claim.split(".")[0], **s} for v in results for s in v.settings])
+
+
 def disagreements(results: Sequence[Verdict], margin: float = MARGIN) -> list[str]:
-    """Plain sentences on where the store disagrees with the paper: claims that fail, and superiority
-    claims still undecided whose interval already rules out a gain of `margin` or more (the paper reports an
-    advantage; here any advantage is smaller than a point, however many more pairs are run)."""
+    """Plain sentences on where the store disagrees with the paper: claims that fail; superiority claims still
+    undecided whose interval already rules out a gain of `margin` or more (the paper reports an advantage; here
+    any advantage is smaller than a point, however many more pairs are run); and, for a claim that does not
+    fail pooled, the settings where it fails on their own (per_setting), Bonferroni-adjusted or only nominally."""
     lines = []
     for v in results:
         if not v.pairs or v.effect is None:
@@ -368,7 +406,30 @@ def disagreements(results: Sequence[Verdict], margin: float = MARGIN) -> list[st
         measured = f"measured {v.effect:+.3f} [{v.ci_low:+.3f}, {v.ci_high:+.3f}] over {len(v.pairs)} pairs"
         if v.verdict == "fails":
             lines.append(f"{v.claim}: fails, {measured} ({v.note}).")
-        elif v.kind == "superiority" and v.verdict == "undecided" and v.ci_high < margin:
+            continue
+        if v.kind == "superiority" and v.verdict == "undecided" and v.ci_high < margin:
             lines.append(f"{v.claim}: no gain of {margin:g} or more here, {measured}: on these models the effect "
                          f"is at most {v.ci_high:+.3f}, if there is one ({v.note}).")
+        for s in v.settings:
+            if s["verdict"] != "fails":
+                continue
+            m = len(v.settings)
+            strength = (f"and still at {s['level_adjusted']:.4g} (Bonferroni over the claim's {m} settings): "
+                        f"[{s['ci_low_adjusted']:+.3f}, {s['ci_high_adjusted']:+.3f}]"
+                        if s["verdict_adjusted"] == "fails" else
+                        f"nominally: not at {s['level_adjusted']:.4g} (Bonferroni over the claim's {m} settings, "
+                        f"where about {m * (1 - LEVEL) / 2:.2g} would fail by chance alone)" if m > 1 else "")
+            lines.append(f"{v.claim}, {s['group']}: fails in this setting (pooled verdict: {v.verdict}), "
+                         f"{s['effect']:+.3f} [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}] over {s['pairs']} "
+                         f"pairs at 95 % {strength}; weakest pair {s['weakest_pair']}.")
+        bound = 0.0 if v.kind == "superiority" else -margin
+        failing = [p for p in v.pairs if p.get("ci_high") is not None and p["ci_high"] < bound]
+        if failing:
+            named = "; ".join(f"{p['group']}: {p['a']} − {p['b']}" + (f" at k = {p['k']:g}" if p.get("k") is not None
+                                                                       else "")
+                              + f" {p['diff']:+.3f} [{p['ci_low']:+.3f}, {p['ci_high']:+.3f}]" for p in failing)
+            lines.append(f"{v.claim}: {len(failing)} of its {len(v.pairs)} pairs fail on their own at 95 % (about "
+                         f"{len(v.pairs) * (1 - LEVEL) / 2:.2g} would by chance alone were every pair's true "
+                         f"difference exactly {bound:+.2f}; "
+                         f"pooled verdict: {v.verdict}): {named}.")
     return lines
