@@ -61,7 +61,9 @@ def section(results: Path, command: str) -> str:
         lines += ["", "### Generation tasks at a glance", "",
                   "Every run of each generation task on its most documents (score: the task's metric ± its standard "
                   "error; kept fractions as the run measured them; generated tokens: the mean length of a generated "
-                  "text). The trade-off tables and figures in `figures/` hold the same runs with every column.", "",
+                  "text; rows past calibration: a Top-θ run's attention rows longer than its thresholds' calibrated "
+                  "length, which used the last calibrated θ). Sparse decoding can lengthen the texts, and Rouge-L "
+                  "moves with length. The trade-off tables and figures in `figures/` hold the same runs with every column.", "",
                   markdown(glance).rstrip()]
     lines += ["", "### Which command made each file", ""] + provenance(results) + ["", END]
     return "\n".join(lines) + "\n"

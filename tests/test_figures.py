@@ -47,7 +47,7 @@ def _config(sparsifier, placement, k, comp, granularity, task, limit=5):
 
 
 def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, per_layer=None, popularity=None,
-         stamp=0):
+         stamp=0, clamped=None):
     sparsifier, placement, k, comp, granularity, value, stderr, attn = run
     config = _config(sparsifier, placement, k, comp, granularity, task, limit)
     run_id = store.run_id_for(config)
@@ -55,6 +55,8 @@ def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, 
                                   "acc,none": value - 0.1, "acc_stderr,none": stderr}},
                "n-shot": {task: 0}, "config": {"limit": limit}}
     stats = {"kept_attention_fraction": attn, "kept_vrow_fraction": vrow}
+    if clamped is not None:
+        stats["clamped_rows"] = clamped
     if per_layer is not None or popularity is not None:  # as the pipeline does: scalars, per-layer lists, records
         extra = {"per_layer": per_layer} if per_layer is not None else {}
         extra |= {"vrow_popularity": popularity} if popularity is not None else {}
@@ -413,10 +415,14 @@ def test_generation_glance_shows_each_generation_task_on_its_most_documents(tmp_
         _add(store, ("dense", None, None, "none", None, values[0], 0.05, 1.0), task="humaneval", metric="pass@1",
              limit=limit, vrow=1.0)
         _add(store, ("topk", "post", 32, "vmc", None, values[1], 0.05, 0.25), task="humaneval", metric="pass@1",
-             limit=limit, vrow=0.125)
+             limit=limit, vrow=0.125, clamped=0)
+    _add(store, ("toptheta", "post", 32, "vmc", "layer-head-n", 0.5, 0.05, 0.3), task="humaneval", metric="pass@1",
+         limit=80, vrow=0.2, clamped=151234)
     glance = figures.generation_glance(load_summary(tmp_path / "results"))
-    assert glance["setting"].tolist() == ["tiny-llama · humaneval (0-shot, limit 80) · pass@1"] * 2
-    assert glance["series"].tolist() == ["Baseline", "Top-k post (+VMC)"]
-    assert glance["score"].tolist() == ["0.6000 ± 0.0500", "0.5500 ± 0.0500"]
+    assert glance["setting"].tolist() == ["tiny-llama · humaneval (0-shot, limit 80) · pass@1"] * 3
+    assert glance["series"].tolist() == ["Baseline", "Top-k post (+VMC)", "Top-θ post (+VMC) [cal. arc_easy]"]
+    assert glance["score"].tolist() == ["0.6000 ± 0.0500", "0.5500 ± 0.0500", "0.5000 ± 0.0500"]
     assert glance[["k", "kept attention", "kept V rows"]].values.tolist() == [["", "1.000", "1.000"],
-                                                                              [32, "0.250", "0.125"]]
+                                                                              [32, "0.250", "0.125"],
+                                                                              [32, "0.300", "0.200"]]
+    assert glance["rows past calibration"].tolist() == ["", "", "151,234"]  # Top-θ only: Top-k has no θ to clamp

@@ -259,7 +259,10 @@ def generation_glance(summary: pd.DataFrame) -> pd.DataFrame:
     """The generation tasks at a glance: every run of each (model, task) on its most documents, one row each.
 
     A task counts as generation when the metric it is judged by is one of GENERATION_METRICS (HumanEval,
-    LongBench, passkey and its per-length sub-tasks). Kept fractions and generated tokens as the store has them.
+    LongBench, passkey and its per-length sub-tasks). Kept fractions and generated tokens as the store has them;
+    "rows past calibration": the attention rows of a Top-θ run longer than its thresholds' calibrated length,
+    which used the last calibrated θ (calibrating on short documents, e.g. ARC questions, for long prompts clamps
+    many).
     """
     groups = [g for g in tradeoff_groups(summary) if g["metric"] in GENERATION_METRICS]
     def size(g: dict[str, Any]) -> float:  # documents evaluated (limit None: the whole split)
@@ -270,7 +273,8 @@ def generation_glance(summary: pd.DataFrame) -> pd.DataFrame:
         key = (g["model"], g["task"])
         if key not in largest or size(g) > size(largest[key]):
             largest[key] = g
-    columns = ["setting", "series", "k", "score", "kept attention", "kept V rows", "generated tokens"]
+    columns = ["setting", "series", "k", "score", "kept attention", "kept V rows", "generated tokens",
+               "rows past calibration"]
     rows = []
     for g in sorted(largest.values(), key=lambda g: (g["model"], g["task"])):
         table = tradeoff_table(summary, **g)
@@ -279,6 +283,8 @@ def generation_glance(summary: pd.DataFrame) -> pd.DataFrame:
             shown = {c: "" if pd.isna(r[c]) else format(float(r[c]), spec)
                      for c, spec in (("kept_attention_fraction", ".3f"), ("kept_vrow_fraction", ".3f"),
                                      ("generated_tokens", ".0f"))}
+            shown["clamped_rows"] = ("" if r["sparsifier"] != "toptheta" or pd.isna(r["clamped_rows"])
+                                     else f"{int(r['clamped_rows']):,}")
             rows.append([setting, r["series"], "" if pd.isna(r["k"]) else int(r["k"]), r["value_pm_stderr"],
                          *shown.values()])
     return pd.DataFrame(rows, columns=columns)
