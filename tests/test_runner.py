@@ -168,6 +168,60 @@ def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkey
         assert "vrow_popularity" not in dense  # dense keeps every V row: nothing to record
 
 
+def test_an_interrupted_passkey_run_resumes_at_its_length_with_the_same_numbers(tmp_path, monkeypatch):
+    """Each finished length is saved beside the runs; a run interrupted in its second length generates only that
+    one when run again, and stores what an uninterrupted run stores (statistics included)."""
+    import pandas as pd
+
+    from toptheta.evaluation import generation
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    overrides = ("model=tiny-llama", "task=passkey", "task.lengths=[300,400]", "task.depths=[0.25,0.75]",
+                 "sparsifier=topk", "sparsifier.k=8", "sparsifier.layer_k=null", "comp=vmc")
+    pipeline.run(cfg(*overrides, f"results_dir={tmp_path / 'whole'}"))
+
+    plain, calls = generation.generate_all, []
+
+    def interrupted(model, tokenizer, prompts, **kwargs):
+        calls.append(len(prompts))
+        if len(calls) == 4:  # the Top-k run's second length (the dense run came first and finished)
+            raise KeyboardInterrupt
+        return plain(model, tokenizer, prompts, **kwargs)
+
+    monkeypatch.setattr(generation, "generate_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(cfg(*overrides, f"results_dir={tmp_path / 'resumed'}"))
+    parts = list((tmp_path / "resumed" / "runs").glob(".partial-*/passkey_*.json"))
+    assert [p.name for p in parts] == ["passkey_300.json"]
+    calls.clear()
+    monkeypatch.setattr(generation, "generate_all", lambda *a, **k: calls.append(len(a[2])) or plain(*a, **k))
+    pipeline.run(cfg(*overrides, f"results_dir={tmp_path / 'resumed'}"))
+    assert calls == [2]  # Top-k's 400 only: dense is stored, Top-k's 300 read back
+    assert not list((tmp_path / "resumed" / "runs").glob(".partial-*"))  # removed once the run is stored
+
+    whole, resumed = (pd.read_csv(tmp_path / d / "summary.csv").drop(columns=["timestamp"]).sort_values(["run_id", "task"])
+                      .reset_index(drop=True) for d in ("whole", "resumed"))
+    pd.testing.assert_frame_equal(whole, resumed)
+    for run_id in whole["run_id"].unique():
+        a, b = (json.loads((tmp_path / d / "runs" / run_id / "stats.json").read_text()) for d in ("whole", "resumed"))
+        for stats in (a, b):
+            stats.pop("seconds")
+            for part in stats.values():
+                if isinstance(part, dict):
+                    part.pop("seconds", None)
+        assert b.pop("resumed_parts", None) == (["passkey_300"] if whole.loc[whole["run_id"] == run_id, "sparsifier"]
+                                                .iloc[0] == "topk" else None)
+        assert a == b
+        samples = [(tmp_path / d / "runs" / run_id / "samples.json.gz").read_bytes() for d in ("whole", "resumed")]
+        assert samples[0] == samples[1] or _samples(samples[0]) == _samples(samples[1])
+
+
+def _samples(raw: bytes) -> list:
+    import gzip
+
+    return json.loads(gzip.decompress(raw))
+
+
 def test_runs_recording_popularity_at_other_layers_share_one_dense_baseline():
     def ids(layer):
         return [s.run_id for s in pipeline.plan(cfg("model=tiny-llama", "task=humaneval", "sparsifier=topk",

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,9 +264,10 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
 # ---- evaluation ----------------------------------------------------------------------------------------------
 
 def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict, log_samples: bool = False,
-             stats=None) -> dict:
+             stats=None, checkpoint: Path | None = None) -> dict:
     """lm-eval's results dict (or the same shape for our generation tasks, which may add ``task_stats``: the
-    statistics of sub-tasks such as one passkey length, cut from the session's ``stats``)."""
+    statistics of sub-tasks such as one passkey length, cut from the session's ``stats``; and ``resumed``: the
+    parts read back from ``checkpoint``, a directory where passkey saves each finished length)."""
     if task["kind"] == "lm_eval":
         from .evaluation.lm_eval_adapter import clip_samples, evaluate_tasks
         from .evaluation.tasks import is_longbench
@@ -284,7 +286,8 @@ def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict
         return results
     from .evaluation.generation import evaluate_generation
 
-    results = evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")), stats=stats)
+    results = evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")), stats=stats,
+                                  checkpoint=checkpoint)
     return _count_generated(results, tokenizer)
 
 
@@ -360,10 +363,16 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     comp = _compensation(spec.config["comp"], thresholds)
     log.info("evaluating %s: %r + %s", spec.label, sparsifier, comp or "no compensation")
     t0 = time.time()
+    # An interrupted run resumes from the parts it saved (passkey: each length); a popularity recording follows
+    # the first generation of the run, so it starts over.
+    checkpoint = store.partial_dir(spec.run_id) if recorder is None else None
     with sparsify(model, sparsifier, comp, chunk_size=chunk_size, observer=recorder) as stats:
         results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"],
-                           log_samples=spec.log_samples, stats=stats)
+                           log_samples=spec.log_samples, stats=stats, checkpoint=checkpoint)
     summary = {**stats.summary(), **results.pop("task_stats", {}), "seconds": time.time() - t0}
+    resumed = results.pop("resumed", {})
+    if resumed:  # the seconds the read-back parts took when they ran
+        summary.update(seconds=summary["seconds"] + sum(resumed.values()), resumed_parts=sorted(resumed))
     if "generated_tokens" in results:
         summary["generated_tokens"] = results.pop("generated_tokens")
     extra_stats = {"vrow_popularity": recorder.to_dict(group)} if recorder is not None else {}
@@ -378,6 +387,8 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
                     copies={"thresholds.safetensors": thresholds_ref} if thresholds_ref else None)
     rows = summary_rows(spec.run_id, config, results, summary)
     store.append_summary(rows)
+    if checkpoint is not None:
+        shutil.rmtree(checkpoint, ignore_errors=True)  # the run is stored: its parts are no longer needed
     logger.log_run(spec, rows, stats, thresholds_ref)
     return rows
 

@@ -136,6 +136,29 @@ class SparsityStats:
                  "dropped_mass", "rows", "decode_steps", "empty_rows"]
         return {name: getattr(self, name).clone() for name in names}
 
+    def to_json(self) -> dict:
+        """Every counter as plain numbers (float64 round-trips through JSON exactly), for a run's checkpoint."""
+        return {"shape": [self.num_layers, self.num_heads, self.num_kv_heads], "clamped_rows": int(self.clamped_rows),
+                **{name: value.tolist() for name, value in self.state_dict().items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SparsityStats":
+        out = cls(*data["shape"])
+        for name, value in out.state_dict().items():
+            getattr(out, name).copy_(torch.tensor(data[name], dtype=value.dtype))
+        out.clamped_rows = int(data["clamped_rows"])
+        return out
+
+    def add(self, other: "SparsityStats") -> None:
+        """Add another session's counters (a part of this run computed earlier, read back from a checkpoint)."""
+        shape = [other.num_layers, other.num_heads, other.num_kv_heads]
+        if shape != [self.num_layers, self.num_heads, self.num_kv_heads]:
+            raise ValueError(f"statistics of shape {shape} cannot be added to "
+                             f"{[self.num_layers, self.num_heads, self.num_kv_heads]} (another model's)")
+        for name, value in other.state_dict().items():
+            getattr(self, name).add_(value)
+        self.clamped_rows += other.clamped_rows
+
     @contextlib.contextmanager
     def section(self):
         """Yield a ``SparsityStats`` that holds, after the block, only what was recorded inside it.

@@ -8,9 +8,11 @@ attention elements and every decode step counts kept V rows.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -161,11 +163,16 @@ def _sandbox_limits(task: dict):
     return SandboxLimits(timeout_s=float(task.get("timeout_s", 3.0)))
 
 
-def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None) -> dict:
+def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None) -> dict:
     """Passkey retrieval at each length and depth: accuracy overall and per length.
 
     With the session's ``stats`` (a SparsityStats), each length also gets its own sparsity statistics
     (``task_stats["passkey_<length>"]``): kept fractions are not pooled across context lengths.
+
+    ``checkpoint`` (a directory): each finished length is saved there (its samples and its statistics' counters),
+    and a length already saved for the same prompts is read back instead of generated again, its counters added
+    to ``stats``: an interrupted run (a long context takes hours here) resumes at the length it was in, with the
+    numbers an uninterrupted run gives. The results then name the lengths read back (``resumed``).
     """
     import contextlib
 
@@ -176,20 +183,33 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
                                     filler=task.get("filler") or "independent")
     if task.get("limit"):
         records = records[: int(task["limit"])]
-    samples, task_stats = [], {}
+    samples, task_stats, resumed = [], {}, {}
     lengths = sorted({r["target_tokens"] for r in records})
     with tqdm(total=len(records), desc="passkey", unit="prompt") as bar:
         for length in lengths:
-            with stats.section() if stats is not None else contextlib.nullcontext() as part:
-                group = [r for r in records if r["target_tokens"] == length]
-                outputs = generate_all(model, tokenizer, [r["prompt"] for r in group],
-                                       max_new_tokens=PASSKEY_NEW_TOKENS, chat_template=chat_template,
-                                       decode_batch=int(task.get("decode_batch") or 1),
-                                       share_prefix=bool(task.get("share_prefix")), progress=bar)
-                for record, out in zip(group, outputs):
-                    samples.append({"id": record["id"], "target_tokens": length, "length_tokens": out["prompt_tokens"],
-                                    "depth": record["depth"], "generation": out["text"],
-                                    "correct": bool(score_passkey(out["text"], record["answer"]))})
+            group = [r for r in records if r["target_tokens"] == length]
+            saved = _read_section(checkpoint, length, group, stats)
+            if saved is not None:
+                part, done = saved
+                if part is not None:
+                    stats.add(part)
+                resumed[f"passkey_{length}"] = done["seconds"]
+                log.info("passkey %d: %d prompts read back from %s", length, len(group), checkpoint)
+                bar.update(len(group))
+            else:
+                t0, done = time.time(), []
+                with stats.section() if stats is not None else contextlib.nullcontext() as part:
+                    outputs = generate_all(model, tokenizer, [r["prompt"] for r in group],
+                                           max_new_tokens=PASSKEY_NEW_TOKENS, chat_template=chat_template,
+                                           decode_batch=int(task.get("decode_batch") or 1),
+                                           share_prefix=bool(task.get("share_prefix")), progress=bar)
+                    for record, out in zip(group, outputs):
+                        done.append({"id": record["id"], "target_tokens": length, "length_tokens": out["prompt_tokens"],
+                                     "depth": record["depth"], "generation": out["text"],
+                                     "correct": bool(score_passkey(out["text"], record["answer"]))})
+                done = {"samples": done, "seconds": round(time.time() - t0, 2)}
+                _write_section(checkpoint, length, group, done, part)
+            samples += done["samples"]
             if part is not None:
                 task_stats[f"passkey_{length}"] = part.summary()
     out = _result("passkey", "accuracy", [float(s["correct"]) for s in samples], samples)  # fractions, as in the store
@@ -198,6 +218,8 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
         out["results"][f"passkey_{length}"] = _result("", "accuracy", sub, [])["results"][""]
     if task_stats:
         out["task_stats"] = task_stats
+    if resumed:
+        out["resumed"] = resumed
     return out
 
 
@@ -246,11 +268,40 @@ def check_decoding(task: dict, model) -> None:
                          "through model.generate)")
 
 
-def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, stats=None) -> dict:
-    """Results shaped like lm-eval's; ``task_stats`` (when present) holds statistics of sub-tasks (from ``stats``)."""
+def _section_path(checkpoint, length: int) -> Path:
+    return Path(checkpoint) / f"passkey_{length}.json"
+
+
+def _read_section(checkpoint, length: int, group: list[dict], stats):
+    """(its statistics or None, {samples, seconds}) of a length saved for exactly these prompts; else None."""
+    if checkpoint is None or not _section_path(checkpoint, length).is_file():
+        return None
+    data = json.loads(_section_path(checkpoint, length).read_text(encoding="utf-8"))
+    if data.get("prompts") != [r["prompt"] for r in group] or (data.get("stats") is None) != (stats is None):
+        log.warning("passkey %d: the checkpoint in %s was made for other prompts; generating again", length, checkpoint)
+        return None
+    from ..attention.stats import SparsityStats
+
+    part = SparsityStats.from_json(data["stats"]) if data["stats"] is not None else None
+    return part, {"samples": data["samples"], "seconds": data["seconds"]}
+
+
+def _write_section(checkpoint, length: int, group: list[dict], done: dict, part) -> None:
+    from ..atomic import write_text_atomic
+
+    if checkpoint is None:
+        return
+    _section_path(checkpoint, length).parent.mkdir(parents=True, exist_ok=True)
+    data = {"prompts": [r["prompt"] for r in group], **done, "stats": part.to_json() if part is not None else None}
+    write_text_atomic(_section_path(checkpoint, length), json.dumps(data))
+
+
+def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None) -> dict:
+    """Results shaped like lm-eval's; ``task_stats`` (when present) holds statistics of sub-tasks (from ``stats``);
+    ``checkpoint``: a directory where a passkey run saves each finished length and resumes from (run_passkey)."""
     kind = task["kind"]
     if kind == "humaneval":
         return run_humaneval(task, model, tokenizer, chat_template=chat_template)
     if kind == "passkey":
-        return run_passkey(task, model, tokenizer, chat_template=chat_template, stats=stats)
+        return run_passkey(task, model, tokenizer, chat_template=chat_template, stats=stats, checkpoint=checkpoint)
     raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, passkey")

@@ -424,6 +424,11 @@ class RunStore:
             raise ValueError(f"invalid run id {run_id!r}: use RunStore.run_id_for(config)")
         return self.runs_dir / run_id
 
+    def partial_dir(self, run_id: str) -> Path:
+        """Where a run saves its finished parts while it runs (passkey: each length), to resume from if it is
+        interrupted; removed once the run is stored. Hidden beside the runs, so no reader takes it for one."""
+        return self.runs_dir / f".partial-{self.run_dir(run_id).name}"
+
     def exists(self, run_id: str) -> bool:
         """Whether a complete run (its DONE marker present) is stored under `run_id`."""
         return (self.run_dir(run_id) / DONE_MARKER).is_file()
