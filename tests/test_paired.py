@@ -247,6 +247,28 @@ def test_verdict_rules():
     assert mean == pytest.approx(0.01) and high - low < 0.05
 
 
+def test_one_pooled_pair_matches_the_plain_paired_bootstrap():
+    """The pooled bootstrap draws each universe's questions by index counts and folds whole-universe pairs into one
+    product; for a single pair it must give the plain per-pair bootstrap's interval (another draw: to resampling
+    noise), and a pair on part of the universe its own mean over the drawn questions it has."""
+    rng = np.random.default_rng(5)
+    a, b = (rng.random(600) < 0.6).astype(float), (rng.random(600) < 0.55).astype(float)
+    plain = paired.paired_bootstrap(a, b)
+    pair = paired.PairedOutcomes("t", tuple(range(600)), a - b)
+    mean, low, high = paired.pooled_bootstrap([pair])
+    assert mean == pytest.approx((a - b).mean()) and (low, high) == pytest.approx(plain, abs=0.004)
+    part = paired.PairedOutcomes("t", tuple(range(300)), (a - b)[:300])
+    plain_part = paired.paired_bootstrap(a[:300], b[:300])
+    other = paired.PairedOutcomes("t", tuple(range(300, 600)), np.zeros(300))  # the universe's other questions
+    mean, low, high = paired.pooled_bootstrap([part, other])
+    # half the weight on a pair of zeros: the interval is half the part's own
+    assert mean == pytest.approx((a - b)[:300].mean() / 2)
+    assert (low, high) == pytest.approx((plain_part[0] / 2, plain_part[1] / 2), abs=0.004)
+    _, intervals = paired.pooled_intervals([pair], levels=(0.95, 0.99))
+    assert intervals[0] == (low1 := paired.pooled_bootstrap([pair])[1], paired.pooled_bootstrap([pair])[2])
+    assert intervals[1][0] < low1 and intervals[1][1] > intervals[0][1]
+
+
 def test_pooling_resamples_shared_questions_together():
     """Two pairs on the same questions with the same differences carry no more evidence than one: the
     pooled interval equals the single pair's (an independent pool would shrink it by √2). Pairs on

@@ -221,7 +221,7 @@ def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resa
 
     Pairs of a claim reuse questions (one dense run against every k; one task across models), so their
     differences are not independent and an independent pool would be too narrow. Each resample
-    draws the questions of every universe once (multinomial counts) and applies the same draw to all
+    draws the questions of every universe once (how often each is drawn) and applies the same draw to all
     pairs on that universe; a pair without per-question outcomes (`PairedDifference` from two stderrs)
     contributes a normal draw around its difference. The pooled effect is the mean of the pair
     differences weighted by their numbers of questions (a two-stderr pair counts as 0.25/se² questions,
@@ -234,6 +234,14 @@ def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resa
     largest 0/1 universe's size. Continuous scores (Rouge) get no floor: 3/n of a 10-document task would
     swamp a Rouge difference of a few hundredths.
     """
+    point, ((low, high),) = pooled_intervals(pairs, levels=(level,), resamples=resamples, seed=seed)
+    return point, low, high
+
+
+def pooled_intervals(pairs: Sequence[PairedOutcomes | PairedDifference], *, levels: Sequence[float],
+                     resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED
+                     ) -> tuple[float, list[tuple[float, float]]]:
+    """pooled_bootstrap's effect and its interval at each of `levels`, from one set of resamples."""
     if not pairs:
         raise ValueError("pooled_bootstrap needs at least one pair")
     rng = np.random.default_rng(seed)
@@ -244,31 +252,47 @@ def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resa
             seen = set(known)
             known.extend(q for q in p.ids if q not in seen and not seen.add(q))
     index = {u: {q: i for i, q in enumerate(ids)} for u, ids in universes.items()}
-    positions = [np.array([index[p.universe][q] for q in p.ids]) if isinstance(p, PairedOutcomes) else None
-                 for p in pairs]
     weights = np.array([len(p.ids) if isinstance(p, PairedOutcomes) else 0.25 / max(_se_of(p), 1e-6) ** 2
                         for p in pairs])
     weights = weights / weights.sum()
     point = float(weights @ np.array([p.diff for p in pairs]))
+    # A pair on all of its universe's questions is a weighted mean over the drawn questions, so all such pairs of
+    # a universe add up to one product with Σ weight·d; a pair on some of them needs its own.
+    whole = {u: np.zeros(len(ids)) for u, ids in universes.items()}
+    some = []
+    for p, weight in zip(pairs, weights):
+        if not isinstance(p, PairedOutcomes):
+            continue
+        pos = np.array([index[p.universe][q] for q in p.ids])
+        if len(pos) == len(universes[p.universe]):
+            whole[p.universe][pos] += weight * p.d
+        else:
+            some.append((p, pos, weight))
+    unpaired = [(p, weight) for p, weight in zip(pairs, weights) if not isinstance(p, PairedOutcomes)]
     means = np.empty(resamples)
     for start in range(0, resamples, 1000):
         size = min(1000, resamples - start)
-        counts = {u: rng.multinomial(len(ids), np.full(len(ids), 1 / len(ids)), size=size).astype(float)
-                  for u, ids in universes.items()}
         total = np.zeros(size)
-        for p, pos, weight in zip(pairs, positions, weights):
-            if isinstance(p, PairedOutcomes):
-                w = counts[p.universe][:, pos]
+        for u, ids in universes.items():
+            n = len(ids)
+            drawn = rng.integers(0, n, size=(size, n)) + n * np.arange(size)[:, None]
+            counts = np.bincount(drawn.ravel(), minlength=size * n).reshape(size, n).astype(float)
+            total += counts @ whole[u] / n
+            for p, pos, weight in (x for x in some if x[0].universe == u):
+                w = counts[:, pos]
                 den = w.sum(1)
                 total += weight * np.where(den > 0, (w @ p.d) / np.maximum(den, 1), p.diff)
-            else:
-                total += weight * rng.normal(p.diff, _se_of(p), size=size)
+        for p, weight in unpaired:
+            total += weight * rng.normal(p.diff, _se_of(p), size=size)
         means[start:start + size] = total
-    alpha = (1.0 - level) / 2
-    low, high = float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
     binary = [len(ids) for u, ids in universes.items()
               if all(_binary(np.abs(p.d)) for p in pairs if isinstance(p, PairedOutcomes) and p.universe == u)]
-    if binary:  # 0/1 scores only: a continuous score (Rouge) gives the bootstrap its spread by itself
-        half = -math.log(1 - level) / max(binary)
-        low, high = min(low, point - half), max(high, point + half)
-    return point, low, high
+    intervals = []
+    for level in levels:
+        alpha = (1.0 - level) / 2
+        low, high = float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
+        if binary:  # 0/1 scores only: a continuous score (Rouge) gives the bootstrap its spread by itself
+            half = -math.log(1 - level) / max(binary)
+            low, high = min(low, point - half), max(high, point + half)
+        intervals.append((low, high))
+    return point, intervals

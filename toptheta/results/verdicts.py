@@ -188,9 +188,8 @@ def per_setting(kind: str, pairs: Sequence[dict]) -> list[dict[str, Any]]:
     adjusted = 1 - (1 - LEVEL) / len(groups)
     out = []
     for group, members in sorted(groups.items()):
-        data = [p["_d"] for p in members]
-        effect, low, high = pool(data)
-        _, low_adj, high_adj = paired.pooled_bootstrap(data, level=adjusted) if len(groups) > 1 else (effect, low, high)
+        effect, ((low, high), (low_adj, high_adj)) = paired.pooled_intervals([p["_d"] for p in members],
+                                                                             levels=(LEVEL, adjusted))
         worst = min(members, key=lambda p: p["ci_high"])
         out.append({"group": group, "pairs": len(members), "effect": effect, "ci_low": low, "ci_high": high,
                     "verdict": decide(kind, low, high), "level_adjusted": adjusted, "ci_low_adjusted": low_adj,
