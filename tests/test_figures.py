@@ -150,6 +150,13 @@ def test_expected_files_and_commands(made):
     assert all((made / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
 
 
+def test_vrow_popularity_heatmap_greys_out_keys_not_yet_generated():
+    """Step 0 saw 3 keys and step 1 saw 4: the 4th key at step 0 is masked (grey), not drawn as 'no head keeps it'."""
+    image = figures.vrow_popularity_figure(POPULARITY).axes[0].images[0].get_array()
+    assert image.mask.tolist() == [[False, False, False, True], [False, False, False, False]]
+    assert image.filled(-1).tolist() == [[2, 0, 1, -1], [2, 1, 0, 2]]
+
+
 def test_vrow_popularity_table_numbers(made):
     row = pd.read_csv(made / "vrow_popularity-tiny-llama.csv").iloc[0]
     assert (row["layer"], row["group"], row["heads_per_group"], row["decode_steps"]) == (1, 0, 2, 2)

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -593,10 +594,20 @@ def vrow_popularity_table(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def vrow_popularity_figure(record: Mapping[str, Any], *, title: str | None = None) -> Figure:
-    """Heatmap: decode step × key position, colour = query heads of the KV group keeping that V row."""
+    """Heatmap: decode step × key position, colour = query heads of the KV group keeping that V row; grey: keys
+    that did not exist yet at that step (each step of the generation sees one key more than the last)."""
+    import matplotlib
+
+    counts = np.asarray(record["counts"], dtype=float)
+    if counts.ndim == 2 and counts.size:
+        steps, width = counts.shape
+        first = width - (steps - 1)  # keys seen by the first step
+        future = np.arange(width)[None, :] >= first + np.arange(steps)[:, None]
+        counts = np.ma.masked_array(counts, mask=future)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")
     fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.add_subplot()
-    image = ax.imshow(record["counts"], aspect="auto", interpolation="nearest", cmap="viridis",
+    image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap=cmap,
                       vmin=0, vmax=record.get("heads_per_group") or None)
     fig.colorbar(image, ax=ax, label="query heads keeping the V row")
     ax.set_xlabel("key position")
