@@ -170,7 +170,8 @@ def register() -> None:
 
 # ---- ranges: what types cannot say --------------------------------------------------------------------------
 
-def _int(value: Any, minimum: int) -> bool:
+def is_int(value: Any, minimum: int) -> bool:
+    """An int (not a bool) of at least `minimum`: the range check every entry point applies to counts and sizes."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
@@ -188,34 +189,34 @@ def check(cfg: Any) -> None:
 
     k = get(sparsifier, "k")
     if str(get(sparsifier, "name")) != "dense":
-        need(_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
+        need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
         need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
     for layer, layer_k in dict(get(sparsifier, "layer_k") or {}).items():
-        need(_int(layer, 0) and _int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
+        need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
              "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
     need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")
     for key, minimum in (("num_samples", 1), ("num_fewshot", 0)):
         value = get(calib, key)
-        need(value is None or _int(value, minimum), f"calib.{key}", value, f"null or an integer >= {minimum}")
+        need(value is None or is_int(value, minimum), f"calib.{key}", value, f"null or an integer >= {minimum}")
     need(0 < get(calib, "sample_frac") <= 1, "calib.sample_frac", get(calib, "sample_frac"), "a fraction in (0, 1]")
-    need(_int(get(calib, "decode_tokens"), 0), "calib.decode_tokens", get(calib, "decode_tokens"), "an integer >= 0")
+    need(is_int(get(calib, "decode_tokens"), 0), "calib.decode_tokens", get(calib, "decode_tokens"), "an integer >= 0")
     need(get(calib, "smooth_sigma") >= 0, "calib.smooth_sigma", get(calib, "smooth_sigma"), "a width >= 0 (0 = off)")
     _check_task(task, get, need)
     for key, node, minimum in (("model.max_length", model, 2), ("chunk_size", cfg, 1)):
         value = get(node, key.split(".")[-1])
-        need(value is None or _int(value, minimum), key, value, f"null or an integer >= {minimum}")
+        need(value is None or is_int(value, minimum), key, value, f"null or an integer >= {minimum}")
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 def _check_task(task: Any, get, need) -> None:
     num_fewshot, limit, batch_size = get(task, "num_fewshot"), get(task, "limit"), get(task, "batch_size")
-    need(num_fewshot is None or _int(num_fewshot, 0), "task.num_fewshot", num_fewshot,
+    need(num_fewshot is None or is_int(num_fewshot, 0), "task.num_fewshot", num_fewshot,
          "null (the task's default) or an integer >= 0")
-    need(limit is None or _int(limit, 1) or (isinstance(limit, float) and 0 < limit < 1), "task.limit", limit,
+    need(limit is None or is_int(limit, 1) or (isinstance(limit, float) and 0 < limit < 1), "task.limit", limit,
          "null (all documents), an integer >= 1 (a count) or a float in (0, 1) (a fraction)")
-    need(_int(batch_size, 1) or batch_size == "auto", "task.batch_size", batch_size, "an integer >= 1 or auto")
-    need(get(task, "max_length") is None or _int(get(task, "max_length"), 2), "task.max_length",
+    need(is_int(batch_size, 1) or batch_size == "auto", "task.batch_size", batch_size, "an integer >= 1 or auto")
+    need(get(task, "max_length") is None or is_int(get(task, "max_length"), 2), "task.max_length",
          get(task, "max_length"), "null (the model's limit) or an integer >= 2")
     if str(get(task, "kind")) == "lm_eval":
         need(bool(get(task, "lm_eval_task")), "task.lm_eval_task", get(task, "lm_eval_task"),
@@ -224,12 +225,12 @@ def _check_task(task: Any, get, need) -> None:
         need(False, "task.include_path", get(task, "include_path"), f"only lm_eval tasks read task YAMLs, not {get(task, 'kind')}")
     decode_batch = get(task, "decode_batch")
     if str(get(task, "kind")) == "lm_eval":
-        need(decode_batch is None or _int(decode_batch, 1), "task.decode_batch", decode_batch,
+        need(decode_batch is None or is_int(decode_batch, 1), "task.decode_batch", decode_batch,
              "null (one generation request at a time) or an integer >= 1")
     else:
         need(batch_size == 1, "task.batch_size", batch_size,
              f"1 for {get(task, 'kind')} (to decode prompts together, set task.decode_batch=16)")
-        need(decode_batch is None or _int(decode_batch, 1), "task.decode_batch", decode_batch,
+        need(decode_batch is None or is_int(decode_batch, 1), "task.decode_batch", decode_batch,
              "null (one prompt at a time) or an integer >= 1")
         need(decode_batch in (None, 1) or get(task, "vrow_popularity") is None, "task.decode_batch", decode_batch,
              "null with task.vrow_popularity (it records one generation of batch 1)")
@@ -250,5 +251,5 @@ def _check_task(task: Any, get, need) -> None:
         popularity = {**VROW_POPULARITY_DEFAULTS, **(dict(popularity) if not unknown else {})}
         for key, minimum in (("layer", 0), ("group", 0), ("max_steps", 1)):
             value = popularity.get(key)
-            need((key == "max_steps" and value is None) or _int(value, minimum), f"task.vrow_popularity.{key}", value,
+            need((key == "max_steps" and value is None) or is_int(value, minimum), f"task.vrow_popularity.{key}", value,
                  f"an integer >= {minimum}" + (" or null" if key == "max_steps" else ""))

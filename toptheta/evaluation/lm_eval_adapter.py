@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from toptheta.config import is_int
 from toptheta.evaluation.longbench import NO_CHAT_TEMPLATE
 from toptheta.evaluation.tasks import (
     DATA_DIR_ENV,
@@ -39,13 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _is_int(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
 def _check_run_args(num_fewshot: Any, limit: Any, batch_size: Any, max_length: Any) -> None:
     """Argument checks shared by evaluate_tasks and calibration_requests."""
-    if num_fewshot is not None and not _is_int(num_fewshot, 0):
+    if num_fewshot is not None and not is_int(num_fewshot, 0):
         raise ValueError(f"num_fewshot must be None (task default) or an int >= 0, got {num_fewshot!r}")
     if limit is not None:
         # lm-eval reads a float < 1 as a fraction of the docs but int(limit) otherwise, so 1.0
@@ -59,9 +56,9 @@ def _check_run_args(num_fewshot: Any, limit: Any, batch_size: Any, max_length: A
                 f"a float limit is a fraction of the documents and must be in (0, 1), got {limit}; "
                 f"use an int for a document count"
             )
-    if not (_is_int(batch_size, 1) or batch_size == "auto"):
+    if not (is_int(batch_size, 1) or batch_size == "auto"):
         raise ValueError(f"batch_size must be an int >= 1 or 'auto', got {batch_size!r}")
-    if max_length is not None and not _is_int(max_length, 2):
+    if max_length is not None and not is_int(max_length, 2):
         raise ValueError(f"max_length must be None (model default) or an int >= 2, got {max_length!r}")
 
 
@@ -241,7 +238,7 @@ def evaluate_tasks(
     _check_run_args(num_fewshot, limit, batch_size, max_length)
     if scoring not in SCORING:
         raise ValueError(f"scoring must be one of {sorted(SCORING)}, got {scoring!r}")
-    if decode_batch is not None and (not _is_int(decode_batch, 1) or scoring == "stock"):
+    if decode_batch is not None and (not is_int(decode_batch, 1) or scoring == "stock"):
         raise ValueError(f"decode_batch must be None or an int >= 1 with scoring 'shared' or 'batched', got "
                          f"decode_batch={decode_batch!r} with scoring={scoring!r}")
     resolved = resolve_data_dir(data_dir)

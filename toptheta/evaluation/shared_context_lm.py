@@ -40,6 +40,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from ..attention.cache import cache_keyword, forward_accepts, growing_cache
+from ..config import is_int
 from .generation import pad_token_id
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class _Input:
 
 def check_decode_batch(value) -> None:
     """BatchedHFLM's decode_batch: None (batch_size) or a positive int; anything else raises, naming the fix."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and not is_int(value, 1):
         raise ValueError(f"decode_batch must be None (batch_size) or an int >= 1, got {value!r}: give the number of "
                          "generation requests to decode together, e.g. decode_batch=8, or leave it out")
 
