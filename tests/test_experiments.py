@@ -272,9 +272,12 @@ def test_sweep_status_counts_the_runs_a_sweep_plans_and_finds_in_the_store(tmp_p
         assert len(dense) == 1  # one baseline shared by every job
         (tmp_path / "runs" / dense[0]).mkdir(parents=True)
         (tmp_path / "runs" / dense[0] / "DONE").write_text("")
+        (tmp_path / "runs" / dense[0] / "stats.json").write_text('{"seconds": 600.0}')
         after = script.status(name, str(tmp_path))
     assert after["done"] == 1 and len(after["left"]) == 6 and len(after["jobs_left"]) == 6
+    assert after["seconds"] == [600.0] and script.time_left(after) == "; ≈ 1.0 h left at the 10.0-min median of 1 finished run"
+    assert script.time_left(empty) == ""  # nothing finished to time it by
     assert script.main([name, "--results", str(tmp_path), "--jobs"]) == 0
     out = capsys.readouterr().out
-    assert "1/7" in out and out.count("python run.py experiment=longbench/smol") == 6
+    assert "1/7" in out and "≈ 1.0 h left" in out and out.count("python run.py experiment=longbench/smol") == 6
     assert script.main(["no_such/smol"]) == 2
