@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from toptheta.results import bench_report
 
 
@@ -91,3 +93,28 @@ def test_run_owners_plans_a_sweep_and_records_one_it_cannot_plan():
         assert sweeps._job_models("longbench/smol") == {"qwen2.5-coder-0.5b"}
     assert sweeps.run_owners(["longbench/smol"], models={"smollm2-135m"}).planned == {}
     assert sweeps.run_owners(["longbench/smol"], models={"qwen2.5-coder-0.5b"}).planned == {"longbench/smol": 7}
+
+
+def test_a_plan_is_cached_until_what_it_is_computed_from_changes(tmp_path, monkeypatch):
+    from toptheta import pipeline
+    from toptheta.results import sweeps
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path))
+    with sweeps.composing():
+        first = sweeps.plan_jobs("longbench/smol")
+        assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+
+        def no_planning(cfg):
+            raise AssertionError("planned again")
+
+        monkeypatch.setattr(pipeline, "plan", no_planning)
+        assert sweeps.plan_jobs("longbench/smol") == first  # read back, tuples and all
+        sweeps._sources_fingerprint.cache_clear()
+        monkeypatch.setattr(sweeps, "_sources_fingerprint", lambda: "an edited conf/")
+        with pytest.raises(AssertionError, match="planned again"):
+            sweeps.plan_jobs("longbench/smol")
+        monkeypatch.undo()
+        monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path))
+        monkeypatch.setattr(pipeline, "plan", no_planning)
+        with pytest.raises(AssertionError, match="planned again"):  # other overrides: another plan
+            sweeps.plan_jobs("longbench/smol", ["results_dir=elsewhere"])

@@ -5,19 +5,29 @@ Hydra (conf/, whose `experiment` group is experiments/) and runs `pipeline.plan`
 exactly the ones `python run.py -m experiment=<name>` would make or find in its store. Planning checks the
 configuration and the data files, so it fails where the run would (say, a calibration task without a train
 split offline); `run_owners` records such an experiment as unplannable instead of stopping.
+
+Composing a sweep job by job takes seconds per experiment, so a plan is cached
+(`$TOPTHETA_CACHE/plans/`, default `~/.cache/toptheta/plans/`) under a key made of the experiment, its extra
+overrides, the `TOPTHETA_*` environment and the content of everything a plan is computed from: conf/,
+experiments/ and the package's source. Any edit there plans afresh; only plans that succeeded are cached.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
 import logging
+import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import experiments
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+PACKAGE = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -45,7 +55,43 @@ class PlannedJob:
 
 def plan_jobs(name: str, extra: Sequence[str] = ()) -> list[PlannedJob]:
     """Every job of the experiment's sweep with the runs it plans; call inside `composing()`. Quiet: plan()'s
-    notes (e.g. compensation ignored for dense) are logged at INFO, which this silences for its duration."""
+    notes (e.g. compensation ignored for dense) are logged at INFO, which this silences for its duration.
+    Cached (module docstring): a second call with nothing changed reads the plan back."""
+    cached = _plan_cache(name, extra)
+    try:
+        return [PlannedJob(job["overrides"], job["results_dir"], [tuple(run) for run in job["runs"]])
+                for job in json.loads(cached.read_text(encoding="utf-8"))]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    planned = _plan_jobs(name, extra)
+    from ..atomic import write_text_atomic
+
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(cached, json.dumps([asdict(job) for job in planned]))
+    except OSError:  # a read-only cache only costs the time to plan again
+        pass
+    return planned
+
+
+def _plan_cache(name: str, extra: Sequence[str]) -> Path:
+    root = Path(os.environ.get("TOPTHETA_CACHE") or Path.home() / ".cache" / "toptheta")
+    environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("TOPTHETA_"))
+    key = json.dumps([name, list(extra), environment, _sources_fingerprint()])
+    return root / "plans" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+@functools.cache
+def _sources_fingerprint() -> str:
+    """A hash of every file a plan is computed from: conf/ and experiments/ (YAML) and the package's source."""
+    digest = hashlib.sha256()
+    files = [*CONF.rglob("*.yaml"), *experiments.experiments_dir().rglob("*.yaml"), *PACKAGE.rglob("*.py")]
+    for path in sorted(files):
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _plan_jobs(name: str, extra: Sequence[str]) -> list[PlannedJob]:
     from hydra import compose
 
     from toptheta import pipeline
