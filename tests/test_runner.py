@@ -177,6 +177,7 @@ def test_an_interrupted_passkey_run_resumes_at_its_length_with_the_same_numbers(
 
     monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
     overrides = ("model=tiny-llama", "task=passkey", "task.lengths=[300,400]", "task.depths=[0.25,0.75]",
+                 "task.filler=shared", "task.share_prefix=true",  # passkey/smol's layout
                  "sparsifier=topk", "sparsifier.k=8", "sparsifier.layer_k=null", "comp=vmc")
     pipeline.run(cfg(*overrides, f"results_dir={tmp_path / 'whole'}"))
 
