@@ -217,6 +217,32 @@ def test_an_interrupted_passkey_run_resumes_at_its_length_with_the_same_numbers(
         assert samples[0] == samples[1] or _samples(samples[0]) == _samples(samples[1])
 
 
+def test_a_stop_file_pauses_a_passkey_run_between_lengths(tmp_path, monkeypatch):
+    """STOP appearing while a passkey run generates its first length: the run pauses before the second (the first
+    saved, nothing stored, no other run started); removing STOP and rerunning generates the second only."""
+    from toptheta.evaluation import generation
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    overrides = ("model=tiny-llama", "task=passkey", "task.lengths=[300,400]", "task.depths=[0.5]",
+                 "sparsifier=topk", "sparsifier.k=8", "sparsifier.layer_k=null", "comp=vmc", "baseline=false",
+                 f"results_dir={tmp_path}")
+    plain, calls = generation.generate_all, []
+
+    def generate_then_stop(model, tokenizer, prompts, **kwargs):
+        calls.append(len(prompts))
+        pipeline.stop_file(tmp_path).touch()
+        return plain(model, tokenizer, prompts, **kwargs)
+
+    monkeypatch.setattr(generation, "generate_all", generate_then_stop)
+    pipeline.run(cfg(*overrides))
+    assert calls == [1] and not list((tmp_path / "runs").glob("*/DONE"))
+    assert [p.name for p in (tmp_path / "runs").glob(".partial-*/*.json")] == ["passkey_300.json"]
+    pipeline.stop_file(tmp_path).unlink()
+    monkeypatch.setattr(generation, "generate_all", lambda *a, **k: calls.append(len(a[2])) or plain(*a, **k))
+    pipeline.run(cfg(*overrides))
+    assert calls == [1, 1] and len(list((tmp_path / "runs").glob("*/DONE"))) == 1
+
+
 def _samples(raw: bytes) -> list:
     import gzip
 

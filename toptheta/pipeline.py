@@ -264,10 +264,11 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
 # ---- evaluation ----------------------------------------------------------------------------------------------
 
 def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict, log_samples: bool = False,
-             stats=None, checkpoint: Path | None = None) -> dict:
+             stats=None, checkpoint: Path | None = None, stop=None) -> dict:
     """lm-eval's results dict (or the same shape for our generation tasks, which may add ``task_stats``: the
     statistics of sub-tasks such as one passkey length, cut from the session's ``stats``; and ``resumed``: the
-    parts read back from ``checkpoint``, a directory where passkey saves each finished length)."""
+    parts read back from ``checkpoint``, a directory where passkey saves each finished length; ``stop`` is asked
+    between those parts whether to pause, raising generation.Paused)."""
     if task["kind"] == "lm_eval":
         from .evaluation.lm_eval_adapter import clip_samples, evaluate_tasks
         from .evaluation.tasks import is_longbench
@@ -287,7 +288,7 @@ def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict
     from .evaluation.generation import evaluate_generation
 
     results = evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")), stats=stats,
-                                  checkpoint=checkpoint)
+                                  checkpoint=checkpoint, stop=stop)
     return _count_generated(results, tokenizer)
 
 
@@ -368,7 +369,8 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     checkpoint = store.partial_dir(spec.run_id) if recorder is None else None
     with sparsify(model, sparsifier, comp, chunk_size=chunk_size, observer=recorder) as stats:
         results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"],
-                           log_samples=spec.log_samples, stats=stats, checkpoint=checkpoint)
+                           log_samples=spec.log_samples, stats=stats, checkpoint=checkpoint,
+                           stop=lambda: stop_requested(store.results_dir))
     summary = {**stats.summary(), **results.pop("task_stats", {}), "seconds": time.time() - t0}
     resumed = results.pop("resumed", {})
     if resumed:  # the seconds the read-back parts took when they ran
@@ -399,7 +401,8 @@ STOP_FILE = "STOP"
 def stop_file(results_dir: str | Path) -> Path:
     """`<results_dir>/STOP`: while it exists, runs in progress finish and no new one starts (a sweep's remaining
     jobs skip theirs), so a long sweep can be stopped without losing the run in hand; delete it and rerun the
-    sweep's command to go on."""
+    sweep's command to go on. A run that saves its parts (passkey: each length) pauses at the next part instead
+    and resumes there."""
     return Path(results_dir) / STOP_FILE
 
 
@@ -450,6 +453,8 @@ def run(cfg: DictConfig):
         try:
             import torch
 
+            from .evaluation.generation import Paused
+
             with torch.no_grad():
                 for spec in todo:
                     if stop_requested(cfg.results_dir):  # finish the run in hand, start no other
@@ -463,8 +468,13 @@ def run(cfg: DictConfig):
                             log.info("%s: run %s was computed by another job meanwhile; reusing it",
                                      spec.label, spec.run_id)
                             continue
-                        execute(spec, model, tokenizer, store, logger, chunk_size=cfg.get("chunk_size"),
-                                invocation=job)
+                        try:
+                            execute(spec, model, tokenizer, store, logger, chunk_size=cfg.get("chunk_size"),
+                                    invocation=job)
+                        except Paused as paused:
+                            log.warning("%s exists: %s paused (%s); remove it and rerun to resume",
+                                        stop_file(cfg.results_dir), spec.label, paused)
+                            break
         finally:
             logger.finish()
     table = comparison_table(load_summary(cfg.results_dir), [s.run_id for s in specs])

@@ -163,7 +163,8 @@ def _sandbox_limits(task: dict):
     return SandboxLimits(timeout_s=float(task.get("timeout_s", 3.0)))
 
 
-def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None) -> dict:
+def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None,
+                stop: Callable[[], bool] | None = None) -> dict:
     """Passkey retrieval at each length and depth: accuracy overall and per length.
 
     With the session's ``stats`` (a SparsityStats), each length also gets its own sparsity statistics
@@ -172,7 +173,9 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
     ``checkpoint`` (a directory): each finished length is saved there (its samples and its statistics' counters),
     and a length already saved for the same prompts is read back instead of generated again, its counters added
     to ``stats``: an interrupted run (a long context takes hours here) resumes at the length it was in, with the
-    numbers an uninterrupted run gives. The results then name the lengths read back (``resumed``).
+    numbers an uninterrupted run gives. The results then name the lengths read back (``resumed``). With a
+    checkpoint, ``stop`` (asked before each length left to generate) returning true raises ``Paused`` there: the
+    lengths done stay saved.
     """
     import contextlib
 
@@ -197,6 +200,9 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
                 log.info("passkey %d: %d prompts read back from %s", length, len(group), checkpoint)
                 bar.update(len(group))
             else:
+                if checkpoint is not None and stop is not None and stop():
+                    raise Paused(f"stopped before passkey length {length}; the lengths before it are saved in "
+                                 f"{checkpoint}")
                 t0, done = time.time(), []
                 with stats.section() if stats is not None else contextlib.nullcontext() as part:
                     outputs = generate_all(model, tokenizer, [r["prompt"] for r in group],
@@ -221,6 +227,10 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
     if resumed:
         out["resumed"] = resumed
     return out
+
+
+class Paused(Exception):
+    """A run stopped at a boundary of its saved parts (the stop file appeared); rerunning it resumes there."""
 
 
 PASSKEY_NEW_TOKENS = 12
@@ -296,12 +306,15 @@ def _write_section(checkpoint, length: int, group: list[dict], done: dict, part)
     write_text_atomic(_section_path(checkpoint, length), json.dumps(data))
 
 
-def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None) -> dict:
+def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None,
+                        stop: Callable[[], bool] | None = None) -> dict:
     """Results shaped like lm-eval's; ``task_stats`` (when present) holds statistics of sub-tasks (from ``stats``);
-    ``checkpoint``: a directory where a passkey run saves each finished length and resumes from (run_passkey)."""
+    ``checkpoint``: a directory where a passkey run saves each finished length and resumes from, ``stop``: asked
+    between lengths whether to pause there (run_passkey)."""
     kind = task["kind"]
     if kind == "humaneval":
         return run_humaneval(task, model, tokenizer, chat_template=chat_template)
     if kind == "passkey":
-        return run_passkey(task, model, tokenizer, chat_template=chat_template, stats=stats, checkpoint=checkpoint)
+        return run_passkey(task, model, tokenizer, chat_template=chat_template, stats=stats, checkpoint=checkpoint,
+                           stop=stop)
     raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, passkey")
