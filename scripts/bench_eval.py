@@ -28,7 +28,6 @@ Writes <out>.json and <out>.md (the command on the first line of both).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import toptheta  # noqa: E402
+from toptheta.cachedir import cache_dir  # noqa: E402
 from toptheta.pipeline import calibrate_on_task  # noqa: E402
 from toptheta.results import bench_report  # noqa: E402
 from toptheta.evaluation import lm_eval_adapter as adapter  # noqa: E402
@@ -61,7 +61,7 @@ def build_task(task: str, data_dir, num_fewshot: int, limit: int, seed: int = 12
 
 def thresholds_for(model, tokenizer, task: str, k: int, data_dir, calib_docs: int) -> toptheta.Thresholds:
     """Top-θ post-softmax thresholds from `calib_docs` train documents of `task` (cached)."""
-    cache = Path(os.environ.get("TOPTHETA_CACHE", Path.home() / ".cache" / "toptheta")) / "bench"
+    cache = cache_dir("bench")
     path = cache / f"smollm2-135m_{task}_k{k}_post_docs{calib_docs}.safetensors"
     if path.is_file():
         return toptheta.Thresholds.load(path, model)

@@ -58,6 +58,8 @@ from typing import Any
 
 import torch
 
+from .cachedir import cache_dir
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -283,8 +285,7 @@ _MANIFEST = "toptheta_cache.json"
 
 def cache_root() -> Path:
     """Where converted models are cached: ``$TOPTHETA_CACHE/models`` or ``~/.cache/toptheta/models``."""
-    base = os.environ.get("TOPTHETA_CACHE")
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "toptheta") / "models"
+    return cache_dir("models")
 
 
 def _cache_dir(name: str, sha256: str) -> Path:

@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
+from .cachedir import cache_dir
+
 log = logging.getLogger("toptheta")
 
 
@@ -213,8 +215,7 @@ def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
 
 
 def thresholds_dir() -> Path:
-    root = os.environ.get("TOPTHETA_CACHE") or Path.home() / ".cache" / "toptheta"
-    return Path(root) / "thresholds"
+    return cache_dir("thresholds")
 
 
 def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,

@@ -18,7 +18,6 @@ passkey samples (`id`, `correct`). Plain numpy; no scipy, no Hydra.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence

@@ -75,10 +75,11 @@ def plan_jobs(name: str, extra: Sequence[str] = ()) -> list[PlannedJob]:
 
 
 def _plan_cache(name: str, extra: Sequence[str]) -> Path:
-    root = Path(os.environ.get("TOPTHETA_CACHE") or Path.home() / ".cache" / "toptheta")
+    from ..cachedir import cache_dir
+
     environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("TOPTHETA_"))
     key = json.dumps([name, list(extra), environment, _sources_fingerprint()])
-    return root / "plans" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    return cache_dir("plans", f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
 
 
 @functools.cache

@@ -1,0 +1,16 @@
+"""The project's cache directory: ``$TOPTHETA_CACHE`` (``~`` expanded), else ``~/.cache/toptheta``.
+
+Converted models (``models/``), calibrated thresholds (``thresholds/``), sweep plans (``plans/``) and the
+benchmarks' scratch files (``bench/``) live in subdirectories of it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir(*parts: str) -> Path:
+    """The cache directory, or a path inside it (not created)."""
+    base = os.environ.get("TOPTHETA_CACHE")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "toptheta").joinpath(*parts)
