@@ -214,6 +214,11 @@ def _se_of(d: PairedDifference) -> float:
     return (d.ci_high - d.ci_low) / (2 * _normal_quantile(1 - (1 - d.level) / 2))
 
 
+def rule_of_three(level: float, n: int) -> float:
+    """The least half-width an interval on n 0/1 outcomes keeps: no event among n ⇒ rate < −ln(1 − level)/n."""
+    return -math.log(1 - level) / n
+
+
 def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resamples: int = DEFAULT_RESAMPLES,
                      level: float = 0.95, seed: int = DEFAULT_SEED) -> tuple[float, float, float]:
     """The weighted mean difference over several pairs and its percentile interval, dependence included.
@@ -291,7 +296,7 @@ def pooled_intervals(pairs: Sequence[PairedOutcomes | PairedDifference], *, leve
         alpha = (1.0 - level) / 2
         low, high = float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
         if binary:  # 0/1 scores only: a continuous score (Rouge) gives the bootstrap its spread by itself
-            half = -math.log(1 - level) / max(binary)
+            half = rule_of_three(level, max(binary))
             low, high = min(low, point - half), max(high, point + half)
         intervals.append((low, high))
     return point, intervals

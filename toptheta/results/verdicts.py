@@ -341,7 +341,7 @@ def _several_fold(main: pd.DataFrame, rows: pd.DataFrame, results_dir: Path | No
             if not usable(d):
                 continue
             if d.n and d.a_only is not None:  # 0/1 scores: the rule-of-three floor, as in pool()
-                half = -math.log(1 - level) / d.n
+                half = paired.rule_of_three(level, d.n)
                 d = paired.PairedDifference(**{**d.as_dict(), "ci_low": min(d.ci_low, d.diff - half),
                                                "ci_high": max(d.ci_high, d.diff + half)})
             if best is None or d.ci_low > best[1].ci_low:
