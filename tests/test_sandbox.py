@@ -20,7 +20,7 @@ import uuid
 import pytest
 
 from toptheta.evaluation import sandbox
-from toptheta.evaluation.sandbox import (Check, SandboxLimits, UnsafeCodeRefused, isolation_level,
+from toptheta.evaluation.sandbox import (Check, SandboxLimits, UnsafeCodeRefused,
                                          max_parallel, run_check, run_checks, run_program, run_programs)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")

@@ -72,7 +72,7 @@ def attention(
 ) -> torch.Tensor | None:
     """Attention output (B, Q, H, Dv) like ``kernel.sparse_attention``, or None where this path does not apply."""
     B, H, Q, D = query.shape
-    Hkv, K, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    Hkv, K = key.shape[1], key.shape[2]
     phase = phase or ("prefill" if Q > 1 else "decode")
     if not supports(sparsifier, compensations, observer=observer, softcap=softcap, bias=bias,
                     device=query.device.type, phase=phase):
