@@ -147,7 +147,8 @@ def write_passkey(outputs: Outputs, summary, results: Path) -> None:
         outputs.table(name, table, f"Passkey accuracy by context length: {model}", note)
         outputs.figure(f"{name}-fig", ablations.passkey_figure(table, model),
                        f"Passkey accuracy by context length: {model}",
-                       f"Numbers: `{name}.csv`.\n\n" + note + _runs_note(table))
+                       f"Numbers: `{name}.csv`.\n\n" + note + "The right panel (drawn when some run has them): kept "
+                       "attention (solid) and V-row (dashed) fractions per length.\n\n" + _runs_note(table))
 
 
 def write_storage(outputs: Outputs, results: Path) -> None:

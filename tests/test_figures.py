@@ -379,6 +379,29 @@ def test_passkey_runs_over_other_prompt_sets_are_their_own_lines():
     assert sorted(one.axes[0].get_legend_handles_labels()[1]) == ["Baseline", "Top-k post (+VMC), k=64"]
 
 
+def test_passkey_figure_draws_kept_fractions_per_length_where_runs_recorded_them():
+    from toptheta.results import ablations
+
+    rows = []
+    for run, sparsifier, k, scope in (("a", "dense", None, ""), ("b", "topk", 64, "task"), ("c", "toptheta", 64, "")):
+        for n, kept in ((2048, 0.05), (8192, 0.02)):
+            rows.append({"run_id": run, "model": "m", "sparsifier": sparsifier, "placement": None if k is None else "post",
+                         "k": k, "comp": "vmc", "task": f"passkey_{n}", "limit": 40, "metric": "accuracy,none",
+                         "value": 1.0, "timestamp": run, "stats_scope": scope,
+                         "kept_attention_fraction": kept if scope else None,
+                         "kept_vrow_fraction": 2 * kept if scope else None})
+    table = ablations.passkey_table(pd.DataFrame(rows), "m")
+    fig = ablations.passkey_figure(table, "m")
+    assert len(fig.axes) == 2
+    kept = fig.axes[1]
+    assert kept.get_legend_handles_labels()[1] == ["Top-k post (+VMC), k=64"]  # only the run with per-length numbers
+    solid, dashed = kept.lines
+    assert list(solid.get_ydata()) == [0.05, 0.02] and list(dashed.get_ydata()) == [0.1, 0.04]
+    assert list(solid.get_xdata()) == [2048, 8192]
+    none = table.assign(kept_attention_fraction=None, kept_vrow_fraction=None)
+    assert len(ablations.passkey_figure(none, "m").axes) == 1  # no per-length statistics: accuracy alone
+
+
 def test_passkey_counts_and_wilson_intervals_come_from_the_samples(tmp_path):
     from toptheta.results import ablations
     from toptheta.results.store import RunStore

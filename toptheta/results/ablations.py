@@ -256,8 +256,13 @@ def passkey_models(summary: pd.DataFrame) -> list[str]:
 
 
 def passkey_figure(table: pd.DataFrame, title: str) -> Figure:
-    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
-    ax = fig.add_subplot()
+    """Accuracy against context length, one line per series; beside it, where runs recorded statistics per length,
+    the kept attention fraction (solid) and kept V-row fraction (dashed) of each sparse series at each length."""
+    kept = table[[c for c in ("kept_attention_fraction", "kept_vrow_fraction") if c in table]].apply(
+        pd.to_numeric, errors="coerce")
+    per_length = not kept.empty and bool(kept.notna().any(axis=None))
+    fig = Figure(figsize=(10.4 if per_length else 6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot(1, 2, 1) if per_length else fig.add_subplot()
     several = table["prompts"].nunique(dropna=False) > 1  # runs of several prompt sets: each its own line
     groups = list(table.groupby(["series", "k", "prompts"], sort=False, dropna=False))
     names = []
@@ -283,5 +288,28 @@ def passkey_figure(table: pd.DataFrame, title: str) -> Figure:
     ax.set_title(f"Top-θ and Top-k long-context retrieval: {title}", fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="best")
+    if per_length:
+        _passkey_kept_panel(fig.add_subplot(1, 2, 2), groups, names, colors, lengths)
     return fig
+
+
+def _passkey_kept_panel(ax, groups, names: list[str], colors: dict, lengths: list[int]) -> None:
+    """Kept fractions against context length (log-log) for the series that recorded them per length."""
+    for ((series, _, _), rows), name in zip(groups, names):
+        for column, style in (("kept_attention_fraction", "-"), ("kept_vrow_fraction", "--")):
+            if column not in rows or series == "Baseline":
+                continue
+            y = pd.to_numeric(rows[column], errors="coerce")
+            if y.notna().any():
+                ax.plot(rows["length"][y.notna()], y[y.notna()], style, marker="o", ms=3, lw=1.2,
+                        color=colors.get(name), label=name if style == "-" else None)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_xlabel("context length (tokens, log scale)")
+    ax.set_ylabel("kept fraction (solid: attention, dashed: V rows)")
+    ax.set_title("kept fractions per length (runs that recorded them)", fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="best")
 
