@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..cachedir import cache_dir
 from . import experiments
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -75,8 +76,6 @@ def plan_jobs(name: str, extra: Sequence[str] = ()) -> list[PlannedJob]:
 
 
 def _plan_cache(name: str, extra: Sequence[str]) -> Path:
-    from ..cachedir import cache_dir
-
     environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("TOPTHETA_"))
     key = json.dumps([name, list(extra), environment, _sources_fingerprint()])
     return cache_dir("plans", f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
