@@ -398,6 +398,10 @@ def test_passkey_figure_draws_kept_fractions_per_length_where_runs_recorded_them
     solid, dashed = kept.lines
     assert list(solid.get_ydata()) == [0.05, 0.02] and list(dashed.get_ydata()) == [0.1, 0.04]
     assert list(solid.get_xdata()) == [2048, 8192]
+    fig.canvas.draw()
+    low, high = kept.get_ylim()
+    labelled = [t.get_text() for t in kept.get_yticklabels() if t.get_text() and low <= t.get_position()[1] <= high]
+    assert len(labelled) >= 3, labelled  # less than a decade of data still gets readable ticks
     none = table.assign(kept_attention_fraction=None, kept_vrow_fraction=None)
     assert len(ablations.passkey_figure(none, "m").axes) == 1  # no per-length statistics: accuracy alone
 

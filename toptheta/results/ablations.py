@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from matplotlib import ticker as mticker
 from matplotlib.figure import Figure
 
 from . import figures, paired
@@ -307,6 +308,9 @@ def _passkey_kept_panel(ax, groups, names: list[str], colors: dict, lengths: lis
     ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
+    # a log axis spanning less than a decade labels one tick by default: label 1-2-5 steps instead
+    ax.yaxis.set_major_locator(mticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
     ax.set_xlabel("context length (tokens, log scale)")
     ax.set_ylabel("kept fraction (solid: attention, dashed: V rows)")
     ax.set_title("kept fractions per length (runs that recorded them)", fontsize=8)
