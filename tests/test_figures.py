@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from matplotlib.figure import Figure
 
 from toptheta.results import figures
 from toptheta.results.store import RunStore, load_summary, summary_rows
@@ -204,6 +205,20 @@ def test_figure_and_granularity(results):
     gran = figures.granularity_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
     assert list(gran["granularity"].fillna("")) == ["", "layer", "layer-head-n", "layer-head-n"]
     assert list(gran["series"]) == ["Baseline"] + ["Top-θ post (+VMC)"] * 3 and list(gran["k"][1:]) == [16, 16, 32]
+
+
+def test_log_axes_get_plain_labels_at_1_2_5_steps():
+    """Kept fractions often span less than a decade: still several plain labels, none in 10^x notation."""
+    fig = Figure()
+    ax = fig.add_subplot()
+    ax.plot([0.2, 0.35, 0.8], [1, 2, 3])
+    ax.set_xscale("log")
+    figures.label_log_axis(ax.xaxis)
+    fig.canvas.draw()
+    low, high = ax.get_xlim()
+    major = [(t.get_position()[0], t.get_text()) for t in ax.get_xticklabels() if low <= t.get_position()[0] <= high]
+    assert [text for _, text in major] == ["0.2", "0.5"] and all(float(text) == x for x, text in major)
+    assert not any(t.get_text() for t in ax.xaxis.get_minorticklabels())
 
 
 def test_ambiguous_setting_is_refused(results, tmp_path):

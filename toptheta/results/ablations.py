@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from matplotlib import ticker as mticker
 from matplotlib.figure import Figure
 
 from . import figures, paired
@@ -181,6 +180,7 @@ def ablation_figure(table: pd.DataFrame, ablation: str | Ablation, title: str) -
     if len(dense):
         ax.axhline(dense["value"].iloc[0], color="black", ls="--", lw=1.2, label="Baseline (dense)")
     ax.set_xscale("log")
+    figures.label_log_axis(ax.xaxis)
     ax.set_xlabel("calibration documents (log scale)" if x == "calib_documents" else
                   figures.X_LABELS[x] + " (log scale)")
     ax.set_ylabel(str(table["metric"].dropna().iloc[0]).split(",")[0] if table["metric"].notna().any() else "metric")
@@ -308,9 +308,7 @@ def _passkey_kept_panel(ax, groups, names: list[str], colors: dict, lengths: lis
     ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
-    # a log axis spanning less than a decade labels one tick by default: label 1-2-5 steps instead
-    ax.yaxis.set_major_locator(mticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(mticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    figures.label_log_axis(ax.yaxis)
     ax.set_xlabel("context length (tokens, log scale)")
     ax.set_ylabel("kept fraction (solid: attention, dashed: V rows)")
     ax.set_title("kept fractions per length (runs that recorded them)", fontsize=8)
