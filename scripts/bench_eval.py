@@ -20,8 +20,19 @@ over stock, acc and acc_norm (lm-eval's own process_results), the largest log-li
 from stock, and the kept attention fraction. Thresholds are calibrated once per setting on --calib-docs
 train documents of the same task and cached under ~/.cache/toptheta/bench/.
 
+With --prefix-cache, the few-shot regime of the paper instead (25 shots; issue 27): ``shared`` (each context once,
+as above) against ``prefix`` (SharedContextHFLM's prefix cache: the token prefix that contexts share runs once) on
+
+    arc_easy       25-shot, fixed exemplars (first_n), k = 16
+    arc_challenge  25-shot, fixed exemplars (first_n), k = 64
+    arc_easy       25-shot, random exemplars per question (lm-eval's default sampler, the paper's protocol), k = 16
+
+with thresholds calibrated on train rows built the same way (25 shots, the same sampler). Stock HFLM is left out
+there (about 4× the shared path's time at 25 shots).
+
 Usage:  python scripts/bench_eval.py                                   (100 questions, the shipped data)
         python scripts/bench_eval.py --limit 20 --out results/bench/eval_small
+        python scripts/bench_eval.py --prefix-cache                    (writes results/bench/eval_prefix)
 Writes <out>.json and <out>.md (the command on the first line of both).
 """
 
@@ -43,31 +54,38 @@ from toptheta.cachedir import cache_dir  # noqa: E402
 from toptheta.pipeline import calibrate_on_task  # noqa: E402
 from toptheta.results import bench_report  # noqa: E402
 from toptheta.evaluation import lm_eval_adapter as adapter  # noqa: E402
+from toptheta.evaluation.prefix_cache import prefix_groups  # noqa: E402
 from toptheta.evaluation.tasks import check_tasks, resolve_data_dir, task_include_paths  # noqa: E402
 
-SETTINGS = [("arc_easy", 0, 16), ("arc_challenge", 5, 64)]  # (task, num_fewshot, k)
+SETTINGS = [("arc_easy", 0, 16, None), ("arc_challenge", 5, 64, None)]  # (task, num_fewshot, k, few-shot sampler)
+PREFIX_SETTINGS = [("arc_easy", 25, 16, "first_n"), ("arc_challenge", 25, 64, "first_n"), ("arc_easy", 25, 16, None)]
 LAYER_K = {0: 512, 1: 512}
 METHODS = ("stock", "batched", "shared")
+PREFIX_METHODS = ("shared", "prefix")
 
 
-def build_task(task: str, data_dir, num_fewshot: int, limit: int, seed: int = 1234):
+def build_task(task: str, data_dir, num_fewshot: int, limit: int, seed: int = 1234, sampler: str | None = None):
     """The lm-eval Task with its loglikelihood requests built as simple_evaluate would build them."""
     check_tasks([task], data_dir, num_fewshot)
     with task_include_paths([task], data_dir) as include_paths:
-        lm_task = adapter._load_tasks(adapter._task_manager(include_paths), [task], data_dir)[task]
+        lm_task = adapter._load_tasks(adapter._task_manager(include_paths), [task], data_dir, sampler)[task]
         adapter._build_requests(lm_task, num_fewshot, limit, seed)
     return lm_task
 
 
-def thresholds_for(model, tokenizer, task: str, k: int, data_dir, calib_docs: int) -> toptheta.Thresholds:
-    """Top-θ post-softmax thresholds from `calib_docs` train documents of `task` (cached)."""
+def thresholds_for(model, tokenizer, task: str, k: int, data_dir, calib_docs: int, num_fewshot: int = 0,
+                   sampler: str | None = None) -> toptheta.Thresholds:
+    """Top-θ post-softmax thresholds from `calib_docs` train documents of `task` (cached), their rows built as the
+    evaluated ones (`num_fewshot` shots drawn by `sampler`)."""
     cache = cache_dir("bench")
-    path = cache / f"smollm2-135m_{task}_k{k}_post_docs{calib_docs}.safetensors"
+    shots = f"_{num_fewshot}shot{'_' + sampler if sampler else ''}" if num_fewshot else ""
+    path = cache / f"smollm2-135m_{task}_k{k}_post_docs{calib_docs}{shots}.safetensors"
     if path.is_file():
         return toptheta.Thresholds.load(path, model)
     print(f"calibrating k={k} on {calib_docs} documents of {task} train", flush=True)
-    thresholds = calibrate_on_task(model, tokenizer, task, data_dir=data_dir, num_fewshot=0, num_samples=calib_docs,
-                                   k=k, placement="post", layer_k=LAYER_K, progress=False)
+    thresholds = calibrate_on_task(model, tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot,
+                                   num_samples=calib_docs, fewshot_sampler=sampler, k=k, placement="post",
+                                   layer_k=LAYER_K, progress=False)
     thresholds.save(path)
     return thresholds
 
@@ -77,8 +95,11 @@ def lm_for(method: str, model, tokenizer):
 
     from toptheta.evaluation.shared_context_lm import BatchedHFLM, SharedContextHFLM
 
-    cls, batch_size = {"stock": (HFLM, 1), "batched": (BatchedHFLM, "auto"), "shared": (SharedContextHFLM, "auto")}[method]
-    return cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    if method in ("shared", "prefix"):
+        return SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size="auto",
+                                 prefix_cache=method == "prefix")
+    cls = {"stock": HFLM, "batched": BatchedHFLM}[method]
+    return cls(pretrained=model, tokenizer=tokenizer, batch_size=1 if method == "stock" else "auto")
 
 
 def score(lm, model, thresholds, instances) -> tuple[list, dict, float]:
@@ -107,8 +128,10 @@ def forward_tokens(lm, instances) -> dict[str, int]:
     """
     pairs = [lm._encode_pair(*instance.args) for instance in instances]
     per_request = sum(len(ctx) + len(cont) - 1 for ctx, cont in pairs)
-    shared = sum(len(ctx) for ctx in {tuple(ctx) for ctx, _ in pairs}) + sum(len(cont) - 1 for _, cont in pairs)
-    return {"stock": per_request, "batched": per_request, "shared": shared}
+    contexts = sorted({tuple(ctx) for ctx, _ in pairs})
+    shared = sum(len(ctx) for ctx in contexts) + sum(len(cont) - 1 for _, cont in pairs)
+    saved = sum((len(members) - 1) * n for n, members in prefix_groups(contexts))  # the prefix once per group
+    return {"stock": per_request, "batched": per_request, "shared": shared, "prefix": shared - saved}
 
 
 def linear_flops(lm, instances, model) -> dict[str, float]:
@@ -127,57 +150,63 @@ def linear_flops(lm, instances, model) -> dict[str, float]:
     contexts = {tuple(ctx) for ctx, _ in pairs}
     shared_body = sum(len(ctx) for ctx in contexts) + sum(len(cont) - 1 for _, cont in pairs)
     shared_head = len(contexts) + sum(len(cont) - 1 for _, cont in pairs)
+    saved = sum((len(members) - 1) * n for n, members in prefix_groups(sorted(contexts)))
     gflop = lambda positions, logits: 2e-9 * (positions * body + logits * head)  # noqa: E731
     return {"stock": gflop(per_request, per_request), "batched": gflop(per_request, scored),
-            "shared": gflop(shared_body, shared_head)}
+            "shared": gflop(shared_body, shared_head), "prefix": gflop(shared_body - saved, shared_head)}
 
 
-def run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir) -> dict:
-    lm_task = build_task(task, data_dir, num_fewshot, args.limit)
+def run_setting(model, tokenizer, task, num_fewshot, k, sampler, args, data_dir) -> dict:
+    methods = PREFIX_METHODS if args.prefix_cache else METHODS
+    lm_task = build_task(task, data_dir, num_fewshot, args.limit, sampler=sampler)
     instances = lm_task.instances
-    thresholds = thresholds_for(model, tokenizer, task, k, data_dir, args.calib_docs)
-    lms = {m: lm_for(m, model, tokenizer) for m in METHODS}
+    thresholds = thresholds_for(model, tokenizer, task, k, data_dir, args.calib_docs, num_fewshot, sampler)
+    lms = {m: lm_for(m, model, tokenizer) for m in methods}
     score(lms["shared"], model, thresholds, instances[:8])  # warm-up: kernels built, caches touched
-    rows = {m: {"seconds": []} for m in METHODS}
+    rows = {m: {"seconds": []} for m in methods}
     for repeat in range(args.repeats):  # methods interleaved, so a noisy stretch hits all of them
-        for m in METHODS:
+        for m in methods:
             answers, stats, seconds = score(lms[m], model, thresholds, instances)
             rows[m]["seconds"].append(seconds)
             rows[m].update(answers=answers, stats=stats)
             print(f"{task} {num_fewshot}-shot {m}: {seconds:.1f} s", flush=True)
-    stock = rows["stock"]
-    tokens = forward_tokens(lms["stock"], instances)
-    flops = linear_flops(lms["stock"], instances, model)
-    out = {"task": task, "num_fewshot": num_fewshot, "k": k, "documents": len({i.doc_id for i in instances}),
+    stock = rows[methods[0]]  # the reference: stock HFLM, or the shared path without the prefix cache
+    tokens = forward_tokens(lms[methods[0]], instances)
+    flops = linear_flops(lms[methods[0]], instances, model)
+    out = {"task": task, "num_fewshot": num_fewshot, "k": k, "sampler": sampler or "default",
+           "reference": methods[0], "documents": len({i.doc_id for i in instances}),
            "requests": len(instances), "methods": {}}
     for m, row in rows.items():
         best, median = min(row["seconds"]), statistics.median(row["seconds"])
         out["methods"][m] = {
             "seconds_min": best, "seconds_median": median, "seconds": row["seconds"],
             "speedup_min": min(stock["seconds"]) / best,
-            "forward_tokens": tokens[m], "token_ratio": tokens["stock"] / tokens[m],
-            "linear_gflop": flops[m], "flop_ratio": flops["stock"] / flops[m],
+            "forward_tokens": tokens[m], "token_ratio": tokens[methods[0]] / tokens[m],
+            "linear_gflop": flops[m], "flop_ratio": flops[methods[0]] / flops[m],
             "speedup_median": statistics.median(stock["seconds"]) / median,
             **accuracy(lm_task, instances, row["answers"]),
             "max_abs_loglikelihood_diff": max(abs(a[0] - b[0]) for a, b in zip(row["answers"], stock["answers"])),
             "same_greedy": all(a[1] == b[1] for a, b in zip(row["answers"], stock["answers"])),
             "kept_attention_fraction": row["stats"]["kept_attention_fraction"],
             "prefill_attention_elements": row["stats"]["prefill_attention_elements"],
+            "clamped_rows": row["stats"]["clamped_rows"],
         }
     return out
 
 
 def markdown(meta: dict, settings: list[dict]) -> list[str]:
+    reference = settings[0]["reference"] if settings else "stock"
     lines = [f"{meta['model']}, Top-θ post-softmax + VMC. {bench_report.describe(meta)} "
-             f"speed-up = stock time / method time (min over {meta['repeats']} repeats; median in brackets); "
-             "token ratio = token positions stock runs / positions the method runs; FLOP ratio = linear-layer "
-             "multiply-adds stock runs / the method's (stock computes LM-head logits at every position, the "
+             f"speed-up = {reference} time / method time (min over {meta['repeats']} repeats; median in brackets); "
+             f"token ratio = token positions {reference} runs / positions the method runs; FLOP ratio = linear-layer "
+             f"multiply-adds {reference} runs / the method's (stock computes LM-head logits at every position, the "
              "others only where scored): the bound on the speed-up where the linear layers set the cost.", "",
              "| task | method | seconds | speed-up | token ratio | FLOP ratio | acc | acc_norm | max Δ loglik | kept attention |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in settings:
         for m, r in s["methods"].items():
-            lines.append(f"| {s['task']} {s['num_fewshot']}-shot, k={s['k']}, {s['documents']} q | {m} | "
+            exemplars = {"first_n": ", fixed exemplars", "default": ""}.get(s.get("sampler", "default"), "")
+            lines.append(f"| {s['task']} {s['num_fewshot']}-shot{exemplars}, k={s['k']}, {s['documents']} q | {m} | "
                          f"{r['seconds_min']:.1f} | {r['speedup_min']:.2f}× ({r['speedup_median']:.2f}×) | "
                          f"{r['token_ratio']:.2f}× | {r['flop_ratio']:.2f}× | "
                          f"{r['acc']:.3f} | {r['acc_norm']:.3f} | {r['max_abs_loglikelihood_diff']:.1e} | "
@@ -192,14 +221,18 @@ def main(argv=None) -> int:
     p.add_argument("--calib-docs", type=int, default=32, help="train documents for calibration (default 32)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per method (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--tasks", nargs="*", default=[t for t, _, _ in SETTINGS], help="subset of arc_easy arc_challenge")
-    p.add_argument("--out", default=str(ROOT / "results" / "bench" / "eval"), help="output path without suffix")
+    p.add_argument("--tasks", nargs="*", default=[t for t, *_ in SETTINGS], help="subset of arc_easy arc_challenge")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="25-shot settings: the shared path with and without the prefix cache")
+    p.add_argument("--out", default=None, help="output path without suffix (default results/bench/eval, or "
+                                               "results/bench/eval_prefix with --prefix-cache)")
     args = p.parse_args(argv)
+    args.out = args.out or str(ROOT / "results" / "bench" / ("eval_prefix" if args.prefix_cache else "eval"))
     if args.limit < 1 or args.repeats < 1 or args.calib_docs < 1:
         p.error("--limit, --repeats and --calib-docs must be >= 1")
-    unknown = set(args.tasks) - {t for t, _, _ in SETTINGS}
+    unknown = set(args.tasks) - {t for t, *_ in SETTINGS}
     if unknown:
-        p.error(f"unknown tasks {sorted(unknown)}; choose from {[t for t, _, _ in SETTINGS]}")
+        p.error(f"unknown tasks {sorted(unknown)}; choose from {[t for t, *_ in SETTINGS]}")
     data_dir = resolve_data_dir(args.data_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -210,8 +243,9 @@ def main(argv=None) -> int:
     model, tokenizer, info = load_model("smollm2-135m")
     command = bench_report.command_line("bench_eval.py", argv)
     meta = bench_report.machine(model="SmolLM2-135M", repeats=args.repeats)
-    settings = [run_setting(model, tokenizer, task, num_fewshot, k, args, data_dir)
-                for task, num_fewshot, k in SETTINGS if task in args.tasks]
+    settings = [run_setting(model, tokenizer, task, num_fewshot, k, sampler, args, data_dir)
+                for task, num_fewshot, k, sampler in (PREFIX_SETTINGS if args.prefix_cache else SETTINGS)
+                if task in args.tasks]
     bench_report.finish(meta)
     lines = markdown(meta, settings)
     bench_report.write(args.out, command, meta, {"settings": settings}, lines)

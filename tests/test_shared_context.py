@@ -139,20 +139,26 @@ def test_stock_hflm_right_padding_would_count_padded_rows(models, tokenizer, req
     _assert_same(one, _score(BatchedHFLM, model, tokenizer, requests, sparsifier, comps, batch_size=4), requests)
 
 
-def test_shared_context_runs_each_context_once(models, tokenizer, requests):
-    """The speed-up itself: one context forward per document, not one per choice."""
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_shared_context_runs_each_context_once(models, tokenizer, requests, prefix_cache):
+    """The speed-up itself: one context forward per document, not one per choice; with the prefix cache, the
+    smoke task's shared description and "Question:" run once, then each context's own tokens."""
     model = models["llama"]
     calls = []
     handle = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args or [kwargs["input_ids"]])[0].shape),
                                              with_kwargs=True)
     try:
-        _score(SharedContextHFLM, model, tokenizer, requests, toptheta.Dense(), [], batch_size=1)
+        _score(SharedContextHFLM, model, tokenizer, requests, toptheta.Dense(), [], batch_size=1,
+               prefix_cache=prefix_cache)
     finally:
         handle.remove()
     documents = len({r.doc_id for r in requests})
     # contexts; continuation forwards are ≤ 3 tokens a choice, padded to MIN_GEMM_ROWS positions
     long_calls = [shape for shape in calls if shape[1] > max(8, shared_context_lm.MIN_GEMM_ROWS)]
-    assert len(long_calls) == documents and all(shape[0] == 1 for shape in long_calls)
+    assert len(long_calls) == documents + prefix_cache and all(shape[0] == 1 for shape in long_calls)
+    if prefix_cache:
+        contexts = {r.args[0] for r in requests}
+        assert sum(shape[1] for shape in long_calls) < sum(len(tokenizer.encode(c)) for c in contexts)  # the prefix once, not once per context
 
 
 def test_repeated_statistics_scale_only_what_the_block_adds():

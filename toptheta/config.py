@@ -45,6 +45,7 @@ Granularity = _choices("Granularity", "layer", "layer-n", "layer-head", "layer-h
 Lookup = _choices("Lookup", "nearest", "linear")
 CalibCompensation = _choices("CalibCompensation", "run", "reference", "none")
 TaskKind = _choices("TaskKind", "lm_eval", "humaneval", "passkey")
+FewshotSampler = _choices("FewshotSampler", "default", "first_n")  # lm-eval's samplers
 LoggerName = _choices("LoggerName", "none", "wandb")
 WandbMode = _choices("WandbMode", "offline", "online", "disabled")
 
@@ -54,7 +55,7 @@ WandbMode = _choices("WandbMode", "offline", "online", "disabled")
 VROW_POPULARITY_DEFAULTS = {"group": 0, "max_steps": 256}
 
 OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code",
-                        "vrow_popularity", "decode_batch", "share_prefix", "filler")
+                        "vrow_popularity", "decode_batch", "share_prefix", "filler", "fewshot_sampler")
 
 
 # Defaults below are placeholders: every option YAML sets its own values.
@@ -111,6 +112,13 @@ class TaskConfig:
     include_path: Optional[str] = None     # lm_eval kind: a folder of the user's own task YAMLs
     calib_task: Optional[str] = None
     num_fewshot: Optional[int] = None
+    # lm_eval tasks: lm-eval's few-shot sampler. null = `default` (a random draw per question, the paper's protocol);
+    # first_n: the first num_fewshot documents of the few-shot split for every question (fixed exemplars, so every
+    # context shares them and the prefix cache runs them once). Part of the run id when set.
+    fewshot_sampler: Optional[FewshotSampler] = None
+    # Multiple-choice scoring: run the token prefix that contexts share once (evaluation/prefix_cache.py). Not part of
+    # the run id: same log-likelihoods and statistics (tests/test_prefix_cache.py); false turns it off.
+    prefix_cache: bool = True
     limit: Any = None                      # documents: int >= 1, a fraction in (0, 1), or null for all
     batch_size: Any = 1                    # int >= 1 or "auto"
     metric: Optional[str] = None
@@ -238,6 +246,9 @@ def _check_task(task: Any, get, need) -> None:
              "null with task.share_prefix=true (shared prefixes continue one prompt at a time)")
     need(get(task, "share_prefix") in (None, False) or str(get(task, "kind")) != "lm_eval", "task.share_prefix",
          get(task, "share_prefix"), "null for lm_eval tasks (multiple-choice contexts are shared by task.batch_size)")
+    sampler = get(task, "fewshot_sampler")
+    need(sampler in (None, "default") or str(get(task, "kind")) == "lm_eval", "task.fewshot_sampler", sampler,
+         "null for generation tasks (they have no few-shot exemplars)")
     filler = get(task, "filler")
     need(filler is None or (str(get(task, "kind")) == "passkey" and filler in ("independent", "shared")),
          "task.filler", filler, "null, independent or shared, for passkey tasks only")

@@ -99,6 +99,8 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         calib_cfg = {**calib, "task": calib_task,
                      "num_fewshot": calib.get("num_fewshot") if calib.get("num_fewshot") is not None
                      else task.get("num_fewshot")}
+        if task.get("fewshot_sampler") not in (None, "default"):  # calibration rows built as the evaluated ones
+            calib_cfg["fewshot_sampler"] = task["fewshot_sampler"]
     label = sparsifier["name"] if sparsifier["name"] == "dense" else f"{sparsifier['name']}-{placement}"
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}
     if sparse.get("empty_rows") is None:  # only Top-θ has the rule: other run ids stay as they were
@@ -219,15 +221,16 @@ def thresholds_dir() -> Path:
 
 
 def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
-                      max_length: int | None = None, seed: int = 0, **options):
+                      max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None, **options):
     """Thresholds calibrated on the first `num_samples` train documents of one of our tasks (None: all), each
-    scored as its lm-eval request is (`num_fewshot` shots, cut to `max_length`, the model's limit by default);
-    `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...)."""
+    scored as its lm-eval request is (`num_fewshot` shots drawn by `fewshot_sampler`, cut to `max_length`, the
+    model's limit by default); `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...)."""
     from .calibration import calibrate
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
 
     requests = calibration_requests(tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot, limit=num_samples,
-                                    max_length=max_length or hflm_max_length(model, tokenizer), seed=seed)
+                                    max_length=max_length or hflm_max_length(model, tokenizer), seed=seed,
+                                    fewshot_sampler=fewshot_sampler)
     log.info("calibrating on %d sequences of %s (train split)", len(requests), task)
     return calibrate(model, [[r] for r in requests], seed=seed, **options)
 
@@ -246,7 +249,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     thresholds = calibrate_on_task(
         model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
         num_samples=calib.get("num_samples"), max_length=spec.config["model"].get("max_length"),
-        seed=calib.get("seed", 0), k=sparsifier["k"], placement=sparsifier["placement"],
+        seed=calib.get("seed", 0), fewshot_sampler=calib.get("fewshot_sampler"), k=sparsifier["k"], placement=sparsifier["placement"],
         layer_k=sparsifier.get("layer_k"), statistic=calib.get("statistic", "order"),
         sigma_add=calib.get("sigma_add", 0.1), granularity=calib.get("granularity", "layer-head-n"),
         tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0),
@@ -281,7 +284,8 @@ def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict
                                  num_fewshot=task.get("num_fewshot"), limit=task.get("limit"),
                                  batch_size=task.get("batch_size", 1), max_length=task.get("max_length"),
                                  chat_template=chat, include_path=task.get("include_path"), log_samples=log_samples,
-                                 decode_batch=task.get("decode_batch") or 1)  # in the run id; batch_size is not
+                                 decode_batch=task.get("decode_batch") or 1,  # in the run id; batch_size is not
+                                 fewshot_sampler=task.get("fewshot_sampler"), prefix_cache=task.get("prefix_cache", True))
         _count_generated(results, tokenizer)  # before clipping: a long response would count short
         if results.get("samples"):  # stored per run: few-shot prompts and long contexts clipped
             results["samples"] = clip_samples(results["samples"])

@@ -132,10 +132,21 @@ def clip_samples(samples: dict[str, list[dict]], max_chars: int = 2000) -> dict[
     return {task: [clip(sample) for sample in rows] for task, rows in samples.items()}
 
 
-def _load_tasks(manager: TaskManager, tasks: list[str], data_dir: Path | None) -> dict[str, Task]:
-    """Build the lm-eval Task objects (this loads the datasets), with a hint on hub failures."""
+FEWSHOT_SAMPLERS = ("default", "first_n")  # lm-eval's samplers this project offers (lm_eval.api.samplers)
+
+
+def _check_sampler(sampler: str | None) -> None:
+    if sampler is not None and sampler not in FEWSHOT_SAMPLERS:
+        raise ValueError(f"fewshot_sampler={sampler!r}: use None (the task's own), "
+                         f"{' or '.join(FEWSHOT_SAMPLERS)} (first_n: the same exemplars for every question)")
+
+
+def _load_tasks(manager: TaskManager, tasks: list[str], data_dir: Path | None,
+                fewshot_sampler: str | None = None) -> dict[str, Task]:
+    """Build the lm-eval Task objects (this loads the datasets), with a hint on hub failures, each with the
+    few-shot sampler ``fewshot_sampler`` when one is given (None or ``default``: the task's own)."""
     try:
-        return manager.load(tasks)["tasks"]
+        loaded = manager.load(tasks)["tasks"]
     except Exception as err:
         if data_dir is not None or all(is_catalogued(t) and not task_spec(base_name(t)).needs_data for t in tasks):
             raise
@@ -143,6 +154,25 @@ def _load_tasks(manager: TaskManager, tasks: list[str], data_dir: Path | None) -
             f"loading {tasks} from the Hugging Face hub failed ({type(err).__name__}: {err}). "
             f"Offline, use data_dir='auto' (the copy shipped with toptheta, or ${DATA_DIR_ENV}) or a data dir."
         ) from err
+    if fewshot_sampler not in (None, "default"):
+        for task in loaded.values():
+            _replace_sampler(task, fewshot_sampler)
+    return loaded
+
+
+def _replace_sampler(task: Task, name: str) -> None:
+    """Give a built lm-eval task another few-shot sampler, as its YAML's ``fewshot_config.sampler: <name>`` would.
+
+    lm-eval builds the sampler in ``ConfigurableTask.__init__`` from the task's few-shot documents, and a dict
+    override of ``fewshot_config`` at load time replaces the whole task config (lm-eval 0.4.13), so the sampler
+    is swapped here, the one place that touches it.
+    """
+    from lm_eval.api import samplers
+
+    docs = task.fewshot_docs()
+    if docs is None or not hasattr(task, "sampler"):
+        return  # a task without few-shot documents: nothing to draw
+    task.sampler = samplers.get_sampler(name)(list(docs), rnd=None)
 
 
 def _data_sources(tasks: list[str], data_dir: Path | None) -> dict[str, str]:
@@ -202,6 +232,8 @@ def evaluate_tasks(
     gen_kwargs: dict[str, Any] | None = None,
     include_path: str | os.PathLike[str] | None = None,
     decode_batch: int | None = None,
+    fewshot_sampler: str | None = None,
+    prefix_cache: bool = True,
 ) -> dict[str, Any]:
     """Evaluate `model` on `tasks` with lm-eval and return lm-eval's results dict.
 
@@ -227,6 +259,9 @@ def evaluate_tasks(
     a token budget on CPU) is contexts per forward for "shared", sequences per forward otherwise.
     `decode_batch` is the number of generation (generate_until) requests decoded together (None:
     `batch_size`); greedy batches decode through batched_generation (not with "stock" scoring).
+    `fewshot_sampler` replaces each task's few-shot sampler (lm-eval's ``fewshot_config.sampler``: ``first_n``
+    gives every question the same exemplars; None or ``default`` keeps the task's own). `prefix_cache` (shared
+    scoring) runs the token prefix that contexts share once (``prefix_cache.py``: same numbers).
     LongBench tasks run through MiddleTruncatingHFLM: a prompt longer than max_length minus the
     generation budget keeps its head and tail (LongBench's rule) instead of HFLM's tail only.
 
@@ -236,6 +271,7 @@ def evaluate_tasks(
     from, for offline tasks without a train split; empty otherwise).
     """
     _check_run_args(num_fewshot, limit, batch_size, max_length)
+    _check_sampler(fewshot_sampler)
     if scoring not in SCORING:
         raise ValueError(f"scoring must be one of {sorted(SCORING)}, got {scoring!r}")
     if decode_batch is not None and (not is_int(decode_batch, 1) or scoring == "stock"):
@@ -262,9 +298,11 @@ def evaluate_tasks(
     with task_include_paths(ours, resolved) as include_paths:
         manager = _task_manager(include_paths + user_paths, stock=_needs_stock(external, user_paths))
         # Datasets load here, still before the model is wrapped: data errors surface first.
-        loaded = _load_tasks(manager, tasks, resolved)
+        loaded = _load_tasks(manager, tasks, resolved, fewshot_sampler)
         lm_class = MiddleTruncatingHFLM if any(is_longbench(t) for t in tasks) else _lm_class(scoring)
         batching = {} if decode_batch is None else {"decode_batch": decode_batch}  # HFLM has no decode_batch
+        if lm_class is _lm_class("shared"):
+            batching["prefix_cache"] = prefix_cache
         lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, **batching)
         results = simple_evaluate(
             model=lm,
@@ -353,6 +391,7 @@ def calibration_requests(
     limit: int | float | None,
     max_length: int | None,
     seed: int = 1234,
+    fewshot_sampler: str | None = None,
 ) -> list[list[int]]:
     """The token id sequences HFLM would feed the model for `task`'s calibration (train) split.
 
@@ -368,19 +407,27 @@ def calibration_requests(
     efficiency detail, and document order is deterministic and independent of batch size.
     Identical inputs are kept once (first occurrence): with logits_cache (on by default) HFLM
     runs one forward pass for requests whose inputs coincide, e.g. single-token choices.
+
+    With `fewshot_sampler="first_n"` every document gets the first `num_fewshot` train documents as its
+    exemplars, as the evaluated questions do (their few-shot split is train): those documents are then left out
+    of the calibration documents, which are the `limit` documents after them.
     """
     _check_run_args(num_fewshot, limit, 1, max_length)
+    _check_sampler(fewshot_sampler)
+    skip = (num_fewshot or 0) if fewshot_sampler == "first_n" else 0
     resolved = resolve_data_dir(data_dir)
     calib = calibration_name(task) if isinstance(task, str) else task
     check_tasks([calib], resolved, num_fewshot)
 
     with task_include_paths([calib], resolved) as include_paths:
-        lm_task = _load_tasks(_task_manager(include_paths), [calib], resolved)[calib]
-        _build_requests(lm_task, num_fewshot, limit, seed)
+        lm_task = _load_tasks(_task_manager(include_paths), [calib], resolved, fewshot_sampler)[calib]
+        _build_requests(lm_task, num_fewshot, limit, seed, skip=skip)
 
     sequences: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     for instance in lm_task.instances:
+        if instance.doc_id < skip:
+            continue  # an exemplar of every other document
         if instance.request_type != "loglikelihood":
             raise ValueError(
                 f"{calib!r} makes {instance.request_type!r} requests; calibration_requests "
@@ -398,8 +445,10 @@ def calibration_requests(
     return sequences
 
 
-def _build_requests(lm_task: Task, num_fewshot: int | None, limit: int | float | None, seed: int) -> None:
-    """Build `lm_task.instances` with the settings simple_evaluate would apply."""
+def _build_requests(lm_task: Task, num_fewshot: int | None, limit: int | float | None, seed: int,
+                    skip: int = 0) -> None:
+    """Build `lm_task.instances` with the settings simple_evaluate would apply (and `skip` more documents, which
+    the caller leaves out)."""
     if num_fewshot is not None:
         lm_task.set_config(key="num_fewshot", value=num_fewshot)
     elif lm_task.get_config("num_fewshot") is None:
@@ -408,5 +457,6 @@ def _build_requests(lm_task: Task, num_fewshot: int | None, limit: int | float |
     n_docs = None
     if limit is not None:  # lm-eval's get_sample_size rule
         n_docs = math.ceil(len(lm_task.eval_docs) * limit) if limit < 1.0 else int(limit)
+        n_docs = min(n_docs + skip, len(lm_task.eval_docs))
     lm_task.build_all_requests(limit=n_docs, rank=0, world_size=1)
 

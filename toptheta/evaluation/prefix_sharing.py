@@ -11,49 +11,19 @@ running every prompt whole.
 The tokens are those of running each prompt whole where a row's bits do not depend on how a sequence is cut into
 forwards: the one-pass prefill kernel (Top-θ, dense) sums each row in key order whatever its forward, and the
 linear layers' GEMMs give a row the same bits in any forward of at least ``MIN_GEMM_ROWS`` rows
-(``shared_context_lm.py``), so every segment and every remainder is at least that long (a shared part is cut
+(``prefix_cache.py``), so every segment and every remainder is at least that long (a shared part is cut
 shorter where needed). The plain kernel (Top-k) chunks rows per forward: a score within rounding of the k-th
 may trade places. Sliding-window layers roll their cache and cannot be cut at a position: refused.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..attention.cache import cache_keyword, cache_prefix, forward_accepts, growing_cache
 from .batched_generation import greedy_generate_batch
-from .shared_context_lm import MIN_GEMM_ROWS, active_stats
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` have in common."""
-    n = min(len(a), len(b))
-    differ = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
-    return int(differ[0]) if len(differ) else n
-
-
-def _cuts(shared: list[int], min_rows: int) -> list[int]:
-    """Each prompt's shared length snapped down to segment ends at least ``min_rows`` apart (0: nothing shared)."""
-    ends, last = [], 0
-    for s in sorted(set(shared)):
-        if s - last >= min_rows:
-            ends.append(s)
-            last = s
-    return [max((e for e in ends if e <= s), default=0) for s in shared]
-
-
-def plan(prompts: list[list[int]], min_rows: int = MIN_GEMM_ROWS) -> tuple[int, list[int]]:
-    """(base, shared): the prompt the others share most with, and how many leading tokens of each prompt come
-    from the base's cache. Each prompt keeps at least ``min_rows`` tokens of its own, and segment ends (the
-    distinct shared lengths) lie at least ``min_rows`` apart."""
-    best = (-1, 0, [0] * len(prompts))
-    for b, base in enumerate(prompts):
-        shared = _cuts([max(0, min(common_prefix(p, base), len(p) - min_rows)) for p in prompts], min_rows)
-        if sum(shared) > best[0]:
-            best = (sum(shared), b, shared)
-    return best[1], best[2]
+from .prefix_cache import plan, run_prefix, track
+from .shared_context_lm import active_stats
 
 
 @torch.inference_mode()
@@ -72,16 +42,16 @@ def generate_shared(model, prompt_ids: list[list[int]], *, max_new_tokens: list[
         return out
     base, shared = plan([prompt_ids[i] for i in todo])
     base_ids = prompt_ids[todo[base]]
-    cache, stats = growing_cache(model), active_stats(model)
+    cache, stats = track(growing_cache(model)), active_stats(model)
     trim = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
     device, start = model.device, 0
+
+    def forward(ids, mask, pos):
+        return model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
+                     use_cache=True, **{cache_keyword(model): cache}, **trim)
+
     for end in sorted(set(shared) - {0}):  # the base's tokens, once, in segments ending where a shared part ends
-        users = sum(s >= end for s in shared)
-        with stats.repeated(users) if stats is not None else contextlib.nullcontext():
-            model(input_ids=torch.tensor([base_ids[start:end]], device=device),
-                  attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
-                  position_ids=torch.arange(start, end, device=device)[None], use_cache=True,
-                  **{cache_keyword(model): cache}, **trim)
+        run_prefix(forward, base_ids[:end], start=start, uses=sum(s >= end for s in shared), stats=stats)
         start = end
     for j, i in enumerate(todo):
         own = cache_prefix(cache, shared[j]) if shared[j] else None

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from ..attention.cache import cache_keyword, forward_accepts, growing_cache
 from ..config import is_int
 from .generation import pad_token_id
+from .prefix_cache import MIN_GEMM_ROWS, move_padding_left, prefix_groups, repeat_rows, run_prefix, track
 
 if TYPE_CHECKING:
     from toptheta.attention.stats import SparsityStats
@@ -53,12 +54,6 @@ Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (strings or Non
 CPU_TOKEN_BUDGET = 4096
 # Continuation positions per forward (all their logits are kept: 512 × a 49k vocabulary = 100 MB).
 LOGIT_BUDGET = 512
-# Positions per continuation forward, at least (padding positions see no key and are never counted). MKL's
-# float32 GEMM rounds a row differently when it multiplies fewer rows (measured here, 2 threads: fewer than 12
-# rows change the results; 1 thread: fewer than 4); a Top-θ decision within rounding of θ would then flip.
-MIN_GEMM_ROWS = 16
-
-
 @dataclass
 class _Input:
     """One distinct model input (HFLM's logits cache key) and the requests it answers."""
@@ -227,19 +222,23 @@ class BatchedHFLM(HFLM):
             return max(1, min(self.max_batch_size, CPU_TOKEN_BUDGET // self.max_length))
         return super()._detect_batch_size(requests, pos)
 
-    def _forward(self, ids, mask, pos, *, logits_to_keep: int, cache=None, use_cache: bool = False):
-        """Logits (B, logits_to_keep, V) of the last positions (and the cache when use_cache)."""
+    def _forward(self, ids, mask, pos, *, logits_to_keep: int | torch.Tensor, cache=None, use_cache: bool = False):
+        """Logits (B, logits_to_keep, V) of the last positions, or of the positions a 1-D tensor ``logits_to_keep``
+        names (and the cache when use_cache)."""
         kwargs = dict(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                       position_ids=pos.to(self.device), use_cache=use_cache)
         if cache is not None:
             kwargs[cache_keyword(self.model)] = cache
         trims = forward_accepts(self.model, "logits_to_keep")
         if trims:
-            kwargs["logits_to_keep"] = logits_to_keep
+            kwargs["logits_to_keep"] = logits_to_keep.to(self.device) if torch.is_tensor(logits_to_keep) else logits_to_keep
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
             out = self.model(**kwargs)
-        logits = out.logits if trims else out.logits[:, -logits_to_keep:]
+        if trims:
+            logits = out.logits
+        else:
+            logits = out.logits[:, logits_to_keep] if torch.is_tensor(logits_to_keep) else out.logits[:, -logits_to_keep:]
         return (logits, _output_cache(out)) if use_cache else logits
 
     @property
@@ -261,8 +260,13 @@ class SharedContextHFLM(BatchedHFLM):
 
     Usable from Python like HFLM: ``SharedContextHFLM(pretrained=model, tokenizer=tokenizer,
     batch_size="auto")``; inside ``toptheta.sparsify`` its statistics equal the unshared run's.
-    ``batch_size`` counts contexts per forward.
+    ``batch_size`` counts contexts per forward. With ``prefix_cache`` (the default), contexts that share a long
+    token prefix (few-shot prompts with fixed exemplars) run it once: see :meth:`_score_prefix_group`.
     """
+
+    def __init__(self, *args, prefix_cache: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefix_cache = bool(prefix_cache)
 
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
                               override_bs: int | None = None) -> list[tuple[float, bool]]:
@@ -275,15 +279,25 @@ class SharedContextHFLM(BatchedHFLM):
             self._score_batched(requests, [i for i, ok in enumerate(fits) if not ok], answers, bar, override_bs)
             contexts = self._contexts(requests, [i for i, ok in enumerate(fits) if ok])
             stats = active_stats(self.model)
-            # Contexts of equal weight (number of distinct forwards) share a batch, so one factor scales its statistics.
-            order = sorted(contexts.items(), key=lambda item: (len(item[1]), -len(item[0]), item[0]))
-            groups: dict[int, list] = {}
-            for item in order:
-                groups.setdefault(len(item[1]), []).append(item)
-            for weight, items in groups.items():
-                for batch in self._batches(items, lambda item: len(item[0]), override_bs):
-                    self._score_contexts(requests, batch, weight, stats, answers, bar)
+            if self.prefix_cache:
+                keys = list(contexts)
+                for shared, members in prefix_groups(keys):
+                    group = [(keys[m], contexts.pop(keys[m])) for m in members]
+                    self._score_prefix_group(requests, shared, group, stats, answers, bar, override_bs)
+            for weight, batch in self._weighted_batches(list(contexts.items()), lambda item: len(item[0]), override_bs):
+                self._score_contexts(requests, batch, weight, stats, answers, bar)
         return answers  # type: ignore[return-value]
+
+    def _weighted_batches(self, items: list, length, override_bs: int | None = None):
+        """(weight, batch): contexts of equal weight (their number of distinct forwards) share a batch, so one factor
+        scales its statistics; longest first within a weight."""
+        order = sorted(items, key=lambda item: (len(item[1]), -length(item), item[0]))
+        groups: dict[int, list] = {}
+        for item in order:
+            groups.setdefault(len(item[1]), []).append(item)
+        for weight, group in groups.items():
+            for batch in self._batches(group, length, override_bs):
+                yield weight, batch
 
     def _contexts(self, requests: list[Request], indices: list[int]) -> dict[tuple[int, ...], list[_Input]]:
         """Distinct context ids -> the distinct inputs scored against them.
@@ -302,6 +316,72 @@ class SharedContextHFLM(BatchedHFLM):
         ids, mask, pos = _left_pad([list(context) for context, _ in batch], self.pad_id)
         with stats.repeated(weight) if stats is not None else contextlib.nullcontext():
             last, cache = self._forward(ids, mask, pos, logits_to_keep=1, use_cache=True)  # (Bc, 1, V)
+        self._score_continuations(requests, batch, last, cache, mask, pos, answers, bar)
+
+    def _score_prefix_group(self, requests, shared: int, group, stats: SparsityStats | None, answers, bar,
+                            override_bs: int | None = None) -> None:
+        """Contexts whose first ``shared`` tokens agree: those tokens run once (counted once per distinct forward of
+        every context in the group, as the unshared run computes them), then each context's own tokens run in
+        batches on copies of the prefix's cache, then its continuations as in :meth:`_score_contexts`. The prefix's
+        cache is dropped on return: memory holds one prefix at a time however many groups there are.
+
+        Inside ``sparsify`` (and without sliding-window layers) a batch's own tokens are right-padded, with a mask
+        whose padded query rows see no key; the cache is then re-padded on the left (``move_padding_left``), so the
+        continuations follow their context directly, as in a left-padded batch of whole contexts. Elsewhere a batch
+        holds contexts of one length only (no padding at all).
+        """
+        prefix = list(group[0][0][:shared])
+        cache = track(growing_cache(self.model))
+        uses = sum(len(inputs) for _, inputs in group)
+        run_prefix(lambda i, m, p: self._forward(i, m, p, logits_to_keep=1, cache=cache, use_cache=True),
+                   prefix, uses=uses, stats=stats)
+        padded = stats is not None and not _has_sliding_window(self.model)
+        own = lambda item: len(item[0]) - shared  # noqa: E731  (the context's own tokens)
+        for weight, batch in self._weighted_batches(group, own, override_bs):
+            if padded:
+                self._score_suffixes(requests, shared, cache, batch, weight, stats, answers, bar, padded=True)
+                continue
+            by_length: dict[int, list] = {}
+            for item in batch:
+                by_length.setdefault(own(item), []).append(item)
+            for same in by_length.values():
+                self._score_suffixes(requests, shared, cache, same, weight, stats, answers, bar, padded=False)
+
+    def _score_suffixes(self, requests, shared: int, cache, batch, weight: int, stats, answers, bar,
+                        padded: bool) -> None:
+        """One forward of the contexts' own tokens after the cached prefix, then their continuations."""
+        suffixes = [list(context[shared:]) for context, _ in batch]
+        B = len(batch)
+        lengths = torch.tensor([len(s) for s in suffixes])  # (B,)
+        S = int(lengths.max())
+        if padded:
+            S = max(S, -(-MIN_GEMM_ROWS // B))  # enough GEMM rows; padded rows see no key and are never counted
+        ids = torch.full((B, S), self.pad_id, dtype=torch.long)  # (B, S): right-padded
+        for b, tokens in enumerate(suffixes):
+            ids[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        pos = (shared + torch.arange(S))[None].expand(B, S)
+        rows = repeat_rows(cache, torch.zeros(B, dtype=torch.long, device=self.device))
+        with stats.repeated(weight) if stats is not None else contextlib.nullcontext():
+            if padded:
+                real = torch.arange(S)[None, :] < lengths[:, None]  # (B, S)
+                own = real[:, :, None] & real[:, None, :] & torch.ones(S, S, dtype=torch.bool).tril()  # (B, S, S)
+                mask = torch.cat([real[:, :, None].expand(B, S, shared), own], dim=2)[:, None]  # (B, 1, S, P + S)
+                wanted = sorted(set((lengths - 1).tolist()))
+                logits = self._forward(ids, mask, pos, logits_to_keep=torch.tensor(wanted), cache=rows,
+                                       use_cache=True)[0]  # (B, len(wanted), V)
+                at = {w: j for j, w in enumerate(wanted)}
+                last = torch.stack([logits[b, at[int(n) - 1]] for b, n in enumerate(lengths)])[:, None]  # (B, 1, V)
+                move_padding_left(rows, (shared + lengths).to(self.device), shared + S)
+                context_mask = (torch.arange(shared + S)[None, :] >= (S - lengths)[:, None]).long()  # (B, P + S)
+            else:
+                context_mask = torch.ones(B, shared + S, dtype=torch.long)
+                last = self._forward(ids, context_mask, pos, logits_to_keep=1, cache=rows, use_cache=True)[0]
+        context_pos = (context_mask.cumsum(1) - 1).clamp_min(0)
+        self._score_continuations(requests, batch, last, rows, context_mask, context_pos, answers, bar)
+
+    def _score_continuations(self, requests, batch, last, cache, mask, pos, answers, bar) -> None:
+        """Score the continuations of a batch of contexts from ``cache`` (their keys and values, left-padded as
+        ``mask`` (B, C) says, at positions ``pos``) and ``last``, each context's last logits (B, 1, V)."""
         rows = [(b, x) for b, (_, inputs) in enumerate(batch) for x in inputs]
         for b, x in rows:
             if len(x.ids) == x.split:  # a one-token continuation: the context's last logits are all it needs
@@ -357,7 +437,7 @@ class SharedContextHFLM(BatchedHFLM):
             context = mask[select].bool()[:, None, :].expand(-1, P, -1)  # (N, P, C)
             cont_mask = (torch.cat([context, own], dim=2) & real[:, :, None] & _pad(real, mask.shape[1]))[:, None]
         logits = self._forward(ids, cont_mask, cont_pos, logits_to_keep=P,
-                               cache=_select_rows(cache, select.to(self.device)))  # (N, P, V)
+                               cache=repeat_rows(cache, select.to(self.device)))  # (N, P, V)
         for n, (b, inputs) in enumerate(group):
             start = 0
             for x in inputs:
@@ -426,18 +506,6 @@ def _left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
         mask[b, L - len(s):] = 1
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     return ids, mask, pos
-
-
-def _select_rows(cache, rows: torch.Tensor):
-    """A cache holding the given batch rows (repeats allowed) of ``cache``, which stays as it was.
-
-    Shallow copies of the cache and its layers (sliding-window layers keep their bookkeeping); selecting
-    rows replaces a copy's tensors instead of writing into them.
-    """
-    selected = copy.copy(cache)
-    selected.layers = [copy.copy(layer) for layer in cache.layers]
-    selected.batch_select_indices(rows)
-    return selected
 
 
 def _output_cache(out):

@@ -57,7 +57,7 @@ IGNORED_CONFIG_KEYS: tuple[str, ...] = ("logger", "force", "results_dir", "hydra
                                         # (ours, and lm-eval's generate_until requests) batches with task.decode_batch,
                                         # which is part of the id: at a near-tie a batch's GEMM rounding can change a
                                         # greedy token.
-                                        "task.allow_unsafe_code", "task.batch_size")
+                                        "task.allow_unsafe_code", "task.batch_size", "task.prefix_cache")
 
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "run_id",
@@ -77,6 +77,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "empty_rows",
     "task",
     "num_fewshot",
+    "fewshot_sampler",
     "limit",
     "metric",
     "value",
@@ -111,6 +112,7 @@ SUMMARY_FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "calib_compensation": ("calib.compensation",),
     "empty_rows": ("sparsifier.empty_rows",),
     "num_fewshot": ("task.num_fewshot", "eval.num_fewshot", "num_fewshot"),
+    "fewshot_sampler": ("task.fewshot_sampler",),
     "limit": ("task.limit", "eval.limit", "limit"),
     "phase": ("phase",),
 }
@@ -341,6 +343,8 @@ def summary_rows(
     elif base.get("limit") is None and _lookup(config, "task.kind") == "passkey":
         base["limit"] = _passkey_prompts(config)
 
+    if base.get("fewshot_sampler") is None and _lookup(config, "task.kind") == "lm_eval":
+        base["fewshot_sampler"] = "default"  # lm-eval's per-question random draw
     if _lookup(config, "sparsifier.name") == "dense":
         base.update({column: None for column in SPARSE_ONLY_COLUMNS})
 
@@ -567,7 +571,7 @@ def load_summary(results_dir: str | os.PathLike[str] = "results") -> pd.DataFram
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
     # Text columns pinned to str: a hex run id such as "1234e567..." would otherwise parse as a float.
     text = ("run_id", "model", "sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task",
-            "calib_statistic", "tac", "calib_compensation", "empty_rows", "task", "metric", "stats_scope",
+            "calib_statistic", "tac", "calib_compensation", "empty_rows", "task", "fewshot_sampler", "metric", "stats_scope",
             "git_commit", "phase", "timestamp")
     summary = pd.read_csv(path, dtype={c: str for c in text})
     for column in SUMMARY_COLUMNS:  # a store written before a column existed: the column, empty

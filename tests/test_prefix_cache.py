@@ -1,0 +1,202 @@
+"""The prefix cache of multiple-choice scoring: few-shot contexts with fixed exemplars share their exemplars, which
+run once; everything else must be what scoring each request alone gives (issue 27).
+
+Reference: lm-eval's stock HFLM at batch 1 (each request one forward over context + continuation), and
+SharedContextHFLM without the cache. The smoke task made few-shot with ``first_n`` exemplars: every context
+shares the description and the same exemplars, then has its own question.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from lm_eval.models.huggingface import HFLM
+
+import toptheta
+from helpers_lm import load_tasks
+from toptheta.evaluation import lm_eval_adapter as adapter
+from toptheta.evaluation import prefix_cache
+from toptheta.evaluation.shared_context_lm import SharedContextHFLM
+from toptheta.models import build_tiny_model, build_tiny_tokenizer
+
+COUNTS = ("prefill_attention_elements", "clamped_rows", "empty_rows")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def requests():
+    """smoke, 3 fixed exemplars, 6 documents: contexts of ~300 tokens sharing ~250."""
+    task = load_tasks(["smoke"], None)["smoke"]
+    adapter._replace_sampler(task, "first_n")
+    adapter._build_requests(task, num_fewshot=3, limit=6, seed=0)
+    return task.instances
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {arch: build_tiny_model(arch) for arch in ("llama", "qwen2")}
+
+
+def _score(lm_class, model, tokenizer, requests, sparsifier, comps, **kwargs):
+    lm = lm_class(pretrained=model, tokenizer=tokenizer, **kwargs)
+    with toptheta.sparsify(model, sparsifier, comps) as stats:
+        answers = lm.loglikelihood(requests, disable_tqdm=True)
+    return answers, stats.summary()
+
+
+def _accuracy(answers, requests):
+    docs = {}
+    for (ll, _), request in zip(answers, requests, strict=True):
+        docs.setdefault(request.doc_id, (request.doc["label"], []))[1].append(ll)
+    return sum(max(range(len(lls)), key=lls.__getitem__) == label for label, lls in docs.values()) / len(docs)
+
+
+def _spy_groups(monkeypatch):
+    """Record (prefix length, contexts, live prefix caches at entry) of every prefix group scored."""
+    seen = []
+    original = SharedContextHFLM._score_prefix_group
+
+    def spy(self, requests, shared, group, *args, **kwargs):
+        gc.collect()
+        seen.append((shared, len(group), prefix_cache.live_prefixes()))
+        return original(self, requests, shared, group, *args, **kwargs)
+
+    monkeypatch.setattr(SharedContextHFLM, "_score_prefix_group", spy)
+    return seen
+
+
+def test_first_n_contexts_share_their_exemplars(tokenizer, requests):
+    contexts = sorted({tuple(tokenizer.encode(r.args[0])) for r in requests})
+    groups = prefix_groups = prefix_cache.prefix_groups(contexts)
+    assert len(groups) == 1 and sorted(groups[0][1]) == list(range(len(contexts)))
+    shared = prefix_groups[0][0]
+    assert shared > 200 and all(c[:shared] == contexts[0][:shared] for c in contexts)
+    exemplars = requests[0].args[0].rsplit("Question:", 1)[0]
+    assert shared >= len(tokenizer.encode(exemplars))  # the description and all three exemplars
+
+
+def _sparsifiers(model, tokenizer):
+    text = "Calibration text, not a smoke question. " * 8
+    ids = [[tokenizer.encode(text)], [tokenizer.encode(text[::-1])]]
+    theta = {p: toptheta.calibrate(model, ids, k=8, placement=p, progress=False) for p in ("pre", "post")}
+    sdc = {name: toptheta.SDC(name) for name in ("exact", "exp-threshold")}
+    return {
+        "dense": (toptheta.Dense(), []),
+        "topk-post-vmc": (toptheta.TopK(k=8, placement="post"), [toptheta.VMC()]),
+        "topk-pre-sdc-vmc": (toptheta.TopK(k=8, placement="pre"), [sdc["exact"], toptheta.VMC()]),
+        "toptheta-post": (toptheta.TopTheta(theta["post"]), []),
+        "toptheta-post-vmc": (toptheta.TopTheta(theta["post"]), [toptheta.VMC()]),
+        "toptheta-pre-sdc": (toptheta.TopTheta(theta["pre"]), [sdc["exact"]]),
+        "toptheta-pre-exp-sdc-vmc": (toptheta.TopTheta(theta["pre"]), [sdc["exp-threshold"], toptheta.VMC()]),
+        "toptheta-pre-sdc-vmc": (toptheta.TopTheta(theta["pre"]), [sdc["exact"], toptheta.VMC()]),
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefix_cache_gives_stocks_numbers_for_every_sparsifier(monkeypatch, models, tokenizer, requests, arch):
+    model = models[arch]
+    sparsifiers = _sparsifiers(model, tokenizer)
+    if arch != "llama":
+        sparsifiers = {name: sparsifiers[name] for name in ("topk-post-vmc", "toptheta-pre-sdc-vmc", "toptheta-post-vmc")}
+    seen = _spy_groups(monkeypatch)
+    for name, (sparsifier, comps) in sparsifiers.items():
+        reference, ref_stats = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
+        for kwargs in ({"batch_size": 1}, {"batch_size": "auto"}, {"batch_size": "auto", "prefix_cache": False}):
+            before = len(seen)
+            answers, stats = _score(SharedContextHFLM, model, tokenizer, requests, sparsifier, comps, **kwargs)
+            assert len(seen) == before + kwargs.get("prefix_cache", True), name  # the cache ran (or not)
+            tolerance = 1e-4 if name.startswith("topk") else 1e-5
+            assert max(abs(a[0] - b[0]) for a, b in zip(reference, answers)) < tolerance, (name, kwargs)
+            assert [a[1] for a in reference] == [b[1] for b in answers], name
+            assert _accuracy(answers, requests) == _accuracy(reference, requests), name
+            for key in COUNTS:
+                assert stats[key] == ref_stats[key], (name, key)
+            for key in ("kept_attention_fraction", "kept_vrow_fraction"):
+                if ref_stats[key] is None:  # kept V rows: a run without decode steps has none
+                    assert stats[key] is None, (name, key)
+                elif name.startswith("topk"):  # torch's chunks: a score within rounding of the k-th may trade places
+                    assert stats[key] == pytest.approx(ref_stats[key], rel=1e-4), (name, key)
+                else:
+                    assert stats[key] == ref_stats[key], (name, key)
+            if name != "dense":
+                assert stats["kept_attention_fraction"] < 1.0
+
+
+@pytest.mark.parametrize("placement", ["post", "pre"])
+def test_thresholds_on_the_evaluated_rows_keep_the_same_elements(models, tokenizer, requests, placement):
+    """θ calibrated on the evaluated sequences sits exactly on some of their scores: any last-bit difference
+    between the cached and the whole-sequence rows would flip a decision and change a count."""
+    model = models["llama"]
+    ids = [[tokenizer.encode(r.args[0] + r.args[1])] for r in requests[:8]]
+    comps = [toptheta.VMC()] if placement == "post" else [toptheta.SDC("exact"), toptheta.VMC()]
+    sparsifier = toptheta.TopTheta(toptheta.calibrate(model, ids, k=8, placement=placement, progress=False))
+    reference, ref_stats = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
+    answers, stats = _score(SharedContextHFLM, model, tokenizer, requests, sparsifier, comps, batch_size="auto")
+    assert max(abs(a[0] - b[0]) for a, b in zip(reference, answers)) < 1e-5
+    for key in ("kept_attention_fraction", "kept_vrow_fraction", "prefill_attention_elements"):
+        assert stats[key] == ref_stats[key], key
+    assert stats["mean_dropped_mass"] == pytest.approx(ref_stats["mean_dropped_mass"], rel=1e-6)
+
+
+def test_cache_holds_one_prefix_at_a_time(monkeypatch, models, tokenizer):
+    """Many distinct prefixes: each group's cache is gone before the next group's prefix runs."""
+    model = models["llama"]
+    seen = _spy_groups(monkeypatch)
+    requests = []
+    for g in range(6):  # six different 80-token prefixes, three questions and two choices each
+        head = f"Group {g}: " + "".join(chr(97 + (g * 7 + i) % 26) for i in range(80))
+        for q in range(3):
+            context = f"{head}\nQuestion {q}: what follows {q}?\nAnswer:"
+            requests += [(context, " yes"), (context, f" no {q}")]
+    lm = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size="auto")
+    from lm_eval.api.instance import Instance
+
+    instances = [Instance("loglikelihood", {}, args, idx, ("t", 0, 1)) for idx, args in enumerate(requests)]
+    with toptheta.sparsify(model, toptheta.Dense(), []):
+        lm.loglikelihood(instances, disable_tqdm=True)
+    assert len(seen) == 6 and all(n == 3 for _, n, _ in seen)
+    assert max(live for _, _, live in seen) == 0
+    gc.collect()
+    assert prefix_cache.live_prefixes() == 0
+
+
+def test_prefix_groups_split_where_little_is_shared():
+    a = tuple(range(200)) + (1,)
+    b = tuple(range(200)) + (2, 3)
+    c = tuple(range(70)) + (5,) * 40  # shares 70 tokens: with a and b it would save 2 × 70 of their 200
+    d = (9,) * 200  # shares nothing
+    assert prefix_cache.prefix_groups([c, a, d, b]) == [(200, [1, 3])]
+    e = tuple(range(150)) + (4,)  # 150 with a and b: 3 × 150 saves more than 2 × 200 (one 150-token prefix)
+    assert [(n, sorted(g)) for n, g in prefix_cache.prefix_groups([c, a, d, b, e])] == [(150, [1, 3, 4])]
+    # each member keeps a token of its own, so its last logits come from its own forward
+    assert prefix_cache.prefix_groups([a, a[:-1] + (7,)], min_prefix=8) == [(200, [0, 1])]
+    assert prefix_cache.prefix_groups([a[:50] + (1,), a[:50] + (2,)]) == []  # below MIN_PREFIX
+
+
+def test_calibration_with_first_n_leaves_the_exemplars_out(tokenizer):
+    seqs = adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=3, limit=4, max_length=None,
+                                        fewshot_sampler="first_n")
+    task = load_tasks(["smoke_calibration"], None)["smoke_calibration"]
+    exemplars = [task.doc_to_text(d) for d in list(task.fewshot_docs())[:3]]
+    texts = [tokenizer.decode(s) for s in seqs]
+    assert len({t.split("Question:")[1] for t in texts}) == 1 == len({t[:200] for t in texts})  # one prefix
+    for text in texts:  # every row: the three exemplars, then a question that is none of them
+        assert all(e.split("\n")[0] in text for e in exemplars)
+        assert text.rsplit("Question:", 1)[1].split("\n")[0] not in " ".join(exemplars)
+    with pytest.raises(ValueError, match="first_n"):
+        adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=3, limit=4, max_length=None,
+                                     fewshot_sampler="firstn")

@@ -1,0 +1,154 @@
+"""A prefix cache across requests: leading tokens that sequences share run once, the rest from their keys and values.
+
+Few-shot prompts with fixed exemplars (lm-eval's ``first_n`` sampler) agree token for token on their exemplars,
+often hundreds of tokens; passkey prompts with one filler per length agree up to where their keys sit. Both run
+the shared tokens once (with sparsification active, counted once per sequence that uses them, as running every
+sequence whole counts them) and continue each sequence from the cached keys and values:
+
+* multiple-choice scoring (``shared_context_lm.SharedContextHFLM``) groups its contexts by their longest common
+  token prefix (:func:`prefix_groups`), runs each group's prefix once (:func:`run_prefix`), then its contexts'
+  own tokens in batches on copies of that cache (:func:`repeat_rows`); the group's cache is dropped before the
+  next group's prefix runs, so memory holds one prefix at a time whatever the number of groups;
+* generation (``prefix_sharing.generate_shared``) takes a base prompt (:func:`plan`) and runs its tokens once in
+  segments that end where some prompt's shared part ends (:func:`run_prefix` again), then continues each prompt
+  from a copy of the cache cut at its shared length (``attention.cache.cache_prefix``).
+
+Prefixes are found on the token ids, never on text, so they are exact whatever the tokenizer does at text
+boundaries. A row's bits do not depend on how its sequence is cut into forwards on the one-pass prefill kernel
+(Top-θ, dense: each row summed in key order, key blocks anchored at the sequence's first valid key) as long as
+each forward has at least ``MIN_GEMM_ROWS`` rows (the linear layers' GEMMs round a row alike in any forward that
+long); Top-k's plain kernel chunks rows per forward, so a score within rounding of its k-th may trade places.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+
+import torch
+
+# Positions per forward, at least (padding positions see no key and are never counted). MKL's float32 GEMM rounds a
+# row differently when it multiplies fewer rows (measured here, 2 threads: fewer than 12 rows change the results;
+# 1 thread: fewer than 4); a Top-θ decision within rounding of θ would then flip.
+MIN_GEMM_ROWS = 16
+# A shared prefix shorter than this is not worth a forward of its own (zero-shot prompts share a few template
+# tokens; random exemplars share none): such contexts run whole, as without the cache.
+MIN_PREFIX = 64
+
+_LIVE: "weakref.WeakSet[object]" = weakref.WeakSet()  # caches made by run_prefix still referenced somewhere
+
+
+def common_prefix(a, b) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = (torch.as_tensor(a[:n]) != torch.as_tensor(b[:n])).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+
+def prefix_groups(sequences: list[tuple[int, ...]], *, min_prefix: int = MIN_PREFIX,
+                  keep: int = 1) -> list[tuple[int, list[int]]]:
+    """Groups of sequences that share a long prefix: ``[(prefix length, [indices into sequences]), ...]``.
+
+    Sequences are sorted by their tokens, so a group is a run of neighbours; its prefix is the longest common
+    prefix of its members, cut so that each member keeps at least ``keep`` tokens of its own. Runs are chosen to
+    save the most tokens (a group of m members with a prefix of p tokens saves (m − 1)·p): a run is split at its
+    weakest link when its two sides save more apart, so one question that shares only the template with a group of
+    fixed-exemplar prompts does not shorten their prefix to the template. Prefixes shorter than ``min_prefix``
+    are not shared, and sequences in no group of two or more are left out.
+    """
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i])
+    if len(order) < 2:
+        return []
+    # links[j]: tokens the j-th and (j+1)-th sorted sequences can share
+    links = [min(common_prefix(sequences[a], sequences[b]), len(sequences[a]) - keep, len(sequences[b]) - keep)
+             for a, b in zip(order, order[1:])]
+    best: dict[tuple[int, int], tuple[int, list[tuple[int, int, int]]]] = {}  # (lo, hi) -> (saved, [(p, lo, hi)])
+    todo, visit = [(0, len(order) - 1)], []
+    while todo:  # children before parents, without recursion (a run may be thousands of sequences long)
+        lo, hi = todo.pop()
+        visit.append((lo, hi))
+        if hi > lo:
+            j = min(range(lo, hi), key=links.__getitem__)
+            todo += [(lo, j), (j + 1, hi)]
+    for lo, hi in reversed(visit):
+        if hi == lo:
+            best[lo, hi] = (0, [])
+            continue
+        j = min(range(lo, hi), key=links.__getitem__)
+        whole = (hi - lo) * links[j] if links[j] >= min_prefix else -1
+        left, right = best.pop((lo, j)), best.pop((j + 1, hi))
+        apart = (left[0] + right[0], left[1] + right[1])
+        best[lo, hi] = (whole, [(links[j], lo, hi)]) if whole >= apart[0] else apart
+    return [(p, [order[j] for j in range(lo, hi + 1)]) for p, lo, hi in best[0, len(order) - 1][1]]
+
+
+def _cuts(shared: list[int], min_rows: int) -> list[int]:
+    """Each sequence's shared length snapped down to segment ends at least ``min_rows`` apart (0: nothing shared)."""
+    ends, last = [], 0
+    for s in sorted(set(shared)):
+        if s - last >= min_rows:
+            ends.append(s)
+            last = s
+    return [max((e for e in ends if e <= s), default=0) for s in shared]
+
+
+def plan(prompts: list[list[int]], min_rows: int = MIN_GEMM_ROWS) -> tuple[int, list[int]]:
+    """(base, shared): the prompt the others share most with, and how many leading tokens of each prompt come
+    from the base's cache. Each prompt keeps at least ``min_rows`` tokens of its own, and segment ends (the
+    distinct shared lengths) lie at least ``min_rows`` apart."""
+    best = (-1, 0, [0] * len(prompts))
+    for b, base in enumerate(prompts):
+        shared = _cuts([max(0, min(common_prefix(p, base), len(p) - min_rows)) for p in prompts], min_rows)
+        if sum(shared) > best[0]:
+            best = (sum(shared), b, shared)
+    return best[1], best[2]
+
+
+def run_prefix(forward, ids: list[int], *, start: int = 0, uses: int = 1, stats=None):
+    """``forward(ids, mask, positions)`` on ``ids[start:]`` (one sequence, positions ``start``.., the first ``start``
+    already in the caller's cache), its statistics counted ``uses`` times: once per sequence that shares it."""
+    with stats.repeated(uses) if stats is not None else contextlib.nullcontext():
+        return forward(torch.tensor([ids[start:]], dtype=torch.long), torch.ones(1, len(ids), dtype=torch.long),
+                       torch.arange(start, len(ids))[None])
+
+
+def track(cache):
+    """Note a prefix cache, so :func:`live_prefixes` can tell whether it is still held."""
+    _LIVE.add(cache)
+    return cache
+
+
+def live_prefixes() -> int:
+    """How many prefix caches noted by :func:`track` are still alive (the memory bound's test reads it)."""
+    return len(_LIVE)
+
+
+def repeat_rows(cache, rows: torch.Tensor):
+    """A cache holding the given batch rows (repeats allowed) of ``cache``, which stays as it was.
+
+    Shallow copies of the cache and its layers (sliding-window layers keep their bookkeeping); selecting rows
+    replaces a copy's tensors instead of writing into them.
+    """
+    selected = copy.copy(cache)
+    selected.layers = [copy.copy(layer) for layer in cache.layers]
+    selected.batch_select_indices(rows)
+    return selected
+
+
+def move_padding_left(cache, lengths: torch.Tensor, width: int):
+    """Right-padded rows of ``cache`` (row b: its first ``lengths[b]`` of ``width`` positions valid, every layer
+    holding all ``width``) laid out left-padded instead, in place: the valid positions end at the last one, as a
+    left-padded batch's context would, so later tokens follow their context directly and the prefill kernel
+    anchors its key blocks where running the sequence whole would."""
+    shift = width - lengths  # (B,)
+    index = (torch.arange(width, device=lengths.device)[None, :] - shift[:, None]) % width  # (B, width)
+    for layer in cache.layers:
+        if layer.keys.shape[-2] != width:
+            raise ValueError(f"a cache layer holds {layer.keys.shape[-2]} positions, not {width}: cannot re-pad it")
+        gather = index.to(layer.keys.device)[:, None, :, None]
+        layer.keys = layer.keys.gather(2, gather.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]))
+        layer.values = layer.values.gather(2, gather.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
+    return cache
