@@ -78,6 +78,9 @@ class SparsifierConfig:
     k: Optional[int] = None                # null only for dense
     layer_k: Optional[Dict[int, int]] = field(default_factory=dict)  # layer -> k overrides
     empty_rows: Optional[EmptyRows] = None  # toptheta only: keep-max | reference (method.md §9, 10a)
+    # Matched sparsity: the fraction of attention elements the run keeps, on the calibration rows; k is then
+    # resolved per run (calibration/target_kept.py) and sparsifier.k is ignored. Part of the run id when set.
+    target_kept: Optional[float] = None
 
 
 @dataclass
@@ -195,8 +198,12 @@ def check(cfg: Any) -> None:
         if not ok:
             problems.append(f"{key}={value!r}: {valid}")
 
-    k = get(sparsifier, "k")
-    if str(get(sparsifier, "name")) != "dense":
+    k, target = get(sparsifier, "k"), get(sparsifier, "target_kept")
+    need(target is None or (isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target < 1),
+         "sparsifier.target_kept", target, "null (k decides) or a fraction in (0, 1), e.g. sparsifier.target_kept=0.1")
+    need(target is None or str(get(sparsifier, "name")) != "dense", "sparsifier.target_kept", target,
+         "null for dense attention (it keeps everything)")
+    if str(get(sparsifier, "name")) != "dense" and target is None:
         need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
         need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
     for layer, layer_k in dict(get(sparsifier, "layer_k") or {}).items():

@@ -70,6 +70,7 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     sparsifier, comp, task, calib = c["sparsifier"], dict(c["comp"]), c["task"], c["calib"]
     # Fields only some task kinds use stay out of the run identity when unset (stable ids across schema growth).
     task = {key: v for key, v in task.items() if not (v is None and key in OPTIONAL_TASK_FIELDS)}
+    prefix_cache = bool(task.pop("prefix_cache", True))  # how scoring runs, not what it scores: not in the run id
     notes = []
     if sparsifier["name"] == "dense" and (comp.get("sdc") or comp.get("vmc")):
         notes.append("dense attention drops nothing: compensation ignored (comp=none)")
@@ -105,12 +106,27 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}
     if sparse.get("empty_rows") is None:  # only Top-θ has the rule: other run ids stay as they were
         sparse.pop("empty_rows", None)
-    specs.append(_spec(store, base, sparse, comp, calib_cfg, label))
+    target_rows = None
+    if sparse.get("target_kept") is None:  # runs given by k keep the ids they had before the knob existed
+        sparse.pop("target_kept", None)
+    else:  # matched sparsity: k is resolved on calibration rows built as the evaluated ones
+        sparse["k"] = None
+        target_rows = {"task": calib_task or task.get("calib_task") or _evaluated_task(task),
+                       "num_fewshot": calib_cfg["num_fewshot"] if calib_cfg else task.get("num_fewshot"),
+                       "num_samples": calib.get("num_samples"), "seed": calib.get("seed", 0),
+                       "fewshot_sampler": task.get("fewshot_sampler")}
+    specs.append(_spec(store, {**base, **({"target": target_rows} if target_rows else {})}, sparse, comp, calib_cfg,
+                       label))
     specs[-1].notes = notes
     for spec in specs:
         spec.config["data_dir_path"] = data_dir  # not part of the run id: the same data can live anywhere
+        spec.config["task"] = {**spec.config["task"], "prefix_cache": prefix_cache}  # nor this (after the id)
         spec.log_samples = bool(c["log_samples"])
     return specs
+
+
+def _evaluated_task(task: dict) -> str | None:
+    return task.get("lm_eval_task") if task.get("kind") == "lm_eval" else None
 
 
 def _spec(store, base: dict, sparsifier: dict, comp: dict, calib: dict | None, label: str) -> RunSpec:
@@ -158,7 +174,7 @@ def check_sparsifies(sparsifier: dict, num_layers: int, longest_row: int | None,
     if sparsifier["name"] == "dense":
         return
     layer_k = sparsifier.get("layer_k") or {}
-    ks = [layer_k.get(layer, sparsifier["k"]) for layer in range(num_layers)]
+    ks = [layer_k.get(layer, sparsifier["k"] or 1) for layer in range(num_layers)]  # target_kept: k resolved later
     if longest_row is not None and min(ks) >= longest_row:
         raise ValueError(
             f"nothing would be sparsified: {model_name} has {num_layers} layers and every one keeps k >= "
@@ -361,6 +377,7 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     from .results.store import summary_rows
 
     recorder, group = _popularity_recorder(spec.config["task"], model)  # bad settings fail before calibration
+    planned, (spec, target) = spec, resolve_target(spec, model, tokenizer)  # matched sparsity: k resolved here
     thresholds, thresholds_ref = (None, None)
     if spec.thresholds is not None:
         with _thresholds_claim(spec, model):
@@ -382,22 +399,88 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
         summary.update(seconds=summary["seconds"] + sum(resumed.values()), resumed_parts=sorted(resumed))
     if "generated_tokens" in results:
         summary["generated_tokens"] = results.pop("generated_tokens")
+    summary["kept_attention_fraction_sparsified"] = kept_in_sparsified_layers(stats, spec.config["sparsifier"])
+    if target is not None:
+        summary["target"] = target  # what target_kept chose: k, the calibration rows' kept fraction, the k tried
     extra_stats = {"vrow_popularity": recorder.to_dict(group)} if recorder is not None else {}
     if spec.config["sparsifier"]["name"] != "dense" and summary.get("kept_attention_fraction") == 1.0:
         log.warning("%s kept every attention element: no row was longer than its layer's k (sparsifier.k=%s, "
                     "layer_k=%s). Lower sparsifier.k or evaluate longer prompts", spec.label,
                     spec.config["sparsifier"]["k"], spec.config["sparsifier"].get("layer_k"))
-    config = {k: v for k, v in spec.config.items() if k != "data_dir_path"}
+    config = {k: v for k, v in planned.config.items() if k != "data_dir_path"}  # as planned: the run id's source
     store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, "per_layer": stats.per_layer(), **extra_stats},
                     thresholds_ref=thresholds_ref, extra={"label": spec.label},
                     texts={"invocation.json": json.dumps(invocation or {}, indent=2, default=str) + "\n"},
                     copies={"thresholds.safetensors": thresholds_ref} if thresholds_ref else None)
-    rows = summary_rows(spec.run_id, config, results, summary)
+    rows = summary_rows(spec.run_id, config, results, summary,
+                        overrides={"k": target["k"]} if target is not None else None)
     store.append_summary(rows)
     if checkpoint is not None:
         shutil.rmtree(checkpoint, ignore_errors=True)  # the run is stored: its parts are no longer needed
     logger.log_run(spec, rows, stats, thresholds_ref)
     return rows
+
+
+def kept_in_sparsified_layers(stats, sparsifier: dict) -> float | None:
+    """The kept attention fraction over the layers sparsifier.k governs (those not in layer_k); None for dense."""
+    if sparsifier["name"] == "dense":
+        return None
+    free = [layer for layer in range(stats.num_layers) if layer not in (sparsifier.get("layer_k") or {})]
+    valid = float(stats.prefill_valid[free].sum()) if free else 0.0
+    return float(stats.prefill_kept[free].sum()) / valid if valid else None
+
+
+MEASURE_SEQUENCES = 32  # calibration rows Top-θ's kept fraction is measured on, per k tried
+
+
+def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | None]:
+    """For a run with ``sparsifier.target_kept``: (a copy of ``spec`` with the k that keeps that fraction of the
+    attention elements on its calibration rows, the record of the choice); other runs: (``spec``, None).
+
+    Top-k's fraction follows from the rows' lengths; Top-θ's is measured with the thresholds of each k tried
+    (calibrated and cached as any run's). Fails with the fix when the target is below what k = 1 keeps."""
+    import copy
+
+    from . import sparsify
+    from .calibration.target_kept import resolve_k
+    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
+
+    target = spec.config["sparsifier"].get("target_kept")
+    if target is None:
+        return spec, None
+    rows = spec.config["target"]
+    sequences = calibration_requests(
+        tokenizer, rows["task"], data_dir=spec.config["data_dir_path"], num_fewshot=rows["num_fewshot"],
+        limit=rows["num_samples"], max_length=spec.config["model"].get("max_length") or hflm_max_length(model, tokenizer),
+        seed=rows.get("seed", 0), fewshot_sampler=rows.get("fewshot_sampler"))
+    layer_k = spec.config["sparsifier"].get("layer_k") or {}
+    num_layers = model.config.get_text_config().num_hidden_layers
+
+    def with_k(k: int) -> RunSpec:
+        resolved = copy.copy(spec)
+        resolved.config = copy.deepcopy(spec.config)
+        resolved.config["sparsifier"]["k"] = k
+        return resolved
+
+    def measure(k: int) -> float:
+        candidate = with_k(k)
+        with _thresholds_claim(candidate, model):
+            thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
+        sparsifier = build_sparsifier(candidate.config["sparsifier"], thresholds)
+        import torch
+
+        with torch.no_grad(), sparsify(model, sparsifier, _compensation(candidate.config["comp"], thresholds)) as stats:
+            for ids in sequences[:MEASURE_SEQUENCES]:
+                model(input_ids=torch.tensor([ids], device=model.device))
+        log.info("target_kept=%g: k=%d keeps %.4f on %d calibration rows", target, k, stats.kept_attention_fraction,
+                 min(len(sequences), MEASURE_SEQUENCES))
+        return stats.kept_attention_fraction
+
+    k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
+                               measure if spec.thresholds is not None else None)
+    log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows["task"])
+    return with_k(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
+                       "calibration_sequences": len(sequences)}
 
 
 STOP_FILE = "STOP"

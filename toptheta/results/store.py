@@ -78,12 +78,15 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "task",
     "num_fewshot",
     "fewshot_sampler",
+    "target_kept",
+    "calib_seed",
     "limit",
     "metric",
     "value",
     "stderr",
     "kept_attention_fraction",
     "kept_vrow_fraction",
+    "kept_attention_fraction_sparsified",
     "clamped_rows",
     "empty_row_count",
     "generated_tokens",
@@ -113,6 +116,8 @@ SUMMARY_FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "empty_rows": ("sparsifier.empty_rows",),
     "num_fewshot": ("task.num_fewshot", "eval.num_fewshot", "num_fewshot"),
     "fewshot_sampler": ("task.fewshot_sampler",),
+    "target_kept": ("sparsifier.target_kept",),
+    "calib_seed": ("calib.seed",),
     "limit": ("task.limit", "eval.limit", "limit"),
     "phase": ("phase",),
 }
@@ -124,6 +129,7 @@ SPARSE_ONLY_COLUMNS: tuple[str, ...] = ("placement", "k", "layer_k", "empty_rows
 STAT_SOURCES: dict[str, tuple[str, ...]] = {
     "kept_attention_fraction": ("kept_attention_fraction",),
     "kept_vrow_fraction": ("kept_vrow_fraction",),
+    "kept_attention_fraction_sparsified": ("kept_attention_fraction_sparsified",),  # layers outside layer_k
     "clamped_rows": ("clamped_rows",),  # rows longer than the calibrated lengths (θ of the longest one used)
     "empty_row_count": ("empty_rows", "empty_row_count"),  # Top-θ rows where nothing passed θ
     "generated_tokens": ("generated_tokens",),  # generation tasks: mean tokens per generated text

@@ -1,0 +1,106 @@
+"""Matched sparsity (sparsifier.target_kept, issue 28) and fixed exemplars (task.fewshot_sampler, issue 27) as run
+settings: Top-k's kept fraction from row lengths is exactly what the kernel counts, targets land within their
+tolerance, unreachable targets are refused before evaluation, and both settings enter the run id only when set."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import toptheta
+from test_config import cfg
+from toptheta import pipeline
+from toptheta.calibration import target_kept
+from toptheta.models import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("k,layer_k", [(1, None), (3, {0: 9}), (8, {1: 2}), (40, None)])
+def test_topk_fraction_from_lengths_is_what_the_kernel_counts(k, layer_k):
+    model = build_tiny_model("llama")
+    lengths = [5, 17, 33, 12]
+    torch.manual_seed(0)
+    with toptheta.sparsify(model, toptheta.TopK(k=k, placement="post", layer_k=layer_k), []) as stats:
+        for n in lengths:
+            model(input_ids=torch.randint(0, 250, (1, n)))
+    assert target_kept.topk_kept_fraction(lengths, k, layer_k, 2) == pytest.approx(stats.kept_attention_fraction,
+                                                                                   abs=1e-12)
+
+
+def test_topk_k_for_lands_on_the_target_or_refuses():
+    lengths = [800, 860, 900]
+    for target, layer_k in ((1 / 3, {0: 512, 1: 512}), (1 / 10, {0: 512, 1: 512}), (1 / 20, {0: 128, 1: 128})):
+        k = target_kept.topk_k_for(lengths, target, layer_k, 30)
+        assert abs(target_kept.topk_kept_fraction(lengths, k, layer_k, 30) / target - 1) < 0.05
+    with pytest.raises(target_kept.Unreachable, match="layer_k"):  # layers 0-1 at 512 alone keep ~0.056
+        target_kept.topk_k_for(lengths, 1 / 20, {0: 512, 1: 512}, 30)
+
+
+def test_resolve_k_corrects_for_a_method_that_keeps_more():
+    lengths = [300, 320]
+    keeps_more = lambda k: 1.3 * target_kept.topk_kept_fraction(lengths, k, None, 4)  # noqa: E731 (like Top-θ pre)
+    k, kept, tried = target_kept.resolve_k(0.1, lengths, None, 4, keeps_more)
+    assert abs(kept / 0.1 - 1) <= target_kept.TOLERANCE and len(tried) >= 2
+    assert k < target_kept.topk_k_for(lengths, 0.1, None, 4)
+
+
+def _run(tmp_path, *overrides):
+    c = cfg("model=tiny-llama", "task=smoke", "task.num_fewshot=2", "task.limit=4", "calib.num_samples=6",
+            f"results_dir={tmp_path}", "log_samples=false", *overrides)
+    pipeline.run(c)
+    with open(tmp_path / "summary.csv", newline="") as fh:
+        return [row for row in csv.DictReader(fh) if row["sparsifier"] != "dense"]
+
+
+@pytest.mark.parametrize("sparsifier", [("sparsifier=topk", "comp=vmc", "sparsifier.placement=post"),
+                                        ("sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post")])
+def test_target_kept_run_lands_within_ten_percent(tmp_path, sparsifier):
+    rows = _run(tmp_path, *sparsifier, "sparsifier.target_kept=0.3", "sparsifier.layer_k=null",
+                "task.fewshot_sampler=first_n")
+    assert rows and all(abs(float(r["kept_attention_fraction"]) / 0.3 - 1) <= 0.1 for r in rows)
+    assert {r["target_kept"] for r in rows} == {"0.3"} and all(int(r["k"]) >= 1 for r in rows)
+    assert {r["fewshot_sampler"] for r in rows} == {"first_n"}
+    stats = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())
+    assert stats["target"]["k"] == int(rows[0]["k"]) and stats["target"]["target_kept"] == 0.3
+    assert float(rows[0]["kept_attention_fraction_sparsified"]) == pytest.approx(float(rows[0]["kept_attention_fraction"]))
+
+
+def test_unreachable_target_is_refused_before_evaluating(tmp_path, monkeypatch):
+    evaluated = []
+    monkeypatch.setattr(pipeline, "evaluate", lambda *a, **kw: evaluated.append(1))
+    with pytest.raises(target_kept.Unreachable, match="cannot be reached"):
+        _run(tmp_path, "sparsifier=topk", "comp=vmc", "sparsifier.placement=post", "sparsifier.target_kept=0.05",
+             "sparsifier.layer_k={0:512}", "baseline=false")
+    assert not evaluated
+
+
+@pytest.mark.parametrize("override,message", [("sparsifier.target_kept=1.5", "a fraction in (0, 1)"),
+                                              ("sparsifier.target_kept=0", "a fraction in (0, 1)")])
+def test_bad_targets_fail_before_anything_loads(tmp_path, override, message):
+    with pytest.raises(ValueError, match="invalid configuration") as err:
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", "sparsifier=topk", override))
+    assert message in str(err.value)
+
+
+MULTIPLE_CHOICE = sorted(p.stem for p in (ROOT / "conf" / "task").glob("*.yaml")
+                         if "kind: lm_eval" in p.read_text() and "longbench" not in p.stem and p.stem != "lm_eval")
+
+
+@pytest.mark.parametrize("task", MULTIPLE_CHOICE)
+def test_first_n_composes_in_every_multiple_choice_task_and_changes_the_run_id(tmp_path, task):
+    base = ("model=tiny-llama", f"task={task}", f"results_dir={tmp_path}", "data_dir=auto")
+    plain = pipeline.plan(cfg(*base))
+    fixed = pipeline.plan(cfg(*base, "task.fewshot_sampler=first_n"))
+    assert "fewshot_sampler" not in plain[-1].config["task"]
+    assert fixed[-1].config["task"]["fewshot_sampler"] == "first_n"
+    assert all(a.run_id != b.run_id for a, b in zip(plain, fixed))
+    if fixed[-1].thresholds is not None:  # Top-θ calibrates on rows built the same way
+        assert fixed[-1].thresholds["fewshot_sampler"] == "first_n"
+    off = pipeline.plan(cfg(*base, "task.prefix_cache=false"))
+    assert [s.run_id for s in off] == [s.run_id for s in plain]  # how scoring runs, not what it scores
+    assert off[-1].config["task"]["prefix_cache"] is False
