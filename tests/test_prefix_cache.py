@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 from lm_eval.models.huggingface import HFLM
 
 import toptheta
@@ -19,22 +18,10 @@ from helpers_lm import load_tasks
 from toptheta.evaluation import lm_eval_adapter as adapter
 from toptheta.evaluation import prefix_cache
 from toptheta.evaluation.shared_context_lm import SharedContextHFLM
-from toptheta.models import build_tiny_model, build_tiny_tokenizer
+from toptheta.models import build_tiny_model
+from test_shared_context import _accuracy, _one_thread, _score, tokenizer  # noqa: F401  (fixtures shared)
 
 COUNTS = ("prefill_attention_elements", "clamped_rows", "empty_rows")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +36,6 @@ def requests():
 @pytest.fixture(scope="module")
 def models():
     return {arch: build_tiny_model(arch) for arch in ("llama", "qwen2")}
-
-
-def _score(lm_class, model, tokenizer, requests, sparsifier, comps, **kwargs):
-    lm = lm_class(pretrained=model, tokenizer=tokenizer, **kwargs)
-    with toptheta.sparsify(model, sparsifier, comps) as stats:
-        answers = lm.loglikelihood(requests, disable_tqdm=True)
-    return answers, stats.summary()
-
-
-def _accuracy(answers, requests):
-    docs = {}
-    for (ll, _), request in zip(answers, requests, strict=True):
-        docs.setdefault(request.doc_id, (request.doc["label"], []))[1].append(ll)
-    return sum(max(range(len(lls)), key=lls.__getitem__) == label for label, lls in docs.values()) / len(docs)
 
 
 def _spy_groups(monkeypatch):

@@ -441,6 +441,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     (calibrated and cached as any run's). Fails with the fix when the target is below what k = 1 keeps."""
     import copy
 
+    import torch
+
     from . import sparsify
     from .calibration.target_kept import resolve_k
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
@@ -467,8 +469,6 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         with _thresholds_claim(candidate, model):
             thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
         sparsifier = build_sparsifier(candidate.config["sparsifier"], thresholds)
-        import torch
-
         with torch.no_grad(), sparsify(model, sparsifier, _compensation(candidate.config["comp"], thresholds)) as stats:
             for ids in sequences[:MEASURE_SEQUENCES]:
                 model(input_ids=torch.tensor([ids], device=model.device))

@@ -36,7 +36,7 @@ MIN_GEMM_ROWS = 16
 # tokens; random exemplars share none): such contexts run whole, as without the cache.
 MIN_PREFIX = 64
 
-_LIVE: "weakref.WeakSet[object]" = weakref.WeakSet()  # caches made by run_prefix still referenced somewhere
+_LIVE: "weakref.WeakSet[object]" = weakref.WeakSet()  # prefix caches noted by track() still referenced somewhere
 
 
 def common_prefix(a, b) -> int:

@@ -30,7 +30,6 @@ budget on CPU (HFLM's probe on accelerators). Seq2seq models fall back to HFLM.
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,6 +53,8 @@ Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (strings or Non
 CPU_TOKEN_BUDGET = 4096
 # Continuation positions per forward (all their logits are kept: 512 × a 49k vocabulary = 100 MB).
 LOGIT_BUDGET = 512
+
+
 @dataclass
 class _Input:
     """One distinct model input (HFLM's logits cache key) and the requests it answers."""
