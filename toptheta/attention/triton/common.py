@@ -6,7 +6,6 @@ Shapes use B (batch), H (query heads), Hkv (KV heads), Q (query rows), K (keys),
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -65,17 +64,18 @@ class TritonAttention:
         return None if self.vrows is None else self.vrows.sum(-1, dtype=torch.int64)
 
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read before triton's import)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def interpreted(kernel) -> bool:
+    """Whether a @triton.jit kernel runs in Triton's CPU interpreter: TRITON_INTERPRET=1 when it was decorated
+    (its module's import), whatever the variable says now."""
+    return type(kernel).__name__ == "InterpretedFunction"
 
 
-def check_device(*tensors: torch.Tensor) -> torch.device:
+def check_device(kernel, *tensors: torch.Tensor) -> torch.device:
     device = tensors[0].device
     for t in tensors:
         if t.device != device:
             raise ValueError(f"all inputs must be on one device, got {t.device} and {device}")
-    if device.type != "cuda" and not interpreting():
+    if device.type != "cuda" and not interpreted(kernel):
         raise ValueError(
             f"the Triton kernels need CUDA tensors, got {device.type} tensors; move them to a GPU, or set "
             "TRITON_INTERPRET=1 before triton is first imported to run the kernels on CPU in Triton's interpreter")

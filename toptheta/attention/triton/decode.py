@@ -212,7 +212,7 @@ def decode_attention(
     """Top-θ (or dense, ``placement=None``) attention of a few query rows over a cache; the inputs mean what
     they mean for ``prefill.prefill_attention``. The result's ``vrows`` holds the kept V rows per (B, Hkv, Q)."""
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
-    device = check_device(query, key, value)
+    device = check_device(_decode_kernel, query, key, value)
     check_options(placement, sdc, empty_rows)
     if window is not None and (not causal or window < 1):
         raise ValueError(f"a sliding window needs causal rows and window ≥ 1, got window={window}, causal={causal}")

@@ -241,7 +241,7 @@ def prefill_attention(
     shapes, the grid too.
     """
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
-    device = check_device(query, key, value)
+    device = check_device(_prefill_kernel, query, key, value)
     check_options(placement, sdc, empty_rows)
     if window is not None and (not causal or window < 1):
         raise ValueError(f"a sliding window needs causal rows and window ≥ 1, got window={window}, causal={causal}")
