@@ -83,6 +83,7 @@ def _objects(name: str, empty_rows: str):
 def _data(B, Q, K, D=8, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, Q, D, generator=g) * 2
+    q[:, 1] = q[:, 0]  # heads 0 (empty rows) and 1 of KV group 0 see the same scores: head 1 keeps head 0's maximum
     k = torch.randn(B, HKV, K, D, generator=g) * 2
     v = torch.randn(B, HKV, K, D, generator=g)
     return q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype)
