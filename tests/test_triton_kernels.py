@@ -285,6 +285,26 @@ def test_cached_decode_after_a_prefill(monkeypatch, name):
     assert torch.equal(dec.kept, full.kept[:, :, -1:])
 
 
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_float16_inputs_accumulate_in_float32(monkeypatch, kind):
+    """float16 Q/K/V (float32 logits, float16 P·V operands, float32 accumulators): the plain kernel's numbers
+    within float16 rounding, the same keep decisions (θ is far from every logit here), a float16 output."""
+    B, Q, K = 2, 20, 20
+    q, k, v = _data(B, Q, K, seed=8, dtype=torch.float16)
+    if kind == "decode":
+        q, Q = q[:, :, -1:], 1
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 3])
+    sparsifier, comp = _objects("post-vmc" if kind == "decode" else "pre-sdc-vmc", "keep-max")
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, kind)
+    fn = prefill_attention if kind == "prefill" else decode_attention
+    blocks = dict(block_m=16, block_n=16) if kind == "prefill" else dict(block_n=16)
+    res, stats = _triton(fn, q, k, v, n, sparsifier, comp, kind, key_start=ks, **blocks)
+    assert res.out.dtype == torch.float16
+    torch.testing.assert_close(res.out.float(), ref_out.float(), atol=3e-3, rtol=3e-3)
+    assert torch.equal(res.kept.long(), ref_keep.sum(-1))
+    assert torch.equal(stats.prefill_kept, ref_stats.prefill_kept) and torch.equal(stats.vrow_kept, ref_stats.vrow_kept)
+
+
 # ---- the wrappers' contracts ---------------------------------------------------------------------------
 
 def test_wrappers_refuse_bad_inputs():
@@ -297,6 +317,9 @@ def test_wrappers_refuse_bad_inputs():
         decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, sdc="calibrated")
     with pytest.raises(ValueError, match="powers of two"):
         prefill_attention(q, k, v, scaling=1.0, theta=None, block_m=8)
+    if INTERPRETED:  # the interpreter's tl.dot multiplies bfloat16 bit patterns: refused rather than wrong
+        with pytest.raises(ValueError, match="bfloat16"):
+            prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), scaling=1.0, theta=None)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU tensors are the interpreter's")
@@ -310,6 +333,19 @@ def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
     q, k, v = _data(1, 4, 4)
     with pytest.raises(ValueError, match="CUDA tensors"):
         prefill_attention(q, k, v, scaling=1.0, theta=None)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """What the interpreter cannot check: each kernel family lowers to a cubin for sm_90 (ptxas from the triton
+    wheel) within the shared memory of an H100/H200. About a minute of CPU."""
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "toptheta.attention.triton.compile_check", "--quick"], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ok ") == 8, done.stdout
 
 
 # ---- compiled kernels on a GPU: realistic shapes ------------------------------------------------------

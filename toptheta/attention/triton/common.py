@@ -75,6 +75,9 @@ def check_device(kernel, *tensors: torch.Tensor) -> torch.device:
     for t in tensors:
         if t.device != device:
             raise ValueError(f"all inputs must be on one device, got {t.device} and {device}")
+    if interpreted(kernel) and tensors[0].dtype == torch.bfloat16:
+        raise ValueError("Triton's interpreter computes tl.dot on bfloat16 tiles wrongly (triton 3.9: it multiplies the "
+                         "raw bits); run bfloat16 on a GPU, or float16 / float32 in the interpreter")
     if device.type != "cuda" and not interpreted(kernel):
         raise ValueError(
             f"the Triton kernels need CUDA tensors, got {device.type} tensors; move them to a GPU, or set "

@@ -31,7 +31,7 @@ import triton.language as tl
 from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
                      per_row, per_sequence, row_bounds, value_means)
 
-TINY = 1.1754943508222875e-38  # float32 tiny: the plain kernel's clamp of denominators
+TINY = tl.constexpr(1.1754943508222875e-38)  # float32 tiny, the plain kernel's clamp (a constexpr: kernels may read no other globals)
 
 
 @triton.jit
@@ -265,8 +265,9 @@ def prefill_attention(
     uniform = sparse and not post and sdc is None and empty_rows == "reference"
     v_all = value.float().mean(2).contiguous() if uniform else th  # (B, Hkv, Dv)
 
-    BLOCK_M = block_m or 64
-    BLOCK_N = block_n or 64
+    wide = 64 if query.dtype != torch.float32 else 32  # float32 tiles take twice the shared memory
+    BLOCK_M = block_m or wide
+    BLOCK_N = block_n or wide
     if BLOCK_M < 16 or BLOCK_N < 16 or BLOCK_M & (BLOCK_M - 1) or BLOCK_N & (BLOCK_N - 1):
         raise ValueError(f"block sizes must be powers of two ≥ 16 (tl.dot), got {BLOCK_M}, {BLOCK_N}")
     out = torch.empty(B, H, Q, Dv, dtype=query.dtype, device=device)
