@@ -142,8 +142,13 @@ def _assert_same(res, stats, ref_out, ref_keep, ref_stats, atol=1e-5):
     assert ref_stats.clamped_rows == stats.clamped_rows
 
 
-def test_available():
+def test_available_and_no_triton_on_import():
+    import subprocess
+
     assert available()
+    code = "import sys, toptheta, toptheta.attention.triton; print('triton' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
 
 
 # ---- prefill -------------------------------------------------------------------------------------------
@@ -182,7 +187,11 @@ def test_dense_prefill_and_decode_equal_the_plain_kernel(monkeypatch):
     q, k, v = _data(B, Q, K, seed=4)
     ks, valid, n = _bounds(B, Q, K, key_start=[0, 3])
     ref, _, _ = _plain(monkeypatch, q, k, v, valid, toptheta.Dense(), [], "prefill")
-    res = prefill_attention(q, k, v, scaling=0.5, theta=None, placement=None, key_start=ks, block_m=16, block_n=16)
+    # transformers' layout: (B, Q, H, D) tensors seen as (B, H, Q, D) views, not contiguous
+    qv, kv, vv = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not qv.is_contiguous()
+    res = prefill_attention(qv, kv, vv, scaling=0.5, theta=None, placement=None, key_start=ks, block_m=16,
+                            block_n=16)
     torch.testing.assert_close(res.out, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(res.kept.long(), n[:, None].expand(B, H, Q).long())
     dec = decode_attention(q[:, :, -1:], k, v, scaling=0.5, theta=None, placement=None, key_start=ks, block_n=16)
@@ -364,15 +373,20 @@ def _gpu_thresholds(placement: str, Hq: int, max_n: int) -> Thresholds:
         values = torch.full((1, Hq, 1), 1.8)
     else:
         values = (2.0 / n).expand(1, Hq, max_n + 1).contiguous()
-    return Thresholds(values, [64], placement, sdc_mass=torch.rand(1, Hq, max_n + 1) * n)
+    return Thresholds(values, [64], placement)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["pre-sdc-vmc", "post-vmc"])
+@pytest.mark.parametrize("name", ["pre-sdc-vmc", "pre-expsdc-vmc", "post-vmc"])
 def test_compiled_kernels_on_realistic_shapes(monkeypatch, dtype, name):
-    """Prefill after a cached context and decode on a 32/8-head GQA layer, against the plain kernel on the GPU."""
+    """Prefill after a cached context and a decode step on a 32/8-head GQA layer (D = 128, left padding), the
+    compiled kernels against the plain kernel on the same GPU.
+
+    33M logits: a handful lie within rounding of θ (the two paths sum q·k in different orders; bf16 P·V), so
+    keep decisions are compared in total and per row (all but 0.1 % of rows equal), outputs on the rows whose
+    kept counts agree."""
     B, Hq, Hkv, Q, K, D = 2, 32, 8, 512, 1024, 128
     placement, estimator, vmc = CONFIGS[name]
     sparsifier = toptheta.TopTheta(_gpu_thresholds(placement, Hq, K))
@@ -383,31 +397,32 @@ def test_compiled_kernels_on_realistic_shapes(monkeypatch, dtype, name):
     lo, hi = row_bounds(ks, torch.full((B,), K, dtype=torch.int32, device="cuda"),
                         torch.full((B,), K - Q, dtype=torch.int32, device="cuda"), Q, None, True)
     keys = torch.arange(K, device="cuda")
-    valid = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]
+    valid = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]  # (B, 1, Q, K)
     n = hi - lo
     monkeypatch.setattr(plain_decode, "ENABLED", False)
     monkeypatch.setattr(plain_prefill, "ENABLED", False)
     for kind, rows in (("prefill", slice(None)), ("decode", slice(Q - 1, Q))):
         qq, vv, nn = q[:, :, rows], valid[:, :, rows], n[:, rows]
         ref_stats = toptheta.SparsityStats(1, Hq, Hkv)
+        seen = []
         ref = toptheta.sparse_attention(qq, k, v, vv, scaling=scaling, layer=0, sparsifier=sparsifier,
-                                        compensations=comp, stats=ref_stats, phase=kind).transpose(1, 2)
+                                        compensations=comp, stats=ref_stats, phase=kind,
+                                        observer=lambda r: seen.append(r.keep.sum(-1))).transpose(1, 2)
+        ref_kept = torch.cat(seen, dim=2)  # (B, H, Q)
         theta, clamped = lowering.row_thresholds(sparsifier, 0, nn)
         fn = prefill_attention if kind == "prefill" else decode_attention
-        q_offset = K - Q if kind == "prefill" else K - 1
         res = fn(qq, k, v, scaling=scaling, theta=theta, placement=placement, sdc=estimator, vmc=vmc,
-                 key_start=ks, q_offset=q_offset)
+                 key_start=ks, q_offset=K - Q if kind == "prefill" else K - 1)
         stats = toptheta.SparsityStats(1, Hq, Hkv)
         lowering.record(stats, res, layer=0, phase=kind, key_len=K, clamped_rows=clamped)
-        assert res.out.dtype == dtype
-        if dtype == torch.float32:
-            torch.testing.assert_close(res.out, ref, atol=1e-4, rtol=1e-4)
-        else:  # bf16 P·V and a bf16 output: within bf16 rounding
-            torch.testing.assert_close(res.out.float(), ref.float(), atol=3e-2, rtol=3e-2)
-        names = ["prefill_kept", "decode_kept", "vrow_kept"]
-        for name_ in names:  # keep decisions may differ only for scores within rounding of θ
-            a, b = getattr(ref_stats, name_).sum(), getattr(stats, name_).sum()
-            assert abs(float(a - b)) <= 1e-4 * max(1.0, float(a)), (name_, float(a), float(b))
-        for name_ in ("prefill_valid", "decode_valid", "vrow_valid"):
-            assert torch.equal(getattr(ref_stats, name_), getattr(stats, name_)), name_
-        assert 0 < int(res.skipped_tiles.sum()) or kind == "decode"
+        assert res.out.dtype == dtype and int(res.tiles.sum()) > 0
+        same = res.kept.long() == ref_kept  # (B, H, Q)
+        assert same.float().mean() >= 0.999, f"{kind}: {int((~same).sum())} rows keep other keys"
+        atol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16: P·V operands and the output in bf16
+        torch.testing.assert_close(res.out.float()[same], ref.float()[same], atol=atol, rtol=atol)
+        for counter in ("prefill_kept", "decode_kept", "vrow_kept"):
+            a, b = float(getattr(ref_stats, counter).sum()), float(getattr(stats, counter).sum())
+            assert abs(a - b) <= 1e-4 * max(1.0, a), (counter, a, b)
+        for counter in ("prefill_valid", "decode_valid", "vrow_valid", "rows"):
+            assert torch.equal(getattr(ref_stats, counter), getattr(stats, counter)), counter
+        assert 0 < float(stats.prefill_kept.sum() + stats.decode_kept.sum()) < float(n.sum() * Hq)
