@@ -1,0 +1,428 @@
+"""Triton kernels (attention/triton/) against the plain kernel, the reference (issue 29).
+
+Every kernel runs in Triton's interpreter on CPU (TRITON_INTERPRET=1, set here before triton's first import)
+and is compared with ``kernel.sparse_attention`` with the fast paths off: outputs within 1e-5 in float32, per-row
+kept counts equal to the plain keep masks, and ``SparsityStats`` equal (counts exactly). The same tests run the
+compiled kernels on a GPU with ``TRITON_INTERPRET=0 pytest -m 'gpu or not gpu' tests/test_triton_kernels.py``;
+the ``gpu`` tests add realistic shapes in bfloat16 and float32.
+"""
+
+import importlib
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import; TRITON_INTERPRET=0 for a GPU run
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import toptheta  # noqa: E402
+from toptheta.attention import decode as plain_decode  # noqa: E402
+from toptheta.attention import prefill as plain_prefill  # noqa: E402
+from toptheta.attention.triton import available, lowering  # noqa: E402
+from toptheta.attention.triton.common import interpreted, row_bounds  # noqa: E402
+from toptheta.calibration import Thresholds  # noqa: E402
+
+# Kernels decorated before the variable was set (another test module imported them) are re-decorated.
+_want = os.environ["TRITON_INTERPRET"] not in ("", "0")
+for _name in ("toptheta.attention.triton.prefill", "toptheta.attention.triton.decode"):
+    _module = sys.modules.get(_name) or importlib.import_module(_name)
+    _kernel = getattr(_module, "_prefill_kernel", None) or getattr(_module, "_decode_kernel")
+    if interpreted(_kernel) != _want:
+        importlib.reload(_module)
+from toptheta.attention.triton.decode import decode_attention  # noqa: E402
+from toptheta.attention.triton.prefill import _prefill_kernel, prefill_attention  # noqa: E402
+
+INTERPRETED = interpreted(_prefill_kernel)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+
+H, HKV = 4, 2  # GQA: 2 query heads per KV head
+MAX_N = 96
+
+
+def _thresholds(placement: str, k: int = 3) -> Thresholds:
+    """θ per (head, n) that keeps a part of most rows; head 0's θ is above every score: its rows are empty."""
+    g = torch.Generator().manual_seed(7)
+    n = torch.arange(MAX_N + 1).clamp(min=1).float()
+    if placement == "pre":
+        values = (0.8 + 0.4 * torch.rand(1, H, 1, generator=g)).expand(1, H, MAX_N + 1).clone()  # scaled logits
+        values[0, 0] = 1.0e4
+    else:
+        values = (1.5 + torch.rand(1, H, 1, generator=g)) / n  # a few times the uniform probability
+        values[0, 0] = 2.0  # above any probability
+    values[..., :2] = float("nan")
+    sdc_mass = torch.rand(1, H, MAX_N + 1, generator=g) * n
+    return Thresholds(values.contiguous(), [k], placement, sdc_mass=sdc_mass)
+
+
+CONFIGS = {  # name: (placement, SDC estimator, VMC)
+    "pre": ("pre", None, False),
+    "pre-sdc": ("pre", "exact", False),
+    "pre-expsdc": ("pre", "exp-threshold", False),
+    "pre-calsdc": ("pre", "calibrated", False),
+    "pre-sdc-vmc": ("pre", "exact", True),
+    "pre-expsdc-vmc": ("pre", "exp-threshold", True),
+    "pre-calsdc-vmc": ("pre", "calibrated", True),
+    "post": ("post", None, False),
+    "post-vmc": ("post", None, True),
+}
+CASES = [(name, "keep-max") for name in CONFIGS] + [(name, "reference") for name in ("pre", "pre-sdc-vmc", "post-vmc")]
+
+
+def _objects(name: str, empty_rows: str):
+    placement, estimator, vmc = CONFIGS[name]
+    sparsifier = toptheta.TopTheta(_thresholds(placement), empty_rows=empty_rows)
+    comp = ([toptheta.SDC(estimator)] if estimator else []) + ([toptheta.VMC()] if vmc else [])
+    return sparsifier, comp
+
+
+def _data(B, Q, K, D=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Q, D, generator=g) * 2
+    q[:, 1] = q[:, 0]  # heads 0 (empty rows) and 1 of KV group 0 see the same scores: head 1 keeps head 0's maximum
+    k = torch.randn(B, HKV, K, D, generator=g) * 2
+    v = torch.randn(B, HKV, K, D, generator=g)
+    return q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype)
+
+
+def _bounds(B, Q, K, key_start, window=None, q_offset=None):
+    ks = torch.tensor(key_start, dtype=torch.int32, device=DEVICE)
+    ke = torch.full((B,), K, dtype=torch.int32, device=DEVICE)
+    qo = torch.full((B,), K - Q if q_offset is None else q_offset, dtype=torch.int32, device=DEVICE)
+    lo, hi = row_bounds(ks, ke, qo, Q, window, causal=True)
+    keys = torch.arange(K, device=DEVICE)
+    valid = (keys >= lo[..., None]) & (keys < hi[..., None])  # (B, Q, K)
+    return ks, valid[:, None], (hi - lo)
+
+
+def _plain(monkeypatch, q, k, v, valid, sparsifier, comp, phase):
+    """(output (B, H, Q, Dv), keep masks, stats) of the plain kernel, the reference."""
+    monkeypatch.setattr(plain_decode, "ENABLED", False)
+    monkeypatch.setattr(plain_prefill, "ENABLED", False)
+    stats = toptheta.SparsityStats(num_layers=1, num_heads=H, num_kv_heads=HKV)
+    seen = []
+    out = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=sparsifier, compensations=comp,
+                                    stats=stats, observer=lambda rows: seen.append(rows.keep), phase=phase)
+    keep = torch.cat(seen, dim=2) if seen[0] is not None else None  # (B, H, Q, K) over the chunks
+    return out.transpose(1, 2), keep, stats
+
+
+def _triton(fn, q, k, v, n, sparsifier, comp, phase, **kw):
+    """(result, stats) of a Triton wrapper, its inputs lowered from the sparsifier as a backend would."""
+    placement = sparsifier.placement
+    estimator = next((c.estimator for c in comp if isinstance(c, toptheta.SDC)), None)
+    theta, clamped = lowering.row_thresholds(sparsifier, 0, n)
+    mass = lowering.calibrated_mass(sparsifier.thresholds, 0, n) if estimator == "calibrated" else None
+    res = fn(q, k, v, scaling=0.5, theta=theta, placement=placement, sdc=estimator, sdc_mass=mass,
+             vmc=any(isinstance(c, toptheta.VMC) for c in comp), empty_rows=sparsifier.empty_rows, **kw)
+    stats = toptheta.SparsityStats(num_layers=1, num_heads=H, num_kv_heads=HKV)
+    lowering.record(stats, res, layer=0, phase=phase, key_len=k.shape[2], clamped_rows=clamped)
+    return res, stats
+
+
+def _assert_same(res, stats, ref_out, ref_keep, ref_stats, atol=1e-5):
+    assert res.tiles.sum() > 0  # the Triton kernel ran
+    torch.testing.assert_close(res.out.float(), ref_out.float(), atol=atol, rtol=atol)
+    assert torch.equal(res.kept.long(), ref_keep.sum(-1)), "kept keys per row"
+    if res.vrows is not None:
+        G = H // HKV
+        B, _, Q, K = ref_keep.shape
+        union = ref_keep.view(B, HKV, G, Q, K).any(2).sum(-1)  # (B, Hkv, Q)
+        assert torch.equal(res.vrows.long(), union), "kept V rows"
+    for name, x in ref_stats.state_dict().items():
+        y = stats.state_dict()[name]
+        if name == "dropped_mass":
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5, msg=name)
+        else:
+            assert torch.equal(x, y), f"{name}: plain {x.tolist()}, Triton {y.tolist()}"
+    assert ref_stats.clamped_rows == stats.clamped_rows
+
+
+def test_available_and_no_triton_on_import():
+    import subprocess
+
+    assert available()
+    code = "import sys, toptheta, toptheta.attention.triton; print('triton' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+# ---- prefill -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,empty_rows", CASES)
+def test_prefill_equals_the_plain_kernel(monkeypatch, name, empty_rows):
+    """Top-θ pre/post × SDC estimators × VMC, both empty-row rules, left padding, GQA, two query blocks."""
+    B, Q, K = 2, 24, 24
+    q, k, v = _data(B, Q, K)
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 5])  # sequence 1 left-padded by 5 keys
+    sparsifier, comp = _objects(name, empty_rows)
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "prefill")
+    res, stats = _triton(prefill_attention, q, k, v, n, sparsifier, comp, "prefill", key_start=ks,
+                         block_m=16, block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert ref_stats.empty_rows[0, 0] > 0  # head 0's rows are empty: the rule was exercised
+    assert 0 < ref_stats.kept_attention_fraction < 1
+
+
+@pytest.mark.parametrize("name", ["pre-expsdc-vmc", "post-vmc"])
+def test_prefill_with_a_sliding_window_and_a_cached_context(monkeypatch, name):
+    """Queries after a cached context (q_offset = K − Q), a window of 9 keys, left padding."""
+    B, Q, K, W = 2, 17, 40, 9
+    q, k, v = _data(B, Q, K, seed=3)
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 26], window=W)  # sequence 1: the window reaches the padding
+    sparsifier, comp = _objects(name, "keep-max")
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "prefill")
+    res, stats = _triton(prefill_attention, q, k, v, n, sparsifier, comp, "prefill", key_start=ks, window=W,
+                         block_m=16, block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert int(n.max()) == W and int(n.min()) < W
+
+
+def test_dense_prefill_and_decode_equal_the_plain_kernel(monkeypatch):
+    B, Q, K = 2, 20, 20
+    q, k, v = _data(B, Q, K, seed=4)
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 3])
+    ref, _, _ = _plain(monkeypatch, q, k, v, valid, toptheta.Dense(), [], "prefill")
+    # transformers' layout: (B, Q, H, D) tensors seen as (B, H, Q, D) views, not contiguous
+    qv, kv, vv = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not qv.is_contiguous()
+    res = prefill_attention(qv, kv, vv, scaling=0.5, theta=None, placement=None, key_start=ks, block_m=16,
+                            block_n=16)
+    torch.testing.assert_close(res.out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(res.kept.long(), n[:, None].expand(B, H, Q).long())
+    dec = decode_attention(q[:, :, -1:], k, v, scaling=0.5, theta=None, placement=None, key_start=ks, block_n=16)
+    torch.testing.assert_close(dec.out, ref[:, :, -1:], atol=1e-5, rtol=1e-5)
+
+
+def _skip_data(B=1, Q=32, K=48, D=8):
+    """Every query points along u; the keys of tile [16, 32) point against it: no logit there passes θ = 0."""
+    q, k, v = _data(B, Q, K, D, seed=5)
+    u = torch.ones(D, device=DEVICE) / D ** 0.5
+    q = 0.3 * q + 3.0 * u
+    k[:, :, 16:32] = -4.0 * u + 0.1 * k[:, :, 16:32]
+    return q, k, v
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_a_tile_where_nothing_passes_theta_is_skipped(monkeypatch, kind):
+    """Skipped tiles are counted, and V rows nobody keeps are never read: poisoning them with NaN changes nothing."""
+    q, k, v = _skip_data()
+    B, Q, K = q.shape[0], q.shape[2], k.shape[2]
+    if kind == "decode":
+        q = q[:, :, -1:]
+        Q = 1
+    ks, valid, n = _bounds(B, Q, K, key_start=[0])
+    thresholds = Thresholds(torch.zeros(1, H, 1), [1], "pre")
+    sparsifier, comp = toptheta.TopTheta(thresholds), [toptheta.SDC("exact"), toptheta.VMC()]
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, kind)
+    fn = prefill_attention if kind == "prefill" else decode_attention
+    blocks = dict(block_m=16, block_n=16) if kind == "prefill" else dict(block_n=16)
+    res, stats = _triton(fn, q, k, v, n, sparsifier, comp, kind, **blocks)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert int(res.skipped_tiles.sum()) > 0
+    if kind == "decode":  # one program per KV head, tiles [0,16) [16,32) [32,48): the middle one skipped
+        assert res.tiles.tolist() == [[3, 3]] and res.skipped_tiles.tolist() == [[1, 1]]
+    # V rows no head keeps, NaN; v̄ passed in from the clean V (a running mean kept beside the cache)
+    union = ref_keep.view(B, HKV, H // HKV, Q, K).any(2).any(2)  # (B, Hkv, K)
+    assert (~union[:, :, 16:32]).all()
+    poisoned = v.masked_fill(~union[..., None], float("nan"))
+    lo, hi = row_bounds(ks, torch.full((B,), K, dtype=torch.int32, device=DEVICE),
+                        torch.full((B,), K - Q, dtype=torch.int32, device=DEVICE), Q, None, True)
+    from toptheta.attention.triton.common import value_means
+    v_mean = value_means(v, lo, hi)
+    got, _ = _triton(fn, q, k, poisoned, n, sparsifier, comp, kind, v_mean=v_mean, **blocks)
+    torch.testing.assert_close(got.out, res.out, atol=0, rtol=0)
+
+
+# ---- decode --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,empty_rows", CASES)
+def test_decode_equals_the_plain_kernel(monkeypatch, name, empty_rows):
+    """One query row per sequence over a cache: left padding, a short row kept whole (n ≤ k), GQA."""
+    B, K = 3, 40
+    q, k, v = _data(B, 1, K, seed=1)
+    ks, valid, n = _bounds(B, 1, K, key_start=[0, 5, K - 2])
+    sparsifier, comp = _objects(name, empty_rows)
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
+    res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert ref_stats.empty_rows[0, 0] > 0
+    assert 0 < ref_stats.kept_vrow_fraction < 1
+
+
+@pytest.mark.parametrize("name", ["pre-calsdc-vmc", "post-vmc"])
+def test_decode_of_several_rows_with_a_window(monkeypatch, name):
+    """Three new tokens per step (Q = 3, causal among themselves) with a sliding window of 12 keys."""
+    B, Q, K, W = 2, 3, 37, 12
+    q, k, v = _data(B, Q, K, seed=2)
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 30], window=W)
+    sparsifier, comp = _objects(name, "keep-max")
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
+    res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, window=W,
+                         block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+
+
+@pytest.mark.parametrize("name", ["pre-sdc-vmc", "post-vmc"])
+def test_cached_decode_after_a_prefill(monkeypatch, name):
+    """Prefill 20 tokens, then decode token 21 over the cache (v̄ from a running V sum): the decode row is the
+    plain kernel's decode row, and the last row of a 21-token prefill (the same θ key, method.md §2.4)."""
+    B, P = 2, 20
+    q, k, v = _data(B, P + 1, P + 1, seed=6)
+    sparsifier, comp = _objects(name, "keep-max")
+    ks, valid, n = _bounds(B, P, P, key_start=[0, 4])
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q[:, :, :P], k[:, :, :P], v[:, :, :P], valid, sparsifier,
+                                          comp, "prefill")
+    res, stats = _triton(prefill_attention, q[:, :, :P], k[:, :, :P], v[:, :, :P], n, sparsifier, comp, "prefill",
+                         key_start=ks, block_m=16, block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+
+    ks1, valid1, n1 = _bounds(B, 1, P + 1, key_start=[0, 4])
+    v_sum = (v * valid1[:, :, 0, :, None]).sum(2)  # (B, Hkv, Dv): the running sum a cache would keep
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q[:, :, P:], k, v, valid1, sparsifier, comp, "decode")
+    dec, dec_stats = _triton(decode_attention, q[:, :, P:], k, v, n1, sparsifier, comp, "decode", key_start=ks1,
+                             v_sum=v_sum, block_n=16)
+    _assert_same(dec, dec_stats, ref_out, ref_keep, ref_stats)
+    ks, valid, n = _bounds(B, P + 1, P + 1, key_start=[0, 4])
+    full, _ = _triton(prefill_attention, q, k, v, n, sparsifier, comp, "prefill", key_start=ks, block_m=16,
+                      block_n=16)
+    torch.testing.assert_close(dec.out, full.out[:, :, -1:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(dec.kept, full.kept[:, :, -1:])
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_float16_inputs_accumulate_in_float32(monkeypatch, kind):
+    """float16 Q/K/V (float32 logits, float16 P·V operands, float32 accumulators): the plain kernel's numbers
+    within float16 rounding, the same keep decisions (θ is far from every logit here), a float16 output."""
+    B, Q, K = 2, 20, 20
+    q, k, v = _data(B, Q, K, seed=8, dtype=torch.float16)
+    if kind == "decode":
+        q, Q = q[:, :, -1:], 1
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 3])
+    sparsifier, comp = _objects("post-vmc" if kind == "decode" else "pre-sdc-vmc", "keep-max")
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, kind)
+    fn = prefill_attention if kind == "prefill" else decode_attention
+    blocks = dict(block_m=16, block_n=16) if kind == "prefill" else dict(block_n=16)
+    res, stats = _triton(fn, q, k, v, n, sparsifier, comp, kind, key_start=ks, **blocks)
+    assert res.out.dtype == torch.float16
+    torch.testing.assert_close(res.out.float(), ref_out.float(), atol=3e-3, rtol=3e-3)
+    assert torch.equal(res.kept.long(), ref_keep.sum(-1))
+    assert torch.equal(stats.prefill_kept, ref_stats.prefill_kept) and torch.equal(stats.vrow_kept, ref_stats.vrow_kept)
+
+
+# ---- the wrappers' contracts ---------------------------------------------------------------------------
+
+def test_wrappers_refuse_bad_inputs():
+    q, k, v = _data(1, 4, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        prefill_attention(q[:, :3], k, v, scaling=1.0, theta=None)
+    with pytest.raises(ValueError, match="placement='pre'"):
+        prefill_attention(q, k, v, scaling=1.0, theta=None, placement="post", sdc="exact")
+    with pytest.raises(ValueError, match="sdc_mass"):
+        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, sdc="calibrated")
+    with pytest.raises(ValueError, match="powers of two"):
+        prefill_attention(q, k, v, scaling=1.0, theta=None, block_m=8)
+    if INTERPRETED:  # the interpreter's tl.dot multiplies bfloat16 bit patterns: refused rather than wrong
+        with pytest.raises(ValueError, match="bfloat16"):
+            prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), scaling=1.0, theta=None)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors are the interpreter's")
+def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
+    from toptheta.attention.triton import prefill as triton_prefill
+
+    class Compiled:  # a kernel as decorated without TRITON_INTERPRET
+        pass
+
+    monkeypatch.setattr(triton_prefill, "_prefill_kernel", Compiled())
+    q, k, v = _data(1, 4, 4)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        prefill_attention(q, k, v, scaling=1.0, theta=None)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """What the interpreter cannot check: each kernel family lowers to a cubin for sm_90 (ptxas from the triton
+    wheel) within the shared memory of an H100/H200. About a minute of CPU."""
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "toptheta.attention.triton.compile_check", "--quick"], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ok ") == 8, done.stdout
+
+
+# ---- compiled kernels on a GPU: realistic shapes ------------------------------------------------------
+
+def _gpu_case(dtype, B=2, Hq=32, Hkv=8, Q=512, K=1024, D=128, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, Q, D, device="cuda", generator=g, dtype=torch.float32).to(dtype)
+    k = torch.randn(B, Hkv, K, D, device="cuda", generator=g, dtype=torch.float32).to(dtype)
+    v = torch.randn(B, Hkv, K, D, device="cuda", generator=g, dtype=torch.float32).to(dtype)
+    return q, k, v
+
+
+def _gpu_thresholds(placement: str, Hq: int, max_n: int) -> Thresholds:
+    n = torch.arange(max_n + 1).clamp(min=1).float()
+    if placement == "pre":  # logits of D=128 unit normals scaled by 1/√D are ~N(0, 1): keep the top few percent
+        values = torch.full((1, Hq, 1), 1.8)
+    else:
+        values = (2.0 / n).expand(1, Hq, max_n + 1).contiguous()
+    return Thresholds(values, [64], placement)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["pre-sdc-vmc", "pre-expsdc-vmc", "post-vmc"])
+def test_compiled_kernels_on_realistic_shapes(monkeypatch, dtype, name):
+    """Prefill after a cached context and a decode step on a 32/8-head GQA layer (D = 128, left padding), the
+    compiled kernels against the plain kernel on the same GPU.
+
+    33M logits: a handful lie within rounding of θ (the two paths sum q·k in different orders; bf16 P·V), so
+    keep decisions are compared in total and per row (all but 0.1 % of rows equal), outputs on the rows whose
+    kept counts agree."""
+    B, Hq, Hkv, Q, K, D = 2, 32, 8, 512, 1024, 128
+    placement, estimator, vmc = CONFIGS[name]
+    sparsifier = toptheta.TopTheta(_gpu_thresholds(placement, Hq, K))
+    comp = ([toptheta.SDC(estimator)] if estimator else []) + ([toptheta.VMC()] if vmc else [])
+    q, k, v = _gpu_case(dtype, B, Hq, Hkv, Q, K, D)
+    scaling = D ** -0.5
+    ks = torch.tensor([0, 100], dtype=torch.int32, device="cuda")
+    lo, hi = row_bounds(ks, torch.full((B,), K, dtype=torch.int32, device="cuda"),
+                        torch.full((B,), K - Q, dtype=torch.int32, device="cuda"), Q, None, True)
+    keys = torch.arange(K, device="cuda")
+    valid = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]  # (B, 1, Q, K)
+    n = hi - lo
+    monkeypatch.setattr(plain_decode, "ENABLED", False)
+    monkeypatch.setattr(plain_prefill, "ENABLED", False)
+    for kind, rows in (("prefill", slice(None)), ("decode", slice(Q - 1, Q))):
+        qq, vv, nn = q[:, :, rows], valid[:, :, rows], n[:, rows]
+        ref_stats = toptheta.SparsityStats(1, Hq, Hkv)
+        seen = []
+        ref = toptheta.sparse_attention(qq, k, v, vv, scaling=scaling, layer=0, sparsifier=sparsifier,
+                                        compensations=comp, stats=ref_stats, phase=kind,
+                                        observer=lambda r: seen.append(r.keep.sum(-1))).transpose(1, 2)
+        ref_kept = torch.cat(seen, dim=2)  # (B, H, Q)
+        theta, clamped = lowering.row_thresholds(sparsifier, 0, nn)
+        fn = prefill_attention if kind == "prefill" else decode_attention
+        res = fn(qq, k, v, scaling=scaling, theta=theta, placement=placement, sdc=estimator, vmc=vmc,
+                 key_start=ks, q_offset=K - Q if kind == "prefill" else K - 1)
+        stats = toptheta.SparsityStats(1, Hq, Hkv)
+        lowering.record(stats, res, layer=0, phase=kind, key_len=K, clamped_rows=clamped)
+        assert res.out.dtype == dtype and int(res.tiles.sum()) > 0
+        same = res.kept.long() == ref_kept  # (B, H, Q)
+        assert same.float().mean() >= 0.999, f"{kind}: {int((~same).sum())} rows keep other keys"
+        atol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16: P·V operands and the output in bf16
+        torch.testing.assert_close(res.out.float()[same], ref.float()[same], atol=atol, rtol=atol)
+        for counter in ("prefill_kept", "decode_kept", "vrow_kept"):
+            a, b = float(getattr(ref_stats, counter).sum()), float(getattr(stats, counter).sum())
+            assert abs(a - b) <= 1e-4 * max(1.0, a), (counter, a, b)
+        for counter in ("prefill_valid", "decode_valid", "vrow_valid", "rows"):
+            assert torch.equal(getattr(ref_stats, counter), getattr(stats, counter)), counter
+        assert 0 < float(stats.prefill_kept.sum() + stats.decode_kept.sum()) < float(n.sum() * Hq)

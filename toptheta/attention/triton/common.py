@@ -1,0 +1,169 @@
+"""What the Triton wrappers share: input checks, key bounds, v̄, and the result they return (torch only).
+
+Nothing here imports triton, so the result type and the lowering helpers work where triton is absent.
+Shapes use B (batch), H (query heads), Hkv (KV heads), Q (query rows), K (keys), D / Dv (head dims).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SDC_MODES = {None: 0, "exact": 1, "exp-threshold": 2, "calibrated": 3}
+EMPTY_ROWS = ("keep-max", "reference")
+NO_WINDOW = 1 << 30  # the window the kernels see when there is none (wider than any cache)
+
+
+@dataclass
+class TritonAttention:
+    """Output and per-row statistics of one Triton attention call, all device tensors (no host reads).
+
+    out: (B, H, Q, Dv) in the query's dtype.
+    n: (B, Q) int32 valid keys of each row (causal, not padding, inside the window).
+    kept: (B, H, Q) int32 kept keys of each row (n for rows kept whole).
+    kept_mass: (B, H, Q) float32 dense softmax probability mass of the kept keys (what stats call kept_mass;
+        1 − kept_mass is the dropped mass VMC's β puts back with exact SDC or post-softmax).
+    empty: (B, H, Q) bool rows with at least one valid key where no valid score passed θ.
+    vrows: (B, Hkv, Q) int32 kept V rows of each query row (union over the G heads of the group), or None
+        (the prefill kernel, whose programs hold one head each, does not compute the union).
+    tiles, skipped_tiles: int32 key tiles each program visited, and how many of those had no kept score (their
+        V loads and P·V product skipped); prefill (B, H, Q-blocks), decode (B, Hkv). Debug counters.
+    """
+
+    out: torch.Tensor
+    n: torch.Tensor
+    kept: torch.Tensor
+    kept_mass: torch.Tensor
+    empty: torch.Tensor
+    vrows: torch.Tensor | None
+    tiles: torch.Tensor
+    skipped_tiles: torch.Tensor
+
+    # --- the per-(B, H) sums the statistics add up (stats.SparsityStats.update) ------------------------
+    def kept_per_head(self) -> torch.Tensor:
+        """(B, H) int64 Σ kept keys over rows."""
+        return self.kept.sum(-1, dtype=torch.int64)
+
+    def valid_per_sequence(self) -> torch.Tensor:
+        """(B,) int64 Σ valid keys over rows (the same for every head)."""
+        return self.n.sum(-1, dtype=torch.int64)
+
+    def empty_per_head(self) -> torch.Tensor:
+        """(B, H) int64 empty rows."""
+        return self.empty.sum(-1, dtype=torch.int64)
+
+    def dropped_mass_per_head(self) -> torch.Tensor:
+        """(B, H) float64 Σ over rows with a valid key of max(1 − kept_mass, 0), as stats.py sums it."""
+        live = (self.n > 0)[:, None]  # (B, 1, Q)
+        dropped = (1.0 - self.kept_mass).clamp_min(0.0).masked_fill(~live, 0.0)
+        return dropped.double().sum(-1)
+
+    def vrows_per_kv_head(self) -> torch.Tensor | None:
+        """(B, Hkv) int64 Σ kept V rows over query rows, or None (prefill)."""
+        return None if self.vrows is None else self.vrows.sum(-1, dtype=torch.int64)
+
+
+def interpreted(kernel) -> bool:
+    """Whether a @triton.jit kernel runs in Triton's CPU interpreter: TRITON_INTERPRET=1 when it was decorated
+    (its module's import), whatever the variable says now."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def check_device(kernel, *tensors: torch.Tensor) -> torch.device:
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"all inputs must be on one device, got {t.device} and {device}")
+    if interpreted(kernel) and tensors[0].dtype == torch.bfloat16:
+        raise ValueError("Triton's interpreter computes tl.dot on bfloat16 tiles wrongly (triton 3.9: it multiplies the "
+                         "raw bits); run bfloat16 on a GPU, or float16 / float32 in the interpreter")
+    if device.type != "cuda" and not interpreted(kernel):
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, got {device.type} tensors; move them to a GPU, or set "
+            "TRITON_INTERPRET=1 before triton is first imported to run the kernels on CPU in Triton's interpreter")
+    return device
+
+
+def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
+    """(B, H, Hkv, Q, K, D, Dv) of valid shapes, or a ValueError naming the problem."""
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise ValueError("query (B, H, Q, D), key (B, Hkv, K, D) and value (B, Hkv, K, Dv) must be 4-D")
+    B, H, Q, D = query.shape
+    Bk, Hkv, K, Dk = key.shape
+    if Bk != B or value.shape[:3] != key.shape[:3] or Dk != D:
+        raise ValueError(f"shapes do not match: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)}")
+    if H % Hkv:
+        raise ValueError(f"{H} query heads are not a multiple of {Hkv} KV heads")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"query dtype must be float32, float16 or bfloat16, got {query.dtype}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    return B, H, Hkv, Q, K, D, value.shape[-1]
+
+
+def check_options(placement: str | None, sdc: str | None, empty_rows: str) -> None:
+    if placement not in (None, "pre", "post"):
+        raise ValueError(f"placement must be 'pre', 'post' or None (dense), got {placement!r}")
+    if sdc not in SDC_MODES:
+        raise ValueError(f"sdc must be one of {list(SDC_MODES)}, got {sdc!r}")
+    if sdc is not None and placement != "pre":
+        raise ValueError("SDC compensates the softmax denominator: it needs placement='pre'")
+    if empty_rows not in EMPTY_ROWS:
+        raise ValueError(f"empty_rows must be one of {EMPTY_ROWS}, got {empty_rows!r}")
+
+
+def per_sequence(x, B: int, default: int, device) -> torch.Tensor:
+    """An int or a (B,) tensor as a contiguous (B,) int32 device tensor (no host read of a tensor)."""
+    if x is None:
+        x = default
+    if isinstance(x, int):
+        return torch.full((B,), x, dtype=torch.int32, device=device)
+    if x.shape != (B,):
+        raise ValueError(f"per-sequence inputs must be (B,) = ({B},), got {tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.int32).contiguous()
+
+
+def per_row(x: torch.Tensor | None, B: int, H: int, Q: int, device, name: str, fill: float = 0.0) -> torch.Tensor:
+    """A (B|1, H|1, Q|1) per-row tensor as contiguous (B, H, Q) float32."""
+    if x is None:
+        return torch.full((B, H, Q), fill, dtype=torch.float32, device=device)
+    if x.ndim != 3:
+        raise ValueError(f"{name} must be (B, H, Q) = ({B}, {H}, {Q}) or broadcastable, got {tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.float32).expand(B, H, Q).contiguous()
+
+
+def row_bounds(key_start: torch.Tensor, key_end: torch.Tensor, q_offset: torch.Tensor, Q: int,
+               window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) (B, Q) int64: row i of sequence b attends to keys lo ≤ j < hi (hi ≥ lo), as the kernels do.
+
+    Query i sits at absolute position q_offset + i; causal rows see keys ≤ their position, a window of w the
+    keys j > position − w (transformers' sliding window), and every row only keys in [key_start, key_end).
+    """
+    pos = q_offset.long()[:, None] + torch.arange(Q, device=q_offset.device)  # (B, Q)
+    lo = key_start.long()[:, None].expand_as(pos)
+    hi = key_end.long()[:, None].expand_as(pos)
+    if causal:
+        hi = torch.minimum(hi, pos + 1)
+        if window is not None:
+            lo = torch.maximum(lo, pos - window + 1)
+    return lo, torch.maximum(hi, lo)
+
+
+def value_means(value: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """v̄ of every row (B, Hkv, Q, Dv) float32: the mean V row over its valid keys [lo, hi) (method.md §3.2).
+
+    Float64 prefix sums (as the plain kernel's causal path), torch ops only. Rows without a valid key get 0.
+    """
+    B, Hkv, K, Dv = value.shape
+    Q = lo.shape[1]
+    prefix = torch.zeros(B, Hkv, K + 1, Dv, dtype=torch.float64, device=value.device)
+    torch.cumsum(value.double(), dim=2, out=prefix[:, :, 1:])
+    take = lambda idx: prefix.gather(2, idx[:, None, :, None].expand(B, Hkv, Q, Dv))  # noqa: E731
+    n = (hi - lo).clamp_min(1)[:, None, :, None]  # (B, 1, Q, 1)
+    return ((take(hi) - take(lo)) / n).float().contiguous()
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())

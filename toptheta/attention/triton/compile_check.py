@@ -1,0 +1,88 @@
+"""Compile every Triton kernel variant for a GPU target without a GPU, and check its shared memory.
+
+The interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic but not the compiler: globals a kernel may
+not read, type mismatches between branches of a dynamic ``if``, tile shapes tl.dot refuses, shared memory.
+This lowers each kernel through TTIR → TTGIR → PTX → cubin with the ptxas shipped in the triton wheel.
+
+    TRITON_INTERPRET=0 python -m toptheta.attention.triton.compile_check [--quick] [--arch 90]
+
+About 10 s of CPU per variant; ``--quick`` compiles one pre- and one post-softmax variant per kernel and dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90 (H100/H200)
+_POINTERS = {"KS_ptr": "*i32", "KE_ptr": "*i32", "QO_ptr": "*i32", "KEPT_ptr": "*i32", "VROWS_ptr": "*i32",
+             "TILES_ptr": "*i32", "SKIP_ptr": "*i32", "EMPTY_ptr": "*i8"}
+_DTYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
+
+
+def compile_kernel(kernel, dtype: str, constexprs: dict, arch: int = 90, num_warps: int = 4, num_stages: int = 2):
+    """The compiled kernel (``.metadata.shared`` in bytes) for inputs of ``dtype``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("Q_ptr", "K_ptr", "V_ptr", "O_ptr"):
+            signature[name] = _DTYPES[dtype]
+        elif name.endswith("_ptr"):
+            signature[name] = _POINTERS.get(name, "*fp32")
+        else:
+            signature[name] = "fp32" if name in ("scaling", "sdc_scale") else "i32"
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def variants(quick: bool):
+    """(kernel name, dtype, constexprs) of every variant worth compiling separately."""
+    modes = [(False, 1, True), (True, 0, True)] if quick else (
+        [(False, sdc, keep_max) for sdc in range(4) for keep_max in (True, False)] + [(True, 0, True), (True, 0, False)])
+    for dtype, (post, sdc, keep_max) in itertools.product(("float32", "bfloat16"), modes):
+        ieee = dtype == "float32"
+        common = dict(POST=post, SDC=sdc, VMC=True, KEEP_MAX=keep_max, UNIFORM=not (keep_max or post or sdc),
+                      CAUSAL=True, SCALE_Q=ieee, IEEE=ieee, BLOCK_D=128, BLOCK_DV=128)
+        wide = 32 if ieee else 64  # the wrappers' default tiles
+        yield "prefill", dtype, dict(common, BLOCK_M=wide, BLOCK_N=wide)
+        yield "decode", dtype, dict(common, GP=4, QP=4, BLOCK_N=64)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET (or set it to 0): the interpreter compiles nothing", file=sys.stderr)
+        return 2
+    from . import decode, prefill
+
+    kernels = {"prefill": prefill._prefill_kernel, "decode": decode._decode_kernel}
+    failed = 0
+    for name, dtype, constexprs in variants(args.quick):
+        label = f"{name} {dtype} {'post' if constexprs['POST'] else 'pre'} sdc={constexprs['SDC']} " \
+                f"keep_max={constexprs['KEEP_MAX']}"
+        try:
+            shared = compile_kernel(kernels[name], dtype, constexprs, arch=args.arch).metadata.shared
+        except Exception as error:  # report every variant, then fail
+            failed += 1
+            print(f"FAIL {label}: {error!r}"[:4000])
+            continue
+        ok = shared <= SHARED_LIMIT
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: {shared} bytes of shared memory")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

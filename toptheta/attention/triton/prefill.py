@@ -1,0 +1,295 @@
+"""Top-θ prefill in Triton: flash-attention tiles, pre-softmax in one pass, post-softmax in two (method.md §2-3).
+
+One program per (block of BLOCK_M query rows, sequence × head); the KV head is h // G, so K/V are never
+expanded for GQA. For a row with running maximum m the program keeps, as the Triton fused-attention tutorial,
+
+    l = Σ_valid e^{s−m}  (dense denominator),  R = Σ_kept e^{s−m},  acc = Σ_kept e^{s−m}·v,  |S| kept keys
+
+and rescales them by e^{m_old − m_new} when m grows. The two placements:
+
+* pre-softmax (one pass): keep s > θ on the logits. A key tile in which no row keeps a score skips its V
+  load and its P·V product (counted in ``skipped_tiles``); V rows no row of the block keeps are masked out of
+  the load. At the end: denominator R + λ·E with E = l − R (exact SDC), (n − |S|)·e^{min(θ,m)−m}
+  (exp-threshold), the calibrated mass where something was dropped, or 0; o = acc / denominator + β·v̄ with
+  β = 1 − R / denominator (VMC).
+* post-softmax (two passes): pass 1 computes m and l; pass 2 keeps p = e^{s−m}/l > θ and accumulates
+  acc = Σ_kept p·v; o = acc + β·v̄ with β = 1 − Σ_kept p.
+
+Empty rows (a valid key but nothing above θ; method.md §9, 10a): "keep-max" keeps the row's maximum (every key
+tied with it). Pre-softmax learns that a row is empty only at the end of the pass, so blocks with such a row
+run a second loop that adds the keys equal to m (the logits recomputed with the same instructions, so the
+same bits); rare, and free for blocks without one. "reference" keeps nothing: pre-softmax without SDC then
+attends uniformly to all K keys of the call (the reference code's dtype-min row), given as ``v_all``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
+                     per_row, per_sequence, row_bounds, value_means)
+
+TINY = tl.constexpr(1.1754943508222875e-38)  # float32 tiny, the plain kernel's clamp (a constexpr: kernels may read no other globals)
+
+
+@triton.jit
+def _scores(q, K_ptr, offs_n, offs_d, lo_row, hi_row, stride_kn, stride_kd, D, scaling,
+            SCALE_Q: tl.constexpr, IEEE: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) float32 scaled logits of one key tile, −inf outside each row's [lo_row, hi_row)."""
+    valid = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] < hi_row[:, None])
+    in_cache = (offs_n[:, None] >= 0) & (offs_n[:, None] < tl.max(hi_row, 0))
+    k = tl.load(K_ptr + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=in_cache & (offs_d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if not SCALE_Q:  # 16-bit inputs: products exact in float32, scaled after the dot
+        s = s * scaling
+    return tl.where(valid, s, float("-inf")), valid
+
+
+@triton.jit
+def _pv(acc, w, V_ptr, offs_n, offs_dv, cols, stride_vn, stride_vd, DV, IEEE: tl.constexpr):
+    """acc + w·V over one key tile, reading only the V rows some row of the block keeps (``cols``)."""
+    v = tl.load(V_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=(cols[:, None] > 0) & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+    if IEEE:
+        return acc + tl.dot(w, v, input_precision="ieee")
+    return acc + tl.dot(w.to(v.dtype), v)
+
+
+@triton.jit
+def _prefill_kernel(
+    Q_ptr, K_ptr, V_ptr, O_ptr,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+    KS_ptr, KE_ptr, QO_ptr, THETA_ptr, MASS_ptr, VMEAN_ptr, VALL_ptr,
+    KEPT_ptr, KMASS_ptr, EMPTY_ptr, TILES_ptr, SKIP_ptr,
+    H, G, Hkv, Qn, D, DV, window, scaling, sdc_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, KEEP_MAX: tl.constexpr, UNIFORM: tl.constexpr,
+    CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hkv = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < Qn
+
+    # Each row's keys [lo_row, hi_row): padding, causality, window (common.row_bounds is the same arithmetic).
+    ks = tl.load(KS_ptr + b)
+    ke = tl.load(KE_ptr + b)
+    pos = tl.load(QO_ptr + b) + offs_m
+    lo_row = tl.zeros([BLOCK_M], tl.int32) + ks
+    hi_row = tl.zeros([BLOCK_M], tl.int32) + ke
+    if CAUSAL:
+        hi_row = tl.minimum(hi_row, pos + 1)
+        lo_row = tl.maximum(lo_row, pos - window + 1)
+    hi_row = tl.where(row_ok, tl.maximum(hi_row, lo_row), lo_row)
+    n = hi_row - lo_row  # (BLOCK_M,) valid keys
+    live = n > 0
+    lo = tl.min(tl.where(live, lo_row, 1 << 30), 0)
+    hi = tl.max(hi_row, 0)
+
+    q_ptrs = Q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if SCALE_Q:  # float32 inputs: scaled before the dot, as the plain kernel
+        q = q * scaling
+    row = (b * H + h) * Qn + offs_m
+    theta = tl.load(THETA_ptr + row, mask=row_ok, other=float("-inf"))
+    Kb = K_ptr + b * skb + hkv * skh
+    Vb = V_ptr + b * svb + hkv * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if POST:  # pass 1: the row max and the dense denominator
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
+            m_i = m_new
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        inv_l = 1.0 / tl.maximum(l_i, TINY)
+        top = inv_l  # the largest probability, e^{m−m}/l
+        empty = live & (theta >= 0) & (top <= theta)
+
+    r_i = tl.zeros([BLOCK_M], tl.float32)
+    cnt = tl.zeros([BLOCK_M], tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    tiles = 0
+    skipped = 0
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+        if POST:
+            w = tl.exp(s - m_fin[:, None]) / tl.maximum(l_i, TINY)[:, None]  # dense probabilities
+            keep = valid & (w > theta[:, None])
+            if KEEP_MAX:
+                keep = keep | (valid & empty[:, None] & (w >= top[:, None]))
+        else:  # online softmax; the selection is a mask on the logits
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_use)
+            w = tl.exp(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(w, 1)
+            r_i = r_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+            keep = valid & (s > theta[:, None])
+        w = tl.where(keep, w, 0.0)
+        r_i += tl.sum(w, 1)
+        cnt += tl.sum(keep.to(tl.int32), 1)
+        cols = tl.max(keep.to(tl.int32), 0)  # (BLOCK_N,) V rows some row keeps
+        tiles += 1
+        if tl.max(cols, 0) > 0:
+            acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
+        else:  # nothing passed θ in this tile: no V load, no P·V
+            skipped += 1
+
+    if not POST:
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        empty = live & (m_fin <= theta)
+        if KEEP_MAX:
+            if tl.max(empty.to(tl.int32), 0) > 0:  # rare: keep each empty row's maximum (the same logits again)
+                for start in range(lo, hi, BLOCK_N):
+                    offs_n = start + tl.arange(0, BLOCK_N)
+                    s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+                    keep = valid & empty[:, None] & (s >= m_fin[:, None])
+                    w = tl.where(keep, tl.exp(s - m_fin[:, None]), 0.0)
+                    cols = tl.max(keep.to(tl.int32), 0)
+                    if tl.max(cols, 0) > 0:
+                        r_i += tl.sum(w, 1)
+                        cnt += tl.sum(keep.to(tl.int32), 1)
+                        acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
+
+    # Epilogue: denominators, compensation, statistics.
+    if POST:
+        o = acc
+        beta = 1.0 - r_i
+        kept_mass = r_i
+    else:
+        if SDC == 1:  # exact: the dropped keys' own mass
+            e_drop = tl.maximum(l_i - r_i, 0.0)
+        elif SDC == 2:  # exp-threshold: every dropped logit is ≤ min(θ, m)
+            n_drop = (n - cnt).to(tl.float32)
+            e_drop = tl.where(n_drop > 0, n_drop * tl.exp(tl.minimum(theta, m_fin) - m_fin), 0.0)
+        elif SDC == 3:  # calibrated mean dropped mass, where something was dropped
+            mass = tl.load(MASS_ptr + row, mask=row_ok, other=0.0)
+            e_drop = tl.where(cnt < n, mass, 0.0)
+        else:
+            e_drop = tl.zeros([BLOCK_M], tl.float32)
+        denom = tl.maximum(r_i + sdc_scale * e_drop, TINY)
+        o = acc / denom[:, None]
+        beta = 1.0 - r_i / denom
+        kept_mass = r_i / tl.maximum(l_i, TINY)
+        if UNIFORM:  # reference empty rows, pre-softmax without SDC: uniform over all K keys of the call
+            v_all = tl.load(VALL_ptr + (b * Hkv + hkv) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+            o = tl.where(empty[:, None], v_all[None, :], o)
+            beta = tl.where(empty, 0.0, beta)
+    if VMC:
+        beta = tl.where(live, beta, 0.0)
+        vm_ptrs = VMEAN_ptr + ((b * Hkv + hkv) * Qn + offs_m[:, None]) * DV + offs_dv[None, :]
+        v_mean = tl.load(vm_ptrs, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        o = o + beta[:, None] * v_mean
+
+    o_ptrs = O_ptr + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod
+    tl.store(o_ptrs, o.to(O_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(KEPT_ptr + row, cnt, mask=row_ok)
+    tl.store(KMASS_ptr + row, kept_mass, mask=row_ok)
+    tl.store(EMPTY_ptr + row, empty.to(tl.int8), mask=row_ok)
+    prog = pid_bh * tl.num_programs(0) + pid_m
+    tl.store(TILES_ptr + prog, tiles)
+    tl.store(SKIP_ptr + prog, skipped)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # (B, H, Q, D)
+    key: torch.Tensor,  # (B, Hkv, K, D)
+    value: torch.Tensor,  # (B, Hkv, K, Dv)
+    *,
+    scaling: float,
+    theta: torch.Tensor | None,  # (B|1, H|1, Q) float32 per-row θ; −inf keeps a row whole
+    placement: str | None = "pre",
+    key_start: torch.Tensor | int | None = None,  # (B,) first valid key (left padding); default 0
+    key_end: torch.Tensor | int | None = None,  # (B,) one past the last valid key; default K
+    q_offset: torch.Tensor | int | None = None,  # (B,) absolute position of query row 0; default K − Q
+    causal: bool = True,
+    window: int | None = None,
+    sdc: str | None = None,
+    sdc_scale: float = 1.0,
+    sdc_mass: torch.Tensor | None = None,  # (B|1, H|1, Q) calibrated dropped mass E per row (sdc="calibrated")
+    vmc: bool = False,
+    v_mean: torch.Tensor | None = None,  # (B, Hkv, Q, Dv) float32 v̄ per row; computed here when None
+    empty_rows: str = "keep-max",
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> TritonAttention:
+    """Top-θ (or dense, ``placement=None``) prefill attention; see the module docstring for what it computes.
+
+    ``theta`` is already looked up for each row's valid length (``lowering.row_thresholds``): a row gets −inf
+    when the sparsifier keeps it whole (n ≤ k, uncalibrated). Pre-softmax θ is a logit, post-softmax a
+    probability (negative = keep whole). +inf is allowed (an empty row). No host reads: every check is on
+    shapes, the grid too.
+    """
+    B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
+    device = check_device(_prefill_kernel, query, key, value)
+    check_options(placement, sdc, empty_rows)
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window needs causal rows and window ≥ 1, got window={window}, causal={causal}")
+    if sdc == "calibrated" and sdc_mass is None:
+        raise ValueError("sdc='calibrated' needs sdc_mass, the calibrated dropped mass per row (B, H, Q)")
+    post = placement == "post"
+    ks = per_sequence(key_start, B, 0, device)
+    ke = per_sequence(key_end, B, K, device)
+    qo = per_sequence(q_offset, B, K - Q, device)
+    th = per_row(theta, B, H, Q, device, "theta", fill=float("-inf"))
+    mass = per_row(sdc_mass, B, H, Q, device, "sdc_mass") if sdc == "calibrated" else th
+    lo, hi = row_bounds(ks, ke, qo, Q, window, causal)
+    sparse = placement is not None
+    vmc = bool(vmc and sparse)
+    if vmc:
+        v_mean = value_means(value, lo, hi) if v_mean is None else v_mean.float().contiguous()
+        if v_mean.shape != (B, Hkv, Q, Dv):
+            raise ValueError(f"v_mean must be (B, Hkv, Q, Dv) = {(B, Hkv, Q, Dv)}, got {tuple(v_mean.shape)}")
+    else:
+        v_mean = th
+    uniform = sparse and not post and sdc is None and empty_rows == "reference"
+    v_all = value.float().mean(2).contiguous() if uniform else th  # (B, Hkv, Dv)
+
+    wide = 64 if query.dtype != torch.float32 else 32  # float32 tiles take twice the shared memory
+    BLOCK_M = block_m or wide
+    BLOCK_N = block_n or wide
+    if BLOCK_M < 16 or BLOCK_N < 16 or BLOCK_M & (BLOCK_M - 1) or BLOCK_N & (BLOCK_N - 1):
+        raise ValueError(f"block sizes must be powers of two ≥ 16 (tl.dot), got {BLOCK_M}, {BLOCK_N}")
+    out = torch.empty(B, H, Q, Dv, dtype=query.dtype, device=device)
+    kept = torch.empty(B, H, Q, dtype=torch.int32, device=device)
+    kept_mass = torch.empty(B, H, Q, dtype=torch.float32, device=device)
+    empty = torch.empty(B, H, Q, dtype=torch.int8, device=device)
+    n_mblocks = triton.cdiv(Q, BLOCK_M)
+    tiles = torch.zeros(B, H, n_mblocks, dtype=torch.int32, device=device)
+    skipped = torch.zeros(B, H, n_mblocks, dtype=torch.int32, device=device)
+    ieee = query.dtype == torch.float32
+    grid = (n_mblocks, B * H)
+    extra = {} if num_warps is None else {"num_warps": num_warps}
+    _prefill_kernel[grid](
+        query, key, value, out,
+        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        ks, ke, qo, th, mass, v_mean, v_all,
+        kept, kept_mass, empty, tiles, skipped,
+        H, H // Hkv, Hkv, Q, D, Dv, window or NO_WINDOW, float(scaling), float(sdc_scale),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
+        POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse, UNIFORM=uniform,
+        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, **extra,
+    )
+    n = (hi - lo).to(torch.int32)  # (B, Q)
+    return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.bool(), vrows=None,
+                           tiles=tiles, skipped_tiles=skipped)
