@@ -84,6 +84,8 @@ def _split_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.T
         return mask, None
     valid = mask > torch.finfo(mask.dtype).min / 2
     bias = mask.masked_fill(~valid, 0.0)
+    if mask.device.type != "cpu":  # whether the bias is all zeros is a host read there: keep it
+        return valid, bias
     return valid, (bias if bool(bias.any()) else None)
 
 

@@ -205,11 +205,7 @@ class TopThetaLM(SharedContextHFLM):
         if total is None:
             self.task_stats[task] = stats
             return
-        for name, value in vars(stats).items():  # counters: tensors of sums, and integer counts
-            if isinstance(value, torch.Tensor):
-                getattr(total, name).add_(value)
-            elif isinstance(value, int) and not isinstance(value, bool) and not name.startswith("num_"):
-                setattr(total, name, getattr(total, name) + value)
+        total.add(stats)  # every counter, the clamped rows and the calls per backend
 
     # ---- what lands in lm-eval's results JSON ------------------------------------------------------------------
 
