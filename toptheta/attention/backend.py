@@ -214,6 +214,19 @@ def decoding(model: torch.nn.Module) -> Iterator[None]:
         session.forced_phase = previous
 
 
+@contextlib.contextmanager
+def statistics_paused(model: torch.nn.Module) -> Iterator[None]:
+    """Inside a ``sparsify`` block, record no statistics for the forwards of this block (lm-eval's batch-size probe,
+    warm-up runs): only evaluated requests are counted. Outside one, nothing to pause."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    session = _SESSIONS.get(modules[0]) if modules else None
+    if session is None:
+        yield
+        return
+    with session.stats.paused():
+        yield
+
+
 def is_sparsified(model: torch.nn.Module) -> bool:
     """Whether ``model`` is inside a ``sparsify`` block now."""
     modules = attention_modules(model)
