@@ -315,3 +315,38 @@ def test_a_sparsified_model_forward_on_cuda_does_not_synchronise():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert 0 < stats.kept_attention_fraction < 1
+
+
+# ---- building the C++ kernels: no stale-lock hang ----------------------------------------------------------------
+
+def test_a_build_removes_a_killed_builds_lock_and_a_held_one_times_out(tmp_path, monkeypatch, caplog):
+    """torch's extension builder waits forever on the lock file of a build that was killed; ours holds an OS lock
+    (released when its holder dies), so a lock file found under it is stale and removed, and a live holder makes
+    a build wait BUILD_LOCK_TIMEOUT at most, then fall back."""
+    import fcntl
+    import logging
+    from pathlib import Path
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("TOPTHETA_FUSED", "1")
+    seen = {}
+
+    def load_inline(name, build_directory, **kwargs):
+        seen["stale lock left"] = (Path(build_directory) / "lock").exists()
+        return "module"
+
+    monkeypatch.setattr(cpp, "load_inline", load_inline)
+    suffix = fused._target()[0]
+    directory = fused.build_directory(f"toptheta_test_{suffix}")
+    (directory / "lock").write_text("")  # torch's baton of a build that was killed
+    with caplog.at_level(logging.WARNING, logger="toptheta"):
+        assert fused.build("toptheta_test", "", [], "a test kernel", "nothing") == "module"
+    assert seen == {"stale lock left": False} and "stale build lock" in caplog.text
+    monkeypatch.setattr(fused, "BUILD_LOCK_TIMEOUT", 0.6)
+    with open(directory / "toptheta.lock", "a+") as other:  # another process building now
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with caplog.at_level(logging.WARNING, logger="toptheta"):
+            assert fused.build("toptheta_test", "", [], "a test kernel", "nothing") is None
+        assert "could not be built" in caplog.text and "building in" in caplog.text
