@@ -350,3 +350,53 @@ def test_a_build_removes_a_killed_builds_lock_and_a_held_one_times_out(tmp_path,
         with caplog.at_level(logging.WARNING, logger="toptheta"):
             assert fused.build("toptheta_test", "", [], "a test kernel", "nothing") is None
         assert "could not be built" in caplog.text and "building in" in caplog.text
+
+
+# ---- the Triton seam: what the backend hands the wrappers (the kernels' own tests live beside them) ------------
+
+def test_the_triton_backend_lowers_masks_thresholds_and_statistics(monkeypatch):
+    """A stand-in for ``toptheta.attention.triton`` records what the backend passes and answers with the plain
+    kernel's output and the rows' true counts: the backend must derive each sequence's key range from a left-padded
+    mask, hand the lowered θ rows, return transformers' layout and count rows as the plain kernel does."""
+    import types
+
+    from toptheta.attention.backends import triton as triton_backend
+
+    seen = {}
+    sparsifier, comp = _configs()["theta-pre-sdc-vmc"]
+    data, phase = _data("masked")
+    monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
+    reference, reference_stats = _attend(data, phase, toptheta.Dense(), [])
+    B, H, Q, _ = data[0].shape
+
+    def prefill_attention(query, key, value, **kwargs):
+        seen.update(kwargs)
+        n = data[3].sum(-1).expand(B, H, Q).int()  # the true row lengths of the mask
+        return types.SimpleNamespace(out=reference.transpose(1, 2), kept=n, kept_mass=torch.ones(B, H, Q),
+                                     empty=torch.zeros(B, H, Q, dtype=torch.bool), vrows=None)
+
+    fake = types.SimpleNamespace(prefill_attention=prefill_attention, decode_attention=None)
+    backends.register(triton_backend.TritonBackend(fake))
+    monkeypatch.setenv("TOPTHETA_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        out, stats = _attend(data, phase, toptheta.Dense(), [])
+        assert seen["key_start"].tolist() == [0, 5] and seen["q_offset"] == 0 and seen["theta"] is None
+        torch.testing.assert_close(out, reference)
+        _same_stats(stats, reference_stats)
+        assert stats.backend_calls == {"triton": 1}
+        out, stats = _attend(data, phase, sparsifier, comp)
+        call = AttentionCall(*data, 0.5, 0, sparsifier, tuple(comp), None, None, None, None, None, phase)
+        n = data[3].sum(-1)  # (B, 1, Q)
+        assert torch.equal(seen["theta"], call.thetas(n, causal=False)[0])
+        assert seen["placement"] == "pre" and seen["sdc"] == "exact" and seen["vmc"] is True
+        window = data[3] & torch.ones(Q, Q, dtype=torch.bool).triu(-3)  # a sliding window: not one key range
+        with pytest.raises(RuntimeError, match="not causal with left padding"):
+            _attend((*data[:3], window), phase, sparsifier, comp)
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(RuntimeError, match="CUDA tensors"):
+            _attend(data, phase, sparsifier, comp)
+    finally:
+        backends.unregister("triton")
+        if triton_backend.BACKEND is not None:
+            backends.register(triton_backend.BACKEND)

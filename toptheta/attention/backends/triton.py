@@ -1,23 +1,17 @@
-"""Triton kernels (``toptheta.attention.triton``: prefill and decode wrappers) as a backend. [THE TRITON SEAM]
+"""Triton kernels (``toptheta.attention.triton``) as a backend. [THE TRITON SEAM]
 
-This file only lowers and forwards; the kernels and their wrappers live in ``toptheta/attention/triton/`` (written
-separately). It registers a backend only when that package imports, and serves CUDA tensors, or CPU tensors under
-Triton's interpreter (``TRITON_INTERPRET=1``: how the tests run the very kernels a GPU compiles).
+This file only lowers and forwards; the kernels and their wrappers live in ``toptheta/attention/triton/``
+(``prefill_attention``, ``decode_attention``: plain tensors in, a ``TritonAttention`` of device tensors out). It
+registers a backend only where that package imports and says Triton is ``available()``. It serves CUDA tensors,
+and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``) when forced with ``TOPTHETA_BACKEND=triton``
+(how tests run the very kernels a GPU compiles; never chosen on its own on a CPU, where the C++ kernels serve).
 
-The wrappers take plain tensors, lowered here from the :class:`AttentionCall` (method.md §2-3):
-
-    prefill(query (B, H, Q, D), key, value (B, Hkv, K, D) GQA unexpanded, *, key_start (B,) int32, lengths (B,) int32,
-            q_offset int, window int | None, scaling float, theta (B, H, Q) float32 | None (None: dense),
-            raw_theta (B, H, Q) float32 | None, placement "pre" | "post", sdc int (0 none, 1 exact, 2 exp-threshold,
-            3 calibrated), sdc_scale float, sdc_mass (B, H, Q) float32 | None, vmc bool, empty_rows str)
-        -> (out (B, Q, H, Dv), counters: dict of device tensors "kept_counts" (B, H, Q), "kept_mass" (B, H, Q),
-            "empty" (B, H, Q) bool)
-    decode(...same, Q == 1...) -> (out, counters + "vrow_counts" (B, Hkv))
-
-Key j of sequence b is valid for query i when key_start[b] ≤ j < key_start[b] + lengths[b], j ≤ q_offset + i
-(causal with left padding) and, with a window, j > q_offset + i − window. A mask of any other form, Top-k, observers,
-soft-capping and biases stay with the other backends. A wrapper may export ``refuse(call) -> str | None`` to decline
-more (shapes, dtypes); a wrapper that raises (a compile failure) is logged once and the plain kernel serves the call.
+Lowering (the rest comes from :class:`AttentionCall`, as for every backend): the mask becomes one key range per
+sequence, ``key_start`` (left padding) to K, with the queries at ``q_offset = K − Q`` (causal); a mask of another
+form (a sliding window, a bidirectional or hand-made one) goes to the other backends. θ per row is
+``call.thetas`` (rows kept whole get a θ that keeps every key), calibrated SDC's mass ``call.sdc_mass``. The
+kernels' per-row counts go to the statistics through the ``RowBlock`` fields the C++ kernels fill.
+A kernel that raises (a compile failure) is logged once and the plain kernel serves that call and later ones.
 """
 
 from __future__ import annotations
@@ -36,11 +30,13 @@ log = logging.getLogger("toptheta")
 
 
 def _kernels():
-    """``toptheta.attention.triton``, or None where it (or Triton) is absent."""
+    """``toptheta.attention.triton`` where it and Triton import, else None."""
     try:
-        return importlib.import_module("toptheta.attention.triton")
+        module = importlib.import_module("toptheta.attention.triton")
     except ImportError:
         return None
+    available = getattr(module, "available", None)
+    return module if available is None or available() else None
 
 
 class TritonBackend:
@@ -49,12 +45,13 @@ class TritonBackend:
 
     def __init__(self, module):
         self.module = module
-        self.failed: set[str] = set()  # wrappers that raised once: not asked again in this process
+        self.failed: set[str] = set()  # kernels that raised once: not asked again in this process
 
     def refuse(self, call: AttentionCall) -> str | None:
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        if call.device.type != "cuda" and not (interpret and call.on_cpu):
-            return f"CUDA tensors, or CPU tensors with TRITON_INTERPRET=1; got {call.device}"
+        if call.device.type != "cuda" and not (call.on_cpu and interpret and call.forced):
+            return (f"CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 and TOPTHETA_BACKEND=triton); got "
+                    f"{call.device}")
         if call.kind not in ("dense", "toptheta"):
             return f"dense and Top-θ only, not {call.kind}"
         if call.observer is not None or call.softcap or call.bias is not None:
@@ -62,21 +59,21 @@ class TritonBackend:
         B, H, Hkv, Q, K = call.shape
         if K == 0 or (call.valid is None and K < Q):
             return "an empty cache, or a causal call with fewer keys than queries"
-        which = "decode" if call.is_decode_row else "prefill"
+        which = _which(call)
         if which in self.failed:
             return f"its {which} kernel failed earlier in this process"
         if _segments(call) is None:
             return "the mask is not causal with left padding (one key range per sequence)"
-        own = getattr(self.module, "refuse", None)
-        return own(call) if own is not None else None
+        return None
 
     def run(self, call: AttentionCall):
-        which = "decode" if call.is_decode_row else "prefill"
+        which = _which(call)
         try:
             return self._run(call, which)
         except Exception as err:  # noqa: BLE001 (a compile failure or an unsupported shape: the plain kernel serves)
-            self.failed.add(which)
-            log.warning("toptheta: the Triton %s kernel failed (%s); using the plain kernel", which,
+            if not isinstance(err, ValueError):  # a shape the wrapper refuses is not a broken kernel
+                self.failed.add(which)
+            log.warning("toptheta: the Triton %s kernel cannot run this call (%s); using the plain kernel", which,
                         str(err).splitlines()[0] if str(err) else type(err).__name__)
             from ..kernel import plain_attention
 
@@ -84,66 +81,69 @@ class TritonBackend:
 
     def _run(self, call: AttentionCall, which: str):
         B, H, Hkv, Q, K = call.shape
-        key_start, lengths, q_offset = _segments(call)
-        # row lengths n (B, 1, Q): the valid keys of each row, on the device
-        pos = q_offset + torch.arange(Q, device=call.device)  # (Q,) query positions on the key axis
-        n = (pos[None, :] + 1 - key_start[:, None]).clamp(min=0)
-        n = torch.minimum(n, lengths[:, None]).view(B, 1, Q)
-        theta = raw = mass = None
-        rows = RowBlock(call.layer, call.phase, torch.zeros((), device=call.device).expand(B, H, Q, K), n)
+        key_start, q_offset = _segments(call)
+        # valid keys of each row (B, 1, Q): [key_start, position] with the queries at q_offset .. q_offset + Q − 1
+        pos = q_offset + torch.arange(Q, device=call.device)
+        n = (pos[None, :] + 1 - key_start[:, None]).clamp(min=0).view(B, 1, Q)
         sparse = call.kind == "toptheta"
+        theta = mass = None
+        clamped = 0
         if sparse:
-            theta, raw, rows.clamped_rows = call.thetas(n, causal=call.valid is None)
+            theta, _, clamped = call.thetas(n, causal=call.valid is None)
             if call.sdc_mode == 3:
-                mass = call.sdc_mass(n).expand(B, H, Q).contiguous()
-        fn = getattr(self.module, which)
-        out, counters = fn(call.query, call.key, call.value, key_start=key_start.int(), lengths=lengths.int(),
-                           q_offset=q_offset, window=None, scaling=call.scaling, theta=theta, raw_theta=raw,
-                           placement=call.placement, sdc=call.sdc_mode, sdc_scale=call.sdc_scale, sdc_mass=mass,
-                           vmc=call.vmc, empty_rows=call.empty_rows)
+                mass = call.sdc_mass(n)
+        kernel = self.module.decode_attention if which == "decode" else self.module.prefill_attention
+        result = kernel(call.query, call.key, call.value, scaling=call.scaling, theta=theta,
+                        placement=call.placement if sparse else None, key_start=key_start, key_end=K,
+                        q_offset=q_offset, causal=True, window=None, sdc=call.sdc.estimator if call.sdc else None,
+                        sdc_scale=call.sdc_scale if call.sdc else 1.0, sdc_mass=mass, vmc=call.vmc, empty_rows=call.empty_rows)
         if call.counting:
+            rows = RowBlock(call.layer, call.phase, torch.zeros((), device=call.device).expand(B, H, Q, K), n)
+            rows.kept_counts = result.kept.long()
+            rows.clamped_rows = clamped
             if sparse:
-                rows.kept_counts = counters["kept_counts"].long().view(B, H, Q)
-                rows.kept_mass = counters["kept_mass"].float().view(B, H, Q, 1)
-                rows.empty = counters["empty"].bool().view(B, H, Q) & (n > call.sparsifier.k_for(call.layer))
-                if "vrow_counts" in counters:
-                    rows.vrow_counts = counters["vrow_counts"]
+                rows.kept_mass = result.kept_mass.float().unsqueeze(-1)
+                rows.empty = result.empty.bool()
+                if call.phase == "decode" and result.vrows is not None:
+                    rows.vrow_counts = result.vrows.sum(-1)  # (B, Hkv) the union over each group's heads
             call.stats.update(rows)
+        out = result.out.transpose(1, 2)  # (B, Q, H, Dv)
         return out if out.dtype == call.query.dtype else out.to(call.query.dtype)
 
 
-def _segments(call: AttentionCall):
-    """(key_start (B,), lengths (B,), q_offset) of a causal call with left padding, or None for another mask.
+def _which(call: AttentionCall) -> str:
+    """Decode steps (their V-row statistics need the group's union) go to the decode kernel, the rest to prefill."""
+    return "decode" if call.phase == "decode" else "prefill"
 
-    A causal call (valid None) needs no mask. A mask is checked once per mask tensor (transformers hands every
-    layer of a forward the same one): the only host read of a forward on this path.
+
+def _segments(call: AttentionCall):
+    """(key_start (B,) int32, q_offset) of a causal call with left padding, or None for a mask of another form.
+
+    A causal call (valid None) needs no mask. A mask is checked once per mask tensor (transformers hands every layer
+    of a forward the same one): the only host read of a forward on this path.
     """
     B, H, Hkv, Q, K = call.shape
     device = call.device
     if call.valid is None:
-        zeros = torch.zeros(B, dtype=torch.long, device=device)
-        return zeros, torch.full((B,), K, dtype=torch.long, device=device), K - Q
-    memo = _SEGMENTS.get(call.valid)
-    if memo is not None and memo[0] == (B, Q, K):
-        return memo[1]
+        return torch.zeros(B, dtype=torch.int32, device=device), K - Q
+    memo = _SEGMENTS.get(id(call.valid))
+    if memo is not None and memo[0]() is call.valid and memo[1] == (B, Q, K):
+        return memo[2]
     valid = call.valid.expand(B, 1, Q, K)[:, 0]  # (B, Q, K)
     last = valid[:, -1]  # (B, K): the last query sees every key of its sequence
-    key_start = torch.where(last.any(-1), last.int().argmax(-1), torch.full((B,), K, device=device)).long()
-    lengths = K - key_start
-    q_offset = K - Q
+    key_start = torch.where(last.any(-1), last.int().argmax(-1), K).int()
     j = torch.arange(K, device=device)
-    i = q_offset + torch.arange(Q, device=device)
-    rebuilt = (j[None, None, :] >= key_start[:, None, None]) & (j[None, None, :] <= i[None, :, None])
-    ok = bool(torch.equal(rebuilt, valid))
-    result = (key_start, lengths, q_offset) if ok else None
-    try:
-        _SEGMENTS[call.valid] = ((B, Q, K), result)
-    except TypeError:
-        pass
+    position = (K - Q) + torch.arange(Q, device=device)
+    rebuilt = (j >= key_start[:, None, None]) & (j <= position[None, :, None])  # (B, Q, K)
+    result = (key_start, K - Q) if bool(torch.equal(rebuilt, valid)) else None
+    if len(_SEGMENTS) > 64:  # masks of forwards gone by
+        _SEGMENTS.clear()
+    _SEGMENTS[id(call.valid)] = (weakref.ref(call.valid), (B, Q, K), result)
     return result
 
 
-_SEGMENTS: "weakref.WeakKeyDictionary[torch.Tensor, tuple]" = weakref.WeakKeyDictionary()
+# id(mask) -> (weak reference to it, (B, Q, K), segments). Keyed by id: a tensor's == is elementwise.
+_SEGMENTS: dict[int, tuple] = {}
 
 _MODULE = _kernels()
 BACKEND = TritonBackend(_MODULE) if _MODULE is not None else None  # registered only where the kernels exist
