@@ -125,7 +125,7 @@ def configs(max_n: int) -> dict:
 def inputs(phase: str, tokens: int, device: str, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     Q = tokens if phase == "prefill" else 1
-    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    make = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     if device == "meta":
         make = lambda *shape: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
     return make(1, H, Q, D), make(1, HKV, tokens, D), make(1, HKV, tokens, D)
@@ -142,9 +142,13 @@ def measure(backend: str | None, config, phase: str, tokens: int, device: str, d
     try:
         call()  # warm-up: builds kernels, moves threshold tables, fills memos
         reads, launches, counter = {}, {}, Counter()
-        t0 = time.perf_counter()
         with counting_host_reads(reads), counting_triton_launches(launches), counter:
             call()
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        call()  # timed without the counters (on meta: dispatch only)
+        sync()
         seconds = time.perf_counter() - t0
     except RuntimeError as err:
         return {"error": str(err).split(": ")[-1][:160]}
@@ -158,12 +162,44 @@ def measure(backend: str | None, config, phase: str, tokens: int, device: str, d
             "host_reads_by_kind": reads, "seconds": round(seconds, 3)}
 
 
+def per_forward(tokens: int, max_n: int) -> list[dict]:
+    """Host reads of whole forwards of a 2-layer model of these shapes on meta, with and without a padding mask
+    (transformers' mask code itself may read the mask once)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=H * D, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=H, num_key_value_heads=HKV, max_position_embeddings=max(max_n, tokens) + 1)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    out = []
+    for label, (sparsifier, comp) in configs(max_n).items():
+        if isinstance(sparsifier, toptheta.TopTheta):  # two layers of the same thresholds
+            t = sparsifier.thresholds
+            sparsifier = toptheta.TopTheta(Thresholds(t.values.expand(2, -1, -1).contiguous(), [K_BUDGET] * 2,
+                                                      t.placement, sdc_mass=t.sdc_mass.expand(2, -1, -1).contiguous()))
+        for masked in (False, True):
+            kwargs = {"attention_mask": torch.ones(1, tokens, dtype=torch.long, device="meta")} if masked else {}
+            with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
+                with counting_host_reads({}):
+                    model(ids, **kwargs)  # warm-up
+                reads = {}
+                with counting_host_reads(reads):
+                    model(ids, **kwargs)
+            out.append({"tokens": tokens, "config": label, "mask": masked, "host_reads_per_forward": sum(reads.values()),
+                        "host_reads_by_kind": reads, "backends": dict(stats.backend_calls)})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--cpu-prefill-max", type=int, default=1024,
                         help="longest CPU prefill measured (CPU rows at longer prompts take minutes each)")
     parser.add_argument("--no-cpu-backends", action="store_true")
+    parser.add_argument("--device", default="meta",
+                        help="the accelerator path's tensors: meta (counts only, any machine) or cuda (a GPU: also times)")
     parser.add_argument("--out", default="results/bench")
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -175,8 +211,9 @@ def main() -> None:
             for phase in ("prefill", "decode"):
                 runs = []
                 if tokens in args.tokens:
-                    runs += [("accelerator (meta)", None, "meta", torch.bfloat16)]
-                    runs += [("accelerator (meta)", "triton", "meta", torch.bfloat16)] if "triton" in names else []
+                    where = f"accelerator ({args.device})"
+                    runs += [(where, None, args.device, torch.bfloat16)]
+                    runs += [(where, "triton", args.device, torch.bfloat16)] if "triton" in names else []
                 if not args.no_cpu_backends and (phase == "decode" or tokens <= args.cpu_prefill_max):
                     runs += [("cpu", name, "cpu", torch.float32) for name in names if name not in ("triton",)]
                 for where, backend, device, dtype in runs:
@@ -186,13 +223,14 @@ def main() -> None:
                     rows.append({"tokens": tokens, "config": label, "phase": phase, "where": where,
                                  "forced": backend or "auto", **result})
                     print(json.dumps(rows[-1]), flush=True)
-    write(rows, Path(args.out), " ".join(["python", "scripts/bench_gpu_cost.py", *sys.argv[1:]]))
+    forwards = per_forward(min(args.tokens), max(lengths))
+    write(rows, forwards, Path(args.out), " ".join(["python", "scripts/bench_gpu_cost.py", *sys.argv[1:]]))
 
 
-def write(rows: list[dict], out: Path, command: str) -> None:
+def write(rows: list[dict], forwards: list[dict], out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": command, "torch": torch.__version__, "shapes": {"H": H, "Hkv": HKV, "D": D, "B": 1, "k": K_BUDGET},
-            "unit": "one layer call", "rows": rows}
+            "unit": "one layer call", "rows": rows, "forwards": forwards}
     (out / "gpu_cost.json").write_text(json.dumps(meta, indent=1) + "\n")
     lines = [f"# GPU cost of one attention layer call, counted on CPU", "", f"Command: `{command}` (torch {torch.__version__})", "",
              "LLaMA-3-8B shapes (H=32, Hkv=8, D=128, B=1), k=64. `accelerator (meta)`: what runs off the CPU, on meta "
@@ -205,6 +243,12 @@ def write(rows: list[dict], out: Path, command: str) -> None:
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['config']} | {r['phase']} | {r['where']} | {r['backend']} | {r['torch_ops']:,} | "
                      f"{r['triton_launches']} | {r['host_reads']} | {r['seconds']} |")
+    lines += ["", "Whole forwards (2 layers of these shapes, meta tensors, the registry's choice): host reads per forward.",
+              "", "| tokens | config | padding mask | host reads per forward | backends (layer calls, warm-up included) |",
+              "|---:|---|---|---:|---|"]
+    for f in forwards:
+        lines.append(f"| {f['tokens']} | {f['config']} | {'yes' if f['mask'] else 'no'} | {f['host_reads_per_forward']} | "
+                     f"{', '.join(f'{k}: {v}' for k, v in f['backends'].items())} |")
     (out / "gpu_cost.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'gpu_cost.md'} and {out / 'gpu_cost.json'}")
 
