@@ -3,6 +3,11 @@
 Every counter is a (layers, heads) or (layers, KV heads) tensor of sums, so recording costs a few
 reductions per chunk and reading is free. The paper's headline ratios are ratios of means over all
 (layer, head, forward) lines, which for sums is simply Σ kept / Σ valid.
+
+Rows computed on an accelerator are added to a set of counters on that device (no host read inside a layer:
+on a GPU each would be a synchronisation); reading any statistic moves them to the CPU counters once.
+``backend_calls`` counts the layer calls each attention backend served (``backends/``); ``paused()`` records
+nothing (lm-eval's batch-size probe, warm-up forwards).
 """
 
 from __future__ import annotations
