@@ -16,7 +16,12 @@ Speed comes from doing as few passes over a chunk's (Qc, Kc) scores as possible:
 softmax, one comparison (the sparsifier), one in-place zeroing and one row sum. Chunks of ~1M scores
 (4 MB per float32 temporary) stay in the cache between those passes. For post-softmax thresholds in
 prefill, ``fused.py`` (an optional C++ kernel, built on first use) replaces everything between the two
-GEMMs with one pass per row; the torch path stays the reference and the fallback.
+GEMMs with one pass per row (the ``cpu-select`` backend); the torch path stays the reference and the fallback.
+
+``sparse_attention`` is the entry point: it lowers the call once (``backends/call.py``) and hands it to the
+backend registry (``backends/``), whose ``plain`` backend is :func:`plain_attention` below. Off the CPU the plain
+kernel reads no tensor value on the host: a masked chunk keeps the whole key window instead of finding its
+first and last valid key, and chunks hold ``ACCELERATOR_CHUNK_ELEMENTS`` scores.
 """
 
 from __future__ import annotations

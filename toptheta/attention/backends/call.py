@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
