@@ -400,3 +400,16 @@ def test_the_triton_backend_lowers_masks_thresholds_and_statistics(monkeypatch):
         backends.unregister("triton")
         if triton_backend.BACKEND is not None:
             backends.register(triton_backend.BACKEND)
+
+
+def test_a_section_holds_the_backend_calls_made_inside_it(monkeypatch):
+    monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
+    stats = toptheta.SparsityStats(1, 6, 2)
+    q, k, v, valid = _prefill_data()
+    run = lambda: toptheta.sparse_attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=toptheta.TopK(3, "pre"),  # noqa
+                                            stats=stats)
+    run()
+    with stats.section() as part:
+        run()
+        run()
+    assert part.backend_calls == {"plain": 2} and stats.backend_calls == {"plain": 3}

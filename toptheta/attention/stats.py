@@ -242,10 +242,9 @@ class SparsityStats:
         This object keeps counting as before; the section is for statistics of a part of a run (one
         passkey length), computed exactly as the run's own (the same sums, restricted to the block).
         """
-        before, clamped = self.state_dict(), self.clamped_rows
+        before, clamped, calls = self.state_dict(), self.clamped_rows, dict(self.backend_calls)
         part = SparsityStats(self.num_layers, self.num_heads, self.num_kv_heads, enabled=self.enabled)
         yield part
-        calls = dict(self.backend_calls)
         for name, old in before.items():
             getattr(part, name).copy_(getattr(self, name) - old)
         part.clamped_rows = self.clamped_rows - clamped

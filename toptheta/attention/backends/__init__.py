@@ -22,20 +22,27 @@ from __future__ import annotations
 import importlib
 import logging
 import pkgutil
-from typing import Protocol
-
 from .call import AttentionCall, forced_backend
 
 log = logging.getLogger("toptheta")
 
 
-class Backend(Protocol):
-    name: str
-    priority: int
+class Backend:
+    """Base class of the backends here (any object with these four members can be registered)."""
 
-    def refuse(self, call: AttentionCall) -> str | None: ...
+    name: str = ""
+    priority: int = 0
 
-    def run(self, call: AttentionCall): ...
+    def refuse(self, call: AttentionCall) -> str | None:
+        """Why this backend cannot serve ``call``, or None."""
+        raise NotImplementedError
+
+    def supports(self, call: AttentionCall) -> bool:
+        return self.refuse(call) is None
+
+    def run(self, call: AttentionCall):
+        """The output (B, Q, H, Dv) in the query's dtype; statistics recorded into ``call.stats``."""
+        raise NotImplementedError
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from . import Backend
 from .call import AttentionCall
 
 
-class CpuDecode:
+class CpuDecode(Backend):
     name = "cpu-decode"
     priority = 40
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from . import Backend
 from .call import AttentionCall
 
 
-class CpuPrefill:
+class CpuPrefill(Backend):
     name = "cpu-prefill"
     priority = 30
 

@@ -8,10 +8,11 @@ all fit in k) runs the torch ops inside the same call.
 from __future__ import annotations
 
 from ...sparsifiers.base import Sparsifier
+from . import Backend
 from .call import AttentionCall
 
 
-class CpuSelect:
+class CpuSelect(Backend):
     name = "cpu-select"
     priority = 20
 

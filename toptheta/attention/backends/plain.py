@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from . import Backend
 from .call import AttentionCall
 
 
-class Plain:
+class Plain(Backend):
     name = "plain"
     priority = 0
 

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from ...sparsifiers.base import RowBlock
+from . import Backend
 from .call import AttentionCall
 
 _GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch ≥ 2.5 (a builtin: no signature)
 
 
-class Sdpa:
+class Sdpa(Backend):
     name = "sdpa"
     priority = 10
 

@@ -6,10 +6,11 @@ gathered rows reads their counts on the host (there the plain kernel serves deco
 
 from __future__ import annotations
 
+from . import Backend
 from .call import AttentionCall
 
 
-class TorchDecode:
+class TorchDecode(Backend):
     name = "torch-decode"
     priority = 35
 

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from ...sparsifiers.base import RowBlock
+from . import Backend
 from .call import AttentionCall
 
 log = logging.getLogger("toptheta")
@@ -39,7 +40,7 @@ def _kernels():
     return module if available is None or available() else None
 
 
-class TritonBackend:
+class TritonBackend(Backend):
     name = "triton"
     priority = 50
 
