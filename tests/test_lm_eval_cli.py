@@ -59,6 +59,28 @@ def test_bad_model_args_fail_before_the_model_loads(monkeypatch, args, message):
         TopThetaLM(pretrained="tiny-llama", **args)
 
 
+def test_cuda_without_cuda_is_an_error_and_device_map_passes_through(monkeypatch):
+    import torch
+
+    from toptheta import models
+    from toptheta.evaluation.lm_eval_model import TopThetaLM
+
+    seen = {}
+
+    def loading(*a, **k):
+        seen.update(k)
+        raise RuntimeError("stop after the arguments")
+
+    monkeypatch.setattr(models, "load_model", loading)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="CUDA is not available on this machine.*device=cpu"):
+        TopThetaLM(pretrained="tiny-llama", sparsifier="dense", device="cuda")
+    assert not seen  # refused before loading, never a silent CPU run
+    with pytest.raises(RuntimeError, match="stop after the arguments"):
+        TopThetaLM(pretrained="tiny-llama", sparsifier="dense", device="cpu", device_map="auto")
+    assert seen["device_map"] == "auto" and seen["device"] == "cpu"
+
+
 def test_simple_evaluate_by_name_matches_the_sparsified_model_and_reports_statistics():
     """model="toptheta" gives what HFLM on the same model inside sparsify gives, statistics included."""
     import lm_eval

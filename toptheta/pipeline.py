@@ -544,25 +544,35 @@ def run(cfg: DictConfig):
             from .evaluation.generation import Paused
 
             with torch.no_grad():
-                for spec in todo:
+                # The claim makes parallel jobs (a sweep's launcher, several shells) compute each run once. A run
+                # another job holds (typically the dense baseline every job of a sweep shares) is put off: this job
+                # runs its own configuration first instead of idling, then waits for the other's and reuses it.
+                queue, deferred = [(spec, False) for spec in todo], []
+                while queue:
+                    spec, wait = queue.pop(0)
                     if stop_requested(cfg.results_dir):  # finish the run in hand, start no other
                         log.warning("%s exists: stopping before %s (remove it to go on)", stop_file(cfg.results_dir),
                                     spec.label)
                         break
-                    # The claim makes parallel jobs (a sweep's launcher, several shells) compute each run once:
-                    # a job that finds it claimed waits, then reuses what the other one stored.
-                    with store.claim(spec.run_id):
+                    with store.claim(spec.run_id, wait=wait) as held:
+                        if not held:
+                            deferred.append((spec, True))
+                            if not queue:
+                                queue, deferred = deferred, []
+                            continue
                         if store.exists(spec.run_id) and (not cfg.force or store.finished_since(spec.run_id, started)):
                             log.info("%s: run %s was computed by another job meanwhile; reusing it",
                                      spec.label, spec.run_id)
-                            continue
-                        try:
-                            execute(spec, model, tokenizer, store, logger, chunk_size=cfg.get("chunk_size"),
-                                    invocation=job)
-                        except Paused as paused:
-                            log.warning("%s exists: %s paused (%s); remove it and rerun to resume",
-                                        stop_file(cfg.results_dir), spec.label, paused)
-                            break
+                        else:
+                            try:
+                                execute(spec, model, tokenizer, store, logger, chunk_size=cfg.get("chunk_size"),
+                                        invocation=job)
+                            except Paused as paused:
+                                log.warning("%s exists: %s paused (%s); remove it and rerun to resume",
+                                            stop_file(cfg.results_dir), spec.label, paused)
+                                break
+                    if not queue:
+                        queue, deferred = deferred, []
         finally:
             logger.finish()
     table = comparison_table(load_summary(cfg.results_dir), [s.run_id for s in specs])

@@ -84,6 +84,8 @@ def _split_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.T
         return mask, None
     valid = mask > torch.finfo(mask.dtype).min / 2
     bias = mask.masked_fill(~valid, 0.0)
+    if mask.device.type != "cpu":  # whether the bias is all zeros is a host read there: keep it
+        return valid, bias
     return valid, (bias if bool(bias.any()) else None)
 
 
@@ -210,6 +212,19 @@ def decoding(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         session.forced_phase = previous
+
+
+@contextlib.contextmanager
+def statistics_paused(model: torch.nn.Module) -> Iterator[None]:
+    """Inside a ``sparsify`` block, record no statistics for the forwards of this block (lm-eval's batch-size probe,
+    warm-up runs): only evaluated requests are counted. Outside one, nothing to pause."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    session = _SESSIONS.get(modules[0]) if modules else None
+    if session is None:
+        yield
+        return
+    with session.stats.paused():
+        yield
 
 
 def is_sparsified(model: torch.nn.Module) -> bool:

@@ -70,9 +70,12 @@ def attention(
     observer: Callable[[RowBlock], None] | None = None,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
+    fused: bool = True,
     **_,
 ) -> torch.Tensor | None:
-    """Attention output (B, 1, H, Dv) like ``kernel.sparse_attention``, or None where this path does not apply."""
+    """Attention output (B, 1, H, Dv) like ``kernel.sparse_attention``, or None where this path does not apply.
+
+    ``fused``: try the C++ kernel first (the ``cpu-decode`` backend); False: the torch ops only (``torch-decode``)."""
     B, H, Q, D = query.shape
     Hkv, K, Dv = key.shape[1], key.shape[2], value.shape[-1]
     if Q != 1 or H % Hkv or K == 0 or getattr(sparsifier, "empty_rows", "keep-max") != "keep-max":
@@ -97,7 +100,7 @@ def attention(
         vm = valid.expand(B, 1, 1, K)[..., ks:ke]  # (B, 1, 1, Kc)
         n = vm.sum(-1)  # (B, 1, 1)
     Kc = ke - ks
-    if observer is None and not softcap and bias is None and type(sparsifier) in (TopTheta, Dense):
+    if fused and observer is None and not softcap and bias is None and type(sparsifier) in (TopTheta, Dense):
         done = _fused(query, key[:, :, ks:ke], value, valid_row, n, ks, ke, scaling=scaling, layer=layer,
                       sparsifier=sparsifier, sdc=sdc, vmc=vmc, stats=stats)
         if done is not None:
@@ -167,6 +170,8 @@ def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float,
     Hkv, Kc = key.shape[1], key.shape[2]
     window = value[:, :, ks:ke]
     if key.dtype != torch.float32 or value.dtype != torch.float32 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return None
+    if any(t.device.type != "cpu" for t in (query, key, value)):  # a CPU kernel: never another device's pointers
         return None
     ext = fused_decode.extension()
     if ext is None:

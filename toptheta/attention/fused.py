@@ -14,6 +14,7 @@ Set ``TOPTHETA_FUSED=0`` to disable it (the torch path is the reference; tests c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -23,7 +24,7 @@ import torch
 from ..sparsifiers.base import FusedRule
 
 log = logging.getLogger("toptheta")
-_VERSION = 9  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 10  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 # Kernels are built without -ffinite-math-only (see build()): masked keys hold -inf and rely on exp(-inf) = 0 and IEEE
 # comparisons. GCC still vectorises expf through glibc's libmvec when told the vector variants exist (glibc declares
@@ -82,6 +83,7 @@ static inline float row_max(float* x, int64_t K) {
 // Returns (kept_sum (R) float32: sum of w, kept_count (R) int32: kept keys of rows not marked whole,
 // empty (R) bool: rows not marked whole where no p passes theta, i.e. only the maximum was kept).
 std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, torch::Tensor whole) {
+  TORCH_CHECK(s.device().is_cpu() && theta.device().is_cpu() && whole.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
   TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
   TORCH_CHECK(theta.scalar_type() == torch::kFloat32 && theta.is_contiguous() && theta.numel() == s.size(0), "theta: (R) float32");
   TORCH_CHECK(whole.scalar_type() == torch::kBool && whole.is_contiguous() && whole.numel() == s.size(0), "whole: (R) bool");
@@ -154,6 +156,7 @@ static int64_t compact_above(const float* x, int64_t K, float pivot, float* out)
 }
 
 std::vector<torch::Tensor> post_topk(torch::Tensor s, int64_t k, torch::Tensor whole) {
+  TORCH_CHECK(s.device().is_cpu() && whole.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
   TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
   TORCH_CHECK(whole.scalar_type() == torch::kBool && whole.is_contiguous() && whole.numel() == s.size(0), "whole: (R) bool");
   TORCH_CHECK(k >= 1, "k >= 1");
@@ -246,13 +249,20 @@ def _openmp() -> list[str]:
     return ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info().split("backend:")[-1] else ["-fopenmp-simd"]
 
 
+BUILD_LOCK_TIMEOUT = 900.0  # seconds a build waits for another process's build of the same kernel
+
+
 def build(name: str, source: str, functions: list[str], what: str, fallback: str):
-    """Compile (once; cached by torch per name and target) a C++ extension, or None where it cannot be built.
+    """Compile (once; cached per name and target) a C++ extension, or None where it cannot be built.
 
     Every toptheta kernel is built with the same flags: -ffast-math's parts except -ffinite-math-only (masked keys
     are -inf and rely on exp(-inf) = 0 and on comparisons with infinities). Reassociation
     (-funsafe-math-optimizations) stays: it lets the compiler vectorise the row reductions, which changes
     float summation order only (the tests compare the kernels with the plain path within float tolerance).
+
+    Each kernel builds in its own directory under an OS file lock (``build_lock``): the lock dies with its process,
+    so a job killed mid-build never leaves the next ones waiting on torch's own lock file (which, found while we hold
+    ours, is stale and removed), and a build stuck elsewhere makes us wait BUILD_LOCK_TIMEOUT at most.
     """
     if os.environ.get("TOPTHETA_FUSED", "1") == "0":
         return None
@@ -261,12 +271,54 @@ def build(name: str, source: str, functions: list[str], what: str, fallback: str
         from torch.utils.cpp_extension import load_inline
 
         log.info("toptheta: loading %s (the first build takes about a minute, then it is cached)", what)
-        return load_inline(name=f"{name}_{suffix}", cpp_sources=source, functions=[*functions, "parallel_threads"],
-                           extra_cflags=[*SAFE_FAST_MATH, *_openmp(), *flags], verbose=False)
+        directory = build_directory(f"{name}_{suffix}")
+        with build_lock(directory / "toptheta.lock", BUILD_LOCK_TIMEOUT):
+            stale = directory / "lock"  # torch's FileBaton: nobody holds it while we hold our lock
+            if stale.exists():
+                log.warning("toptheta: removing a stale build lock %s (a build that was killed)", stale)
+                stale.unlink(missing_ok=True)
+            return load_inline(name=f"{name}_{suffix}", cpp_sources=source,
+                               functions=[*functions, "parallel_threads"],
+                               extra_cflags=[*SAFE_FAST_MATH, *_openmp(), *flags], verbose=False,
+                               build_directory=str(directory))
     except Exception as err:  # noqa: BLE001 (any build failure means: use the fallback)
         log.warning("toptheta: %s could not be built (%s); using %s", what,
                     str(err).splitlines()[0] if str(err) else type(err).__name__, fallback)
         return None
+
+
+def build_directory(name: str):
+    """``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/torch_extensions``)/toptheta/<name>, created."""
+    from pathlib import Path
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = Path(root).expanduser() if root else Path.home() / ".cache" / "torch_extensions"
+    directory = root / "toptheta" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def build_lock(path, timeout: float):
+    """An exclusive ``flock`` on ``path`` (released by the OS when the holder dies), or TimeoutError after ``timeout``."""
+    import fcntl
+    import time
+
+    with open(path, "a+") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building in {path.parent} for over "
+                                       f"{timeout:.0f} s") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import functools
 
 from .fused import PARALLEL_PROBE, VECTOR_EXPF, build
 
-_VERSION = 1  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 2  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -42,6 +42,7 @@ std::vector<torch::Tensor> decode(torch::Tensor q, torch::Tensor k, torch::Tenso
                                   bool vmc, int64_t sdc, double lam, bool post, int64_t kb) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k.size(1), K = k.size(2), Dv = v.size(3), G = H / Hkv;
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && valid.device().is_cpu() && theta.device().is_cpu() && raw.device().is_cpu() && cal.device().is_cpu() && vbar.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: (B, H, D) float32 contiguous");
   TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 && k.stride(3) == 1 &&
               v.stride(3) == 1, "k, v: float32 with unit stride in the last dimension");

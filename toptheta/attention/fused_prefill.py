@@ -23,7 +23,7 @@ import logging
 from .fused import PARALLEL_PROBE, VECTOR_EXPF, build
 
 log = logging.getLogger("toptheta")
-_VERSION = 12  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 13  # bump when _SOURCE or the flags change: the build cache is keyed by name
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -136,6 +136,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), K = k.size(2), Dv = v.size(3), G = H / Hkv;
   const bool causal = mask.numel() == 0, sparse = theta.numel() > 0, vmc = vmc_mode > 0;
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && mask.device().is_cpu() && theta.device().is_cpu() && raw.device().is_cpu() && cal.device().is_cpu() && vbar.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
               v.scalar_type() == torch::kFloat32, "q, k, v must be float32");

@@ -16,7 +16,12 @@ Speed comes from doing as few passes over a chunk's (Qc, Kc) scores as possible:
 softmax, one comparison (the sparsifier), one in-place zeroing and one row sum. Chunks of ~1M scores
 (4 MB per float32 temporary) stay in the cache between those passes. For post-softmax thresholds in
 prefill, ``fused.py`` (an optional C++ kernel, built on first use) replaces everything between the two
-GEMMs with one pass per row; the torch path stays the reference and the fallback.
+GEMMs with one pass per row (the ``cpu-select`` backend); the torch path stays the reference and the fallback.
+
+``sparse_attention`` is the entry point: it lowers the call once (``backends/call.py``) and hands it to the
+backend registry (``backends/``), whose ``plain`` backend is :func:`plain_attention` below. Off the CPU the plain
+kernel reads no tensor value on the host: a masked chunk keeps the whole key window instead of finding its
+first and last valid key, and chunks hold ``ACCELERATOR_CHUNK_ELEMENTS`` scores.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..compensation import SDC, VMC
-from . import decode, fused, prefill
+from . import backends, fused
+from .backends.call import AttentionCall
 from ..sparsifiers.base import RowBlock, Sparsifier
 
 # Score elements per chunk. A small budget keeps each float32 temporary near cache size (4 MB) and lowers the
@@ -36,6 +41,7 @@ from ..sparsifiers.base import RowBlock, Sparsifier
 DEFAULT_CHUNK_ELEMENTS = 1 << 20
 MIN_CHUNK_ROWS = 16
 MAX_CHUNK_ELEMENTS = 1 << 23
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 27  # scores per chunk off the CPU (see default_rows_per_chunk)
 
 
 def sparse_attention(
@@ -60,41 +66,46 @@ def sparse_attention(
 
     ``phase`` ("prefill" or "decode") is what the model is doing, for the statistics; the backend knows it (the
     steps of ``generate`` after the prompt are decode). None: decode when Q == 1, for direct callers.
+    The call is lowered once (``backends/call.py``) and run by the first backend of the registry that serves it
+    (``backends/``: the C++ and Triton fast paths, sdpa for dense attention on accelerators, and this module's
+    :func:`plain_attention`, the reference, which serves every call).
     """
     B, H, Q, D = query.shape
     phase = phase or ("prefill" if Q > 1 else "decode")
     if phase not in ("prefill", "decode"):
         raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
+    if H % key.shape[1]:
+        raise ValueError(f"{H} query heads are not a multiple of {key.shape[1]} KV heads")
+    call = AttentionCall(query, key, value, valid, scaling, layer, sparsifier, tuple(compensations or ()), stats,
+                         observer, chunk_size, softcap, bias, phase)
+    return backends.dispatch(call)
+
+
+def plain_attention(call: AttentionCall, fuse: bool = False) -> torch.Tensor:
+    """The reference: chunks of query rows, torch ops, the sparsifier's ``select`` (module docstring).
+
+    ``fuse``: post-softmax selection in the C++ kernel of ``fused.py`` where the sparsifier offers a rule (CPU
+    tensors only; the ``cpu-select`` backend). On accelerators nothing here reads a tensor's value on the host:
+    chunks keep the whole key window and the statistics stay on the device.
+    """
+    query, key, value, valid = call.query, call.key, call.value, call.valid
+    scaling, layer, sparsifier, stats, observer = call.scaling, call.layer, call.sparsifier, call.stats, call.observer
+    softcap, bias, phase = call.softcap, call.bias, call.phase
+    B, H, Q, D = query.shape
     Hkv, K, Dv = key.shape[1], key.shape[2], value.shape[-1]
-    if H % Hkv:
-        raise ValueError(f"{H} query heads are not a multiple of {Hkv} KV heads")
-    # Fast paths with this function's numbers (decode.py: Q == 1; prefill.py: one-pass rules); None = not theirs.
-    # TOPTHETA_FAST=0 (or decode.ENABLED / prefill.ENABLED = False) keeps everything here, the reference.
-    fast = decode if Q == 1 and phase == "decode" else prefill
-    if fast.ENABLED:
-        out = fast.attention(query, key, value, valid, scaling=scaling, layer=layer, sparsifier=sparsifier,
-                             compensations=compensations, stats=stats, observer=observer, chunk_size=chunk_size,
-                             softcap=softcap, bias=bias, phase=phase)
-        if out is not None:
-            return out
     G = H // Hkv
     if valid is not None:
         valid = valid.expand(B, 1, Q, K)
-    sdc = next((c for c in compensations if isinstance(c, SDC)), None)
-    vmc = any(isinstance(c, VMC) for c in compensations)
+    sdc, vmc = call.sdc, call.vmc
     pre = sparsifier.placement == "pre"
-    counting = stats is not None and stats.enabled
-    # The fused kernel serves post-softmax threshold and top-k rules in prefill without observers (decode steps need the
-    # keep-mask itself for the V-row statistics; observers see every view of the rows). It is built only when
-    # such a rule first asks for it, so dense and pre-softmax runs never wait for a compiler.
-    fuse = not pre and phase == "prefill" and observer is None and query.device.type == "cpu"
+    counting = call.counting
+    host = query.device.type == "cpu"  # reading values on the host is free here, a synchronisation elsewhere
+    fuse = fuse and host and not pre and phase == "prefill" and observer is None
 
-    # One contiguous float32 copy of K/V at most (no-ops for contiguous float32 inputs), so every chunk's
-    # matmul is a strided view: the G query heads of a KV head are stacked as G·Qc rows of one bmm.
     kf, vf = key.float().contiguous(), value.float().contiguous()
     zero = vf.new_zeros(())
     out = query.new_zeros(B, Q, H, Dv)
-    rows_per_chunk = chunk_size or default_rows_per_chunk(B * H * K)
+    rows_per_chunk = call.chunk_size or default_rows_per_chunk(B * H * K, query.device)
     tiny = torch.finfo(torch.float32).tiny
     causal = valid is None and K >= Q  # keys 0..K-Q+row: a chunk's keys are a prefix, its mask a triangle
     if causal:  # the last Qc keys of a causal chunk form the same upper triangle in every chunk
@@ -110,11 +121,13 @@ def sparse_attention(
             vm = functools.partial(_causal_mask, B, K - Q + q0, Qc, ke, query.device)  # built only if asked for
         else:
             vm = valid[:, :, q0:q1]  # (B, 1, Qc, K)
-            cols = vm.any(dim=(0, 1, 2)).nonzero()
-            if cols.numel() == 0:  # only fully masked rows (e.g. queries on padding): output 0
-                continue
-            ks, ke = int(cols[0]), int(cols[-1]) + 1
-            vm = vm[..., ks:ke]  # (B, 1, Qc, Kc)
+            ks, ke = 0, K  # accelerators: the whole window (finding the used keys is a host read)
+            if host:
+                cols = vm.any(dim=(0, 1, 2)).nonzero()
+                if cols.numel() == 0:  # only fully masked rows (e.g. queries on padding): output 0
+                    continue
+                ks, ke = int(cols[0]), int(cols[-1]) + 1
+                vm = vm[..., ks:ke]  # (B, 1, Qc, Kc)
             n = vm.sum(-1)  # (B, 1, Qc)
         Kc = ke - ks
 
@@ -145,7 +158,7 @@ def sparse_attention(
                 p = torch.softmax(s, dim=-1)
                 if not causal:  # rows with no valid key: softmax of all -inf is NaN, their output is 0
                     dead = (n == 0).unsqueeze(-1)  # (B, 1, Qc, 1)
-                    if bool(dead.any()):
+                    if not host or bool(dead.any()):
                         p.masked_fill_(dead, 0.0)
                 rows._probs = p
         if done is not None:  # s now holds the kept weights
@@ -207,8 +220,13 @@ def sparse_attention(
     return out
 
 
-def default_rows_per_chunk(row_elements: int) -> int:
-    """Query rows per chunk when the caller gives none; ``row_elements`` = B·H·K scores per query row."""
+def default_rows_per_chunk(row_elements: int, device=None) -> int:
+    """Query rows per chunk when the caller gives none; ``row_elements`` = B·H·K scores per query row.
+
+    On an accelerator a chunk is a budget of elements (ACCELERATOR_CHUNK_ELEMENTS, 512 MB float32 temporaries):
+    each chunk costs kernel launches, not cache misses, so a 4k prefill is one chunk."""
+    if device is not None and torch.device(device).type != "cpu":
+        return max(1, ACCELERATOR_CHUNK_ELEMENTS // row_elements)
     return max(1, DEFAULT_CHUNK_ELEMENTS // row_elements, min(MIN_CHUNK_ROWS, MAX_CHUNK_ELEMENTS // row_elements))
 
 
@@ -218,7 +236,7 @@ def _uniform_over_padded_row(o: torch.Tensor, empty: torch.Tensor, vf: torch.Ten
     Every logit of such a row, valid or not, became the dtype minimum, so its softmax is uniform over all K keys
     of the call, the causal future included. o (B, H, Qc, Dv), empty (B, H, Qc) bool, vf (B, Hkv, K, Dv).
     """
-    if not bool(empty.any()):
+    if empty.device.type == "cpu" and not bool(empty.any()):
         return o
     H, Hkv = o.shape[1], vf.shape[1]
     v_all = vf.mean(2).repeat_interleave(H // Hkv, 1)[:, :, None]  # (B, H, 1, Dv)

@@ -25,7 +25,6 @@ Set ``TOPTHETA_FAST=0`` (or ``prefill.ENABLED = False``) to compare.
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Sequence
 
 import torch
@@ -34,12 +33,13 @@ from ..compensation import SDC, VMC
 from ..sparsifiers import Dense, TopTheta
 from ..sparsifiers.base import RowBlock
 from . import fused_prefill
+from .backends import call
 
 ENABLED = os.environ.get("TOPTHETA_FAST", "1") != "0"
 KEY_BLOCK = 512  # keys per GEMM block: the (G·rows, keys) logits block stays in L2
 MAX_QUERY_BLOCK = 64  # queries per task (times G heads = rows of one GEMM)
-KEEP_ALL = -1.0e29  # θ that keeps every valid key (the kernel's "no key" sentinel is −1e30)
-_SDC_MODES = {None: 0, "exact": 1, "exp-threshold": 2, "calibrated": 3}
+KEEP_ALL = call.KEEP_ALL  # θ that keeps every valid key (the kernel's "no key" sentinel is −1e30)
+_SDC_MODES = call.SDC_MODES
 
 
 def supports(sparsifier, compensations: Sequence = (), *, observer=None, softcap=None, bias=None,
@@ -130,28 +130,12 @@ def attention(
 
 
 def _row_thresholds(sparsifier: TopTheta, rows: RowBlock, cache: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(θ the kernel compares with, θ as calibrated, rows clamped), each (B, H, Q) float32 contiguous.
-
-    The kernel's θ is finite: rows kept whole (n ≤ k, or θ = −inf where uncalibrated) get KEEP_ALL. A causal call's
-    row lengths depend only on (B, Q, K), so those lookups are cached per sparsifier: on short prompts the lookup
-    and its small tensor ops cost as much as the attention itself.
-    """
+    """(θ the kernel compares with, θ as calibrated, rows clamped), each (B, H, Q) float32 contiguous: the lowering
+    every backend shares (``backends/call.py``); ``cache``: a causal call, whose lookups are memoised."""
     B, H, Q, K = rows.logits.shape
-    key = (rows.layer, B, Q, K, rows.n.device)
-    memo = _THETAS.setdefault(sparsifier, {}) if cache else {}
-    if key not in memo:
-        n = rows.n
-        raw = sparsifier.thresholds.lookup(rows.layer, n)  # (B, H|1, Q), as TopTheta looks it up
-        theta_raw, clamped = raw[0].expand(B, H, Q), raw[1]
-        whole = (n <= sparsifier.k_for(rows.layer)) | (theta_raw < KEEP_ALL)  # short rows, uncalibrated θ = −inf
-        finite = theta_raw.clamp(KEEP_ALL, 1.0e30)
-        if len(memo) > 256:  # lm-eval scores many lengths: keep the memo small
-            memo.clear()
-        memo[key] = (torch.where(whole, KEEP_ALL, finite).contiguous(), finite.contiguous(), clamped)
-    return memo[key]
+    return call.row_thresholds(sparsifier, rows.layer, rows.n, H, memo_k=K if cache else None)
 
 
-_THETAS: "weakref.WeakKeyDictionary[TopTheta, dict]" = weakref.WeakKeyDictionary()
 _EMPTY = torch.empty(0)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 

@@ -3,6 +3,11 @@
 Every counter is a (layers, heads) or (layers, KV heads) tensor of sums, so recording costs a few
 reductions per chunk and reading is free. The paper's headline ratios are ratios of means over all
 (layer, head, forward) lines, which for sums is simply Σ kept / Σ valid.
+
+Rows computed on an accelerator are added to a set of counters on that device (no host read inside a layer:
+on a GPU each would be a synchronisation); reading any statistic moves them to the CPU counters once.
+``backend_calls`` counts the layer calls each attention backend served (``backends/``); ``paused()`` records
+nothing (lm-eval's batch-size probe, warm-up forwards).
 """
 
 from __future__ import annotations
@@ -33,28 +38,91 @@ class SparsityStats:
     def reset(self) -> None:
         L, H, Hkv = self.num_layers, self.num_heads, self.num_kv_heads
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
-        self.prefill_kept, self.prefill_valid = zeros(L, H), zeros(L, H)
-        self.decode_kept, self.decode_valid = zeros(L, H), zeros(L, H)
-        self.vrow_kept, self.vrow_valid = zeros(L, Hkv), zeros(L, Hkv)
-        self.dropped_mass, self.rows = zeros(L, H), zeros(L, H)  # Σ dropped dense probability, Σ rows
-        self.decode_steps = zeros(L)  # decode forwards per layer (a step of a batch of sequences counts once)
-        self.empty_rows = zeros(L, H)  # Top-θ rows (sparsified, any phase) where no valid score passed θ
-        self.clamped_rows = 0
+        self._counters = {name: zeros(*shape) for name, shape in self._shapes().items()}
+        self._clamped = 0
+        self._on_device: dict[torch.device, dict] = {}  # accelerators' counters, moved here when read (_collect)
+        self.backend_calls: dict[str, int] = {}  # layer calls per attention backend (backends/__init__.py)
+
+    def _shapes(self) -> dict[str, tuple]:
+        L, H, Hkv = self.num_layers, self.num_heads, self.num_kv_heads
+        return {"prefill_kept": (L, H), "prefill_valid": (L, H), "decode_kept": (L, H), "decode_valid": (L, H),
+                "vrow_kept": (L, Hkv), "vrow_valid": (L, Hkv),
+                "dropped_mass": (L, H), "rows": (L, H),  # Σ dropped dense probability, Σ rows
+                "decode_steps": (L,),  # decode forwards per layer (a step of a batch of sequences counts once)
+                "empty_rows": (L, H)}  # Top-θ rows (sparsified, any phase) where no valid score passed θ
+
+    def _sums(self, device: torch.device) -> dict:
+        """The counters updates add to: this object's own on the CPU, a device's own set elsewhere (adding there
+        costs no synchronisation; reading any counter moves them here once, see _collect)."""
+        if device.type == "cpu":
+            return self._counters
+        sums = self._on_device.get(device)
+        if sums is None:
+            dtype = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
+            sums = {name: torch.zeros(*shape, dtype=dtype, device=device) for name, shape in self._shapes().items()}
+            sums["clamped"] = torch.zeros((), dtype=torch.long, device=device)
+            self._on_device[device] = sums
+        return sums
+
+    def _collect(self) -> None:
+        """Add the accelerators' counters to the CPU ones: one transfer per device, when the statistics are read."""
+        if not self._on_device:
+            return
+        on_device, self._on_device = self._on_device, {}
+        for sums in on_device.values():
+            for name, value in sums.items():
+                if name == "clamped":
+                    self._clamped += int(value)
+                else:
+                    self._counters[name] += value.to("cpu", torch.float64)
+
+    @property
+    def clamped_rows(self) -> int:
+        self._collect()
+        return self._clamped
+
+    @clamped_rows.setter
+    def clamped_rows(self, value: int) -> None:
+        self._collect()
+        self._clamped = value
+
+    def record_backend(self, name: str) -> bool:
+        """Count one layer call run by backend ``name``; True the first time this session sees it."""
+        first = name not in self.backend_calls
+        self.backend_calls[name] = self.backend_calls.get(name, 0) + 1
+        return first
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside the block (lm-eval's batch-size probe, warm-up forwards); restores the setting."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield self
+        finally:
+            self.enabled = enabled
 
     def update(self, rows: RowBlock) -> None:
-        """Add one chunk of rows. Called by the kernel after selection."""
+        """Add one chunk of rows. Called by the kernel after selection.
+
+        On the CPU the counters are added to at once; on an accelerator to device tensors (no host read inside a
+        layer), which reading any statistic collects.
+        """
         if not self.enabled:
             return
         layer, keep = rows.layer, rows.keep
         B, H, Q, K = rows.logits.shape
-        valid_elems = rows.n.sum().double().cpu()
+        device = rows.n.device
+        host = device.type == "cpu"
+        c = self._sums(device)
+        here = (lambda t: t.cpu()) if host else (lambda t: t.to(c["rows"].dtype))  # noqa: E731
+        valid_elems = here(rows.n.sum().double())
         kept = rows.counts().sum((0, 2)).double()  # (H,)
         if rows.phase == "prefill":
-            self.prefill_kept[layer] += kept.cpu()
-            self.prefill_valid[layer] += valid_elems
+            c["prefill_kept"][layer] += here(kept)
+            c["prefill_valid"][layer] += valid_elems
         else:
-            self.decode_kept[layer] += kept.cpu()
-            self.decode_valid[layer] += valid_elems
+            c["decode_kept"][layer] += here(kept)
+            c["decode_valid"][layer] += valid_elems
             Hkv = self.num_kv_heads
             if rows.vrow_counts is not None:  # a kernel that reported the union counts itself
                 vrows = rows.vrow_counts.sum(0).double()
@@ -62,19 +130,23 @@ class SparsityStats:
                 vrows = valid_elems.expand(Hkv)
             else:
                 vrows = keep.reshape(B, Hkv, H // Hkv, Q, K).any(2).sum((0, 2, 3)).double()  # (Hkv,)
-            self.vrow_kept[layer] += vrows.cpu()
-            self.vrow_valid[layer] += valid_elems
-            self.decode_steps[layer] += 1
+            c["vrow_kept"][layer] += here(vrows)
+            c["vrow_valid"][layer] += valid_elems
+            c["decode_steps"][layer] += 1
         live = rows.n > 0  # (B, 1, Q)
-        self.rows[layer] += live.sum().double().cpu()
+        c["rows"][layer] += here(live.sum().double())
         if keep is not None or rows.kept_mass is not None:
             # The kernel reports each row's kept dense mass; rows without a valid key drop nothing.
             kept_mass = rows.kept_mass if rows.kept_mass is not None else (rows.probs * keep).sum(-1, keepdim=True)
             dropped = (1.0 - kept_mass.squeeze(-1)).clamp_min(0.0).masked_fill(~live, 0.0)  # (B, H, Q)
-            self.dropped_mass[layer] += dropped.sum((0, 2)).double().cpu()
+            c["dropped_mass"][layer] += here(dropped.sum((0, 2)).double())
         if rows.empty is not None:
-            self.empty_rows[layer] += rows.empty.sum((0, 2)).double().cpu()
-        self.clamped_rows += rows.clamped_rows
+            c["empty_rows"][layer] += here(rows.empty.sum((0, 2)).double())
+        clamped = rows.clamped_rows
+        if isinstance(clamped, torch.Tensor) and not host:
+            c["clamped"] += clamped.to(device)
+        else:
+            self._clamped += int(clamped)
 
     # --- the paper's ratios -------------------------------------------------------------------
     @property
@@ -129,17 +201,18 @@ class SparsityStats:
             "decode_steps": float(self.decode_steps.max()) if self.num_layers else 0.0,
             "clamped_rows": int(self.clamped_rows),
             "empty_rows": int(self.empty_rows.sum()),
+            "backend_calls": dict(self.backend_calls),
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        names = ["prefill_kept", "prefill_valid", "decode_kept", "decode_valid", "vrow_kept", "vrow_valid",
-                 "dropped_mass", "rows", "decode_steps", "empty_rows"]
-        return {name: getattr(self, name).clone() for name in names}
+        self._collect()
+        return {name: value.clone() for name, value in self._counters.items()}
 
     def to_json(self) -> dict:
         """Every counter as plain numbers (float64 round-trips through JSON exactly), for a run's checkpoint."""
         return {"shape": [self.num_layers, self.num_heads, self.num_kv_heads], "clamped_rows": int(self.clamped_rows),
-                **{name: value.tolist() for name, value in self.state_dict().items()}}
+                **{name: value.tolist() for name, value in self.state_dict().items()},
+                "backend_calls": dict(self.backend_calls)}
 
     @classmethod
     def from_json(cls, data: dict) -> "SparsityStats":
@@ -147,6 +220,7 @@ class SparsityStats:
         for name, value in out.state_dict().items():
             getattr(out, name).copy_(torch.tensor(data[name], dtype=value.dtype))
         out.clamped_rows = int(data["clamped_rows"])
+        out.backend_calls = dict(data.get("backend_calls") or {})
         return out
 
     def add(self, other: "SparsityStats") -> None:
@@ -158,6 +232,8 @@ class SparsityStats:
         for name, value in other.state_dict().items():
             getattr(self, name).add_(value)
         self.clamped_rows += other.clamped_rows
+        for name, calls in other.backend_calls.items():
+            self.backend_calls[name] = self.backend_calls.get(name, 0) + calls
 
     @contextlib.contextmanager
     def section(self):
@@ -166,12 +242,14 @@ class SparsityStats:
         This object keeps counting as before; the section is for statistics of a part of a run (one
         passkey length), computed exactly as the run's own (the same sums, restricted to the block).
         """
-        before, clamped = self.state_dict(), self.clamped_rows
+        before, clamped, calls = self.state_dict(), self.clamped_rows, dict(self.backend_calls)
         part = SparsityStats(self.num_layers, self.num_heads, self.num_kv_heads, enabled=self.enabled)
         yield part
         for name, old in before.items():
             getattr(part, name).copy_(getattr(self, name) - old)
         part.clamped_rows = self.clamped_rows - clamped
+        part.backend_calls = {name: n - calls.get(name, 0) for name, n in self.backend_calls.items()
+                              if n > calls.get(name, 0)}
 
     @contextlib.contextmanager
     def repeated(self, times: int):
@@ -189,6 +267,23 @@ class SparsityStats:
                 counter = getattr(self, name)
                 counter.add_((counter - old) * (times - 1))
             self.clamped_rows += (self.clamped_rows - clamped) * (times - 1)
+
+
+def _counter(name: str) -> property:
+    def read(self) -> torch.Tensor:
+        self._collect()
+        return self._counters[name]
+
+    def write(self, value: torch.Tensor) -> None:
+        self._collect()
+        self._counters[name] = value
+
+    return property(read, write, doc=f"(layers, ...) float64 sums: {name}")
+
+
+for _name in ("prefill_kept", "prefill_valid", "decode_kept", "decode_valid", "vrow_kept", "vrow_valid",
+              "dropped_mass", "rows", "decode_steps", "empty_rows"):
+    setattr(SparsityStats, _name, _counter(_name))
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float | None:

@@ -134,7 +134,10 @@ class Thresholds:
         table = self.table(which, n.device)[layer]  # (H|1, N)
         last = table.shape[-1] - 1
         idx = n.clamp(max=last)  # (B, 1, Q)
-        clamped = int((n > self._max_n).sum()) if last > 0 else 0
+        clamped = 0
+        if last > 0:  # a count; on an accelerator a device tensor, read when the statistics are read
+            clamped = (n > self._max_n).sum()
+            clamped = int(clamped) if n.device.type == "cpu" else clamped
         theta = table[:, idx.flatten()].view(table.shape[0], *n.shape).squeeze(2)  # (H|1, B, Q)
         return theta.permute(1, 0, 2), clamped  # (B, H|1, Q)
 

@@ -26,7 +26,8 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
                     ``granularity`` (``layer-head-n``), ``sigma_add`` (0.1)
 ``data_dir``        ``auto`` (shipped data / $TOPTHETA_DATA_DIR), ``hub`` or a folder: calibration data, and the
                     data of the offline tasks ``toptheta-eval`` runs
-``dtype``, ``device``, ``revision``, ``chunk_size``: loading and attention chunking
+``dtype``, ``device``, ``device_map``, ``revision``, ``chunk_size``: loading and attention chunking (``device=cuda``
+                    without CUDA is an error, never a silent CPU run; ``device_map=auto`` spreads a 70B model)
 ``decode_batch``    generation (generate_until) requests decoded together; default ``batch_size``
 ==================  =============================================================================================
 
@@ -96,7 +97,8 @@ class TopThetaLM(SharedContextHFLM):
                  thresholds: str | None = None, calib_task: str | None = None, calib_samples: int = 120,
                  calib_fewshot: int | None = None, granularity: str = "layer-head-n", sigma_add: float = 0.1,
                  data_dir: str | None = "auto", dtype: str = "float32", device: str | None = None,
-                 revision: str | None = None, chunk_size: int | None = None, **hflm_kwargs):
+                 device_map: str | None = None, revision: str | None = None, chunk_size: int | None = None,
+                 **hflm_kwargs):
         from .. import pipeline
         from ..models import load_model
         from .tasks import resolve_data_dir
@@ -120,12 +122,14 @@ class TopThetaLM(SharedContextHFLM):
                       "num_fewshot": calib_fewshot, "granularity": granularity, "sigma_add": float(sigma_add)}
         self.needs_thresholds = sparsifier == "toptheta" or self.comp["sdc"] == "calibrated"
         self.chunk_size = chunk_size
-        if device and device.startswith("cuda") and not torch.cuda.is_available():
-            log.warning("device=%s but CUDA is not available: using the CPU", device)
-            device = "cpu"
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device} but CUDA is not available on this machine (torch "
+                             f"{torch.__version__}); pass device=cpu to run on the CPU, or install a CUDA build of "
+                             "torch where a GPU is present")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
-        model, tokenizer, info = load_model(pretrained, dtype=dtype, device=device, revision=revision)
+        model, tokenizer, info = load_model(pretrained, dtype=dtype, device=device, device_map=device_map,
+                                            revision=revision)
         self.info = info
         super().__init__(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
         pipeline.check_sparsifies(self.sparse_cfg, info.num_layers, self.max_length, info.name)
@@ -205,11 +209,7 @@ class TopThetaLM(SharedContextHFLM):
         if total is None:
             self.task_stats[task] = stats
             return
-        for name, value in vars(stats).items():  # counters: tensors of sums, and integer counts
-            if isinstance(value, torch.Tensor):
-                getattr(total, name).add_(value)
-            elif isinstance(value, int) and not isinstance(value, bool) and not name.startswith("num_"):
-                setattr(total, name, getattr(total, name) + value)
+        total.add(stats)  # every counter, the clamped rows and the calls per backend
 
     # ---- what lands in lm-eval's results JSON ------------------------------------------------------------------
 

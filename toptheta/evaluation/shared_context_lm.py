@@ -221,7 +221,10 @@ class BatchedHFLM(HFLM):
         swapping instead of an out-of-memory error, so the CPU answer is the token budget's."""
         if self.device.type == "cpu":
             return max(1, min(self.max_batch_size, CPU_TOKEN_BUDGET // self.max_length))
-        return super()._detect_batch_size(requests, pos)
+        from ..attention.backend import statistics_paused
+
+        with statistics_paused(self.model):  # the probe's forwards are not evaluated requests: never counted
+            return super()._detect_batch_size(requests, pos)
 
     def _forward(self, ids, mask, pos, *, logits_to_keep: int | torch.Tensor, cache=None, use_cache: bool = False):
         """Logits (B, logits_to_keep, V) of the last positions, or of the positions a 1-D tensor ``logits_to_keep``

@@ -1,0 +1,415 @@
+"""The kernel registry (toptheta/attention/backends/): each backend serves exactly what it declares.
+
+Every backend is forced (``TOPTHETA_BACKEND``) on a grid of calls: where it declares support it must give the plain
+kernel's output and statistics and be the backend the statistics name; where it refuses, the forced call must fail
+with its reason. CPU kernels must refuse tensors of other devices (``meta`` here, CUDA where present), and the
+accelerator path must never read a tensor value on the host (``meta`` tensors cannot be read: a read raises).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+
+import toptheta
+from test_fast_paths import _configs, _decode_data, _prefill_data, tiny
+from toptheta.attention import backends, fused, fused_decode, fused_prefill
+from toptheta.attention.backends import AttentionCall
+
+CONFIGS = ["dense", "topk-post-vmc", "topk-pre-sdc-vmc", "theta-post-vmc", "theta-pre", "theta-pre-sdc-vmc",
+           "theta-pre-calsdc-vmc"]
+SHAPES = ["causal", "masked", "decode", "decode-bf16"]
+NAMES = [b.name for b in backends.backends()]
+
+
+def _data(shape: str):
+    if shape.startswith("decode"):
+        q, k, v, valid = _decode_data(dtype=torch.bfloat16 if shape == "decode-bf16" else torch.float32)
+        return (q, k, v, valid), "decode"
+    q, k, v, valid = _prefill_data()
+    return (q, k, v, valid if shape == "masked" else None), "prefill"
+
+
+def _attend(data, phase, sparsifier, comp):
+    q, k, v, valid = data
+    stats = toptheta.SparsityStats(num_layers=1, num_heads=q.shape[1], num_kv_heads=k.shape[1])
+    out = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=sparsifier, compensations=comp,
+                                    stats=stats, phase=phase)
+    return out, stats
+
+
+def _same_stats(a, b):
+    for name, x in a.state_dict().items():
+        torch.testing.assert_close(x, b.state_dict()[name], atol=1e-5, rtol=1e-5, msg=name)
+    for name in ("prefill_kept", "prefill_valid", "decode_kept", "decode_valid", "vrow_kept", "vrow_valid"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name  # counts: exactly
+    assert a.clamped_rows == b.clamped_rows
+
+
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_backend_serves_exactly_what_it_declares(monkeypatch, backend, shape, name):
+    sparsifier, comp = _configs()[name]
+    data, phase = _data(shape)
+    call = AttentionCall(*data, 0.5, 0, sparsifier, tuple(comp), None, None, None, None, None, phase)
+    call.forced = True
+    reason = backends.get(backend).refuse(call)
+    monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
+    reference, reference_stats = _attend(data, phase, sparsifier, comp)
+    monkeypatch.setenv("TOPTHETA_BACKEND", backend)
+    if reason is not None:
+        with pytest.raises(RuntimeError, match=re.escape(reason)):
+            _attend(data, phase, sparsifier, comp)
+        return
+    out, stats = _attend(data, phase, sparsifier, comp)
+    tol = 1e-2 if shape == "decode-bf16" else 1e-5
+    torch.testing.assert_close(out.float(), reference.float(), atol=tol, rtol=tol)
+    _same_stats(stats, reference_stats)
+    assert stats.backend_calls == {backend: 1} and reference_stats.backend_calls == {"plain": 1}
+
+
+# Today's choices on CPU (with the kernels built): the fast paths where they were before the registry existed.
+CHOICES = {
+    ("dense", "causal"): "cpu-prefill", ("dense", "decode"): "cpu-decode", ("dense", "decode-bf16"): "torch-decode",
+    ("topk-post-vmc", "causal"): "cpu-select", ("topk-post-vmc", "decode"): "torch-decode",
+    ("topk-pre-sdc-vmc", "masked"): "plain", ("topk-pre-sdc-vmc", "decode"): "torch-decode",
+    ("theta-post-vmc", "masked"): "cpu-prefill", ("theta-post-vmc", "decode"): "cpu-decode",
+    ("theta-pre-sdc-vmc", "causal"): "cpu-prefill", ("theta-pre-sdc-vmc", "decode-bf16"): "torch-decode",
+}
+
+
+@pytest.mark.parametrize("name,shape", list(CHOICES))
+def test_the_registry_chooses_todays_fast_path_on_cpu(monkeypatch, name, shape):
+    if any(m.extension() is None for m in (fused, fused_prefill, fused_decode)):
+        pytest.skip("the C++ kernels could not be built here")
+    monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
+    sparsifier, comp = _configs()[name]
+    data, phase = _data(shape)
+    _, stats = _attend(data, phase, sparsifier, comp)
+    assert stats.backend_calls == {CHOICES[name, shape]: 1}
+    assert stats.summary()["backend_calls"] == {CHOICES[name, shape]: 1}
+    assert toptheta.SparsityStats.from_json(stats.to_json()).backend_calls == stats.backend_calls
+
+
+def test_an_unknown_forced_backend_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TOPTHETA_BACKEND", "cuda-magic")
+    sparsifier, comp = _configs()["dense"]
+    data, phase = _data("causal")
+    with pytest.raises(ValueError, match="names no attention backend; known: .*plain"):
+        _attend(data, phase, sparsifier, comp)
+
+
+def test_a_new_backend_is_one_registration(monkeypatch):
+    """A backend added from outside the package is asked first by priority and named in the statistics."""
+
+    class Doubling:  # serves dense prefill only, by calling the plain kernel
+        name, priority = "test-dense", 99
+
+        def refuse(self, call):
+            return None if call.kind == "dense" and call.phase == "prefill" else "dense prefill only"
+
+        def run(self, call):
+            from toptheta.attention.kernel import plain_attention
+
+            return plain_attention(call)
+
+    monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
+    backends.register(Doubling())
+    try:
+        _, stats = _attend(*_data("causal"), *_configs()["dense"])
+        assert stats.backend_calls == {"test-dense": 1}
+        _, stats = _attend(*_data("causal"), *_configs()["theta-pre"])
+        assert "test-dense" not in stats.backend_calls
+    finally:
+        backends.unregister("test-dense")
+
+
+# ---- no CPU kernel sees another device's tensors; no host reads off the CPU -------------------------------------
+
+CPU_BACKENDS = ["cpu-prefill", "cpu-decode", "cpu-select", "torch-decode"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_backends_refuse_meta_tensors(monkeypatch, backend):
+    name = "theta-post-vmc"
+    sparsifier, comp = _configs()[name]
+    data, phase = _data("decode" if "decode" in backend else "causal")
+    data = tuple(t.to("meta") if t is not None else None for t in data)
+    monkeypatch.setenv("TOPTHETA_BACKEND", backend)
+    with pytest.raises(RuntimeError, match="on meta"):
+        _attend(data, phase, sparsifier, comp)
+
+
+def test_the_cpp_kernels_refuse_meta_tensors():
+    if any(m.extension() is None for m in (fused, fused_prefill, fused_decode)):
+        pytest.skip("the C++ kernels could not be built here")
+    meta = dict(device="meta")
+    message = "CPU kernel was handed tensors on another device"
+    s, theta, whole = torch.zeros(4, 8, **meta), torch.zeros(4, **meta), torch.zeros(4, dtype=torch.bool, **meta)
+    with pytest.raises(RuntimeError, match=message):
+        fused.extension().post_threshold(s, theta, whole)
+    with pytest.raises(RuntimeError, match=message):
+        fused.extension().post_topk(s, 2, whole)
+    q, k = torch.zeros(1, 2, 4, 16, **meta), torch.zeros(1, 1, 4, 16, **meta)
+    empty = torch.empty(0)
+    with pytest.raises(RuntimeError, match=message):
+        fused_prefill.extension().prefill(q, k, k, torch.empty(0, dtype=torch.bool), empty, empty, empty, empty, 0, 0,
+                                          0.0, 16, 16, False)
+    with pytest.raises(RuntimeError, match=message):
+        fused_decode.extension().decode(q[:, :, 0].contiguous(), k, k, torch.empty(0, dtype=torch.bool), empty, empty,
+                                        empty, empty, False, 0, 0.0, False, 512)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("shape", ["causal", "masked", "decode"])
+def test_off_the_cpu_no_layer_call_reads_a_tensor_on_the_host(monkeypatch, name, shape):
+    """Meta tensors have no values: any .item(), bool(), int() or .cpu() of one raises. The statistics stay on the
+    device and name the backend (sdpa for dense, the plain kernel otherwise)."""
+    monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
+    sparsifier, comp = _configs()[name]
+    data, phase = _data(shape)
+    data = tuple(t.to("meta") if t is not None else None for t in data)
+    out, stats = _attend(data, phase, sparsifier, comp)
+    assert out.device.type == "meta"
+    assert stats.backend_calls == {"sdpa" if name == "dense" else "plain": 1}
+    assert list(stats._on_device) == [torch.device("meta")]  # counted there, not yet read
+
+
+def test_device_counters_are_read_once_and_add_to_the_cpu_ones():
+    """The statistics' accelerator branch, with CPU tensors standing in for a device's counters."""
+    stats = toptheta.SparsityStats(1, 2, 1)
+    sums = stats._sums(torch.device("cpu"))
+    assert sums is stats._counters  # the CPU adds at once
+    stats._on_device[torch.device("meta")] = {name: torch.ones_like(v) for name, v in stats._counters.items()}
+    stats._on_device[torch.device("meta")]["clamped"] = torch.tensor(3)
+    assert stats.prefill_valid.sum() == 2 and stats.clamped_rows == 3 and not stats._on_device
+
+
+# ---- statistics: the backend is named; the batch-size probe is not counted -----------------------------------
+
+def test_statistics_name_the_backend_of_every_layer_call(monkeypatch):
+    monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
+    model = tiny("llama")
+    sparsifier, comp = _configs(layers=2)["topk-pre-sdc-vmc"]
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    with toptheta.sparsify(model, sparsifier, comp) as stats:
+        model(ids)
+    assert stats.backend_calls == {"plain": 2}  # one call per layer
+    monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
+    sparsifier, comp = _configs(layers=2)["dense"]
+    with toptheta.sparsify(model, sparsifier, comp) as stats:
+        model(ids)
+    assert stats.backend_calls == {"plain": 2}
+
+
+def test_paused_statistics_record_nothing():
+    model = tiny("llama")
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    with toptheta.sparsify(model, toptheta.TopK(3, "post")) as stats:
+        with stats.paused():
+            model(ids)
+        assert stats.summary()["prefill_attention_elements"] == 0 and stats.backend_calls == {}
+        model(ids)
+    assert stats.summary()["prefill_attention_elements"] > 0 and stats.enabled
+
+
+def test_the_batch_size_probe_is_not_counted(monkeypatch):
+    """batch_size="auto" on an accelerator runs HFLM's probe (forwards at the maximum length) inside the block: they
+    must not enter the kept fractions, which then equal a fixed batch size's."""
+    from lm_eval.models.huggingface import HFLM
+
+    from helpers_lm import load_tasks
+    from toptheta.attention import backend as backend_module
+    from toptheta.evaluation import lm_eval_adapter as adapter
+    from toptheta.evaluation.shared_context_lm import BatchedHFLM, SharedContextHFLM
+    from toptheta.models import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer, model = build_tiny_tokenizer(), build_tiny_model("llama")
+    task = load_tasks(["smoke"], None)["smoke"]
+    adapter._build_requests(task, num_fewshot=1, limit=3, seed=0)
+    requests = task.instances
+    sparsifier, comp = toptheta.TopK(k=8, placement="post"), [toptheta.VMC()]
+
+    def probe(self, requests=None, pos=0):  # what HFLM's probe does: all-ones forwards at the maximum length
+        self.model(torch.ones(2, 96, dtype=torch.long))
+        return 4
+
+    def score(batch_size, probing: bool):
+        lm = SharedContextHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        with toptheta.sparsify(model, sparsifier, comp) as stats:
+            if probing:
+                with monkeypatch.context() as m:  # the accelerator branch of the probe, on this CPU
+                    m.setattr(HFLM, "_detect_batch_size", probe)
+                    m.setattr(BatchedHFLM, "device", property(lambda self: torch.device("cuda")))
+                    assert lm._detect_batch_size() == 4
+            lm.loglikelihood(requests, disable_tqdm=True)
+        return stats.summary()
+
+    fixed, auto = score(4, probing=False), score("auto", probing=True)
+    for name in ("prefill_attention_elements", "kept_attention_fraction", "mean_dropped_mass"):
+        assert auto[name] == pytest.approx(fixed[name], rel=1e-6), name
+    with monkeypatch.context() as m:  # the same test without the pause fails: the probe's rows are counted
+        m.setattr(backend_module, "statistics_paused", lambda model: contextlib.nullcontext())
+        counted = score("auto", probing=True)
+    assert counted["prefill_attention_elements"] > fixed["prefill_attention_elements"]
+
+
+# ---- accelerators ----------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cpu_backends_refuse_cuda_tensors(monkeypatch, backend):
+    sparsifier, comp = _configs()["theta-post-vmc"]
+    data, phase = _data("decode" if "decode" in backend else "causal")
+    data = tuple(t.cuda() if t is not None else None for t in data)
+    monkeypatch.setenv("TOPTHETA_BACKEND", backend)
+    with pytest.raises(RuntimeError, match="on cuda"):
+        _attend(data, phase, sparsifier, comp)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("shape", ["causal", "masked", "decode"])
+def test_cuda_equals_the_cpu_reference_without_synchronising(monkeypatch, name, shape):
+    monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
+    sparsifier, comp = _configs()[name]
+    data, phase = _data(shape)
+    monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
+    reference, reference_stats = _attend(data, phase, sparsifier, comp)
+    monkeypatch.delenv("TOPTHETA_BACKEND")
+    data = tuple(t.cuda() if t is not None else None for t in data)
+    _attend(data, phase, sparsifier, comp)  # warm-up: the threshold tables move to the device once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, stats = _attend(data, phase, sparsifier, comp)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.cpu(), reference, atol=1e-4, rtol=1e-4)
+    _same_stats(stats, reference_stats)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_sparsified_model_forward_on_cuda_does_not_synchronise():
+    model = tiny("llama").cuda()
+    sparsifier, comp = _configs(layers=2)["theta-pre-sdc-vmc"]
+    ids = torch.randint(0, 97, (2, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding
+    with toptheta.sparsify(model, sparsifier, comp) as stats:
+        model(ids, attention_mask=mask)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(ids, attention_mask=mask)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert 0 < stats.kept_attention_fraction < 1
+
+
+# ---- building the C++ kernels: no stale-lock hang ----------------------------------------------------------------
+
+def test_a_build_removes_a_killed_builds_lock_and_a_held_one_times_out(tmp_path, monkeypatch, caplog):
+    """torch's extension builder waits forever on the lock file of a build that was killed; ours holds an OS lock
+    (released when its holder dies), so a lock file found under it is stale and removed, and a live holder makes
+    a build wait BUILD_LOCK_TIMEOUT at most, then fall back."""
+    import fcntl
+    import logging
+    from pathlib import Path
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("TOPTHETA_FUSED", "1")
+    seen = {}
+
+    def load_inline(name, build_directory, **kwargs):
+        seen["stale lock left"] = (Path(build_directory) / "lock").exists()
+        return "module"
+
+    monkeypatch.setattr(cpp, "load_inline", load_inline)
+    suffix = fused._target()[0]
+    directory = fused.build_directory(f"toptheta_test_{suffix}")
+    (directory / "lock").write_text("")  # torch's baton of a build that was killed
+    with caplog.at_level(logging.WARNING, logger="toptheta"):
+        assert fused.build("toptheta_test", "", [], "a test kernel", "nothing") == "module"
+    assert seen == {"stale lock left": False} and "stale build lock" in caplog.text
+    monkeypatch.setattr(fused, "BUILD_LOCK_TIMEOUT", 0.6)
+    with open(directory / "toptheta.lock", "a+") as other:  # another process building now
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with caplog.at_level(logging.WARNING, logger="toptheta"):
+            assert fused.build("toptheta_test", "", [], "a test kernel", "nothing") is None
+        assert "could not be built" in caplog.text and "building in" in caplog.text
+
+
+# ---- the Triton seam: what the backend hands the wrappers (the kernels' own tests live beside them) ------------
+
+def test_the_triton_backend_lowers_masks_thresholds_and_statistics(monkeypatch):
+    """A stand-in for ``toptheta.attention.triton`` records what the backend passes and answers with the plain
+    kernel's output and the rows' true counts: the backend must derive each sequence's key range from a left-padded
+    mask, hand the lowered θ rows, return transformers' layout and count rows as the plain kernel does."""
+    import types
+
+    from toptheta.attention.backends import triton as triton_backend
+
+    seen = {}
+    sparsifier, comp = _configs()["theta-pre-sdc-vmc"]
+    data, phase = _data("masked")
+    monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
+    reference, reference_stats = _attend(data, phase, toptheta.Dense(), [])
+    B, H, Q, _ = data[0].shape
+
+    def prefill_attention(query, key, value, **kwargs):
+        seen.update(kwargs)
+        n = data[3].sum(-1).expand(B, H, Q).int()  # the true row lengths of the mask
+        return types.SimpleNamespace(out=reference.transpose(1, 2), kept=n, kept_mass=torch.ones(B, H, Q),
+                                     empty=torch.zeros(B, H, Q, dtype=torch.bool), vrows=None)
+
+    fake = types.SimpleNamespace(prefill_attention=prefill_attention, decode_attention=None)
+    backends.register(triton_backend.TritonBackend(fake))
+    monkeypatch.setenv("TOPTHETA_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        out, stats = _attend(data, phase, toptheta.Dense(), [])
+        assert seen["key_start"].tolist() == [0, 5] and seen["q_offset"] == 0 and seen["theta"] is None
+        torch.testing.assert_close(out, reference)
+        _same_stats(stats, reference_stats)
+        assert stats.backend_calls == {"triton": 1}
+        out, stats = _attend(data, phase, sparsifier, comp)
+        call = AttentionCall(*data, 0.5, 0, sparsifier, tuple(comp), None, None, None, None, None, phase)
+        n = data[3].sum(-1)  # (B, 1, Q)
+        assert torch.equal(seen["theta"], call.thetas(n, causal=False)[0])
+        assert seen["placement"] == "pre" and seen["sdc"] == "exact" and seen["vmc"] is True
+        window = data[3] & torch.ones(Q, Q, dtype=torch.bool).triu(-3)  # a sliding window: not one key range
+        with pytest.raises(RuntimeError, match="not causal with left padding"):
+            _attend((*data[:3], window), phase, sparsifier, comp)
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(RuntimeError, match="CUDA tensors"):
+            _attend(data, phase, sparsifier, comp)
+    finally:
+        backends.unregister("triton")
+        if triton_backend.BACKEND is not None:
+            backends.register(triton_backend.BACKEND)
+
+
+def test_a_section_holds_the_backend_calls_made_inside_it(monkeypatch):
+    monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
+    stats = toptheta.SparsityStats(1, 6, 2)
+    q, k, v, valid = _prefill_data()
+    run = lambda: toptheta.sparse_attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=toptheta.TopK(3, "pre"),  # noqa
+                                            stats=stats)
+    run()
+    with stats.section() as part:
+        run()
+        run()
+    assert part.backend_calls == {"plain": 2} and stats.backend_calls == {"plain": 3}

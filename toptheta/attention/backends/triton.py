@@ -1,0 +1,150 @@
+"""Triton kernels (``toptheta.attention.triton``) as a backend. [THE TRITON SEAM]
+
+This file only lowers and forwards; the kernels and their wrappers live in ``toptheta/attention/triton/``
+(``prefill_attention``, ``decode_attention``: plain tensors in, a ``TritonAttention`` of device tensors out). It
+registers a backend only where that package imports and says Triton is ``available()``. It serves CUDA tensors,
+and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``) when forced with ``TOPTHETA_BACKEND=triton``
+(how tests run the very kernels a GPU compiles; never chosen on its own on a CPU, where the C++ kernels serve).
+
+Lowering (the rest comes from :class:`AttentionCall`, as for every backend): the mask becomes one key range per
+sequence, ``key_start`` (left padding) to K, with the queries at ``q_offset = K − Q`` (causal); a mask of another
+form (a sliding window, a bidirectional or hand-made one) goes to the other backends. θ per row is
+``call.thetas`` (rows kept whole get a θ that keeps every key), calibrated SDC's mass ``call.sdc_mass``. The
+kernels' per-row counts go to the statistics through the ``RowBlock`` fields the C++ kernels fill.
+A kernel that raises (a compile failure) is logged once and the plain kernel serves that call and later ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import weakref
+
+import torch
+
+from ...sparsifiers.base import RowBlock
+from . import Backend
+from .call import AttentionCall
+
+log = logging.getLogger("toptheta")
+
+
+def _kernels():
+    """``toptheta.attention.triton`` where it and Triton import, else None."""
+    try:
+        module = importlib.import_module("toptheta.attention.triton")
+    except ImportError:
+        return None
+    available = getattr(module, "available", None)
+    return module if available is None or available() else None
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    priority = 50
+
+    def __init__(self, module):
+        self.module = module
+        self.failed: set[str] = set()  # kernels that raised once: not asked again in this process
+
+    def refuse(self, call: AttentionCall) -> str | None:
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        if call.device.type != "cuda" and not (call.on_cpu and interpret and call.forced):
+            return (f"CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 and TOPTHETA_BACKEND=triton); got "
+                    f"{call.device}")
+        if call.kind not in ("dense", "toptheta"):
+            return f"dense and Top-θ only, not {call.kind}"
+        if call.observer is not None or call.softcap or call.bias is not None:
+            return "no observers, soft-capping or additive biases"
+        B, H, Hkv, Q, K = call.shape
+        if K == 0 or (call.valid is None and K < Q):
+            return "an empty cache, or a causal call with fewer keys than queries"
+        which = _which(call)
+        if which in self.failed:
+            return f"its {which} kernel failed earlier in this process"
+        if _segments(call) is None:
+            return "the mask is not causal with left padding (one key range per sequence)"
+        return None
+
+    def run(self, call: AttentionCall):
+        which = _which(call)
+        try:
+            return self._run(call, which)
+        except Exception as err:  # noqa: BLE001 (a compile failure or an unsupported shape: the plain kernel serves)
+            if not isinstance(err, ValueError):  # a shape the wrapper refuses is not a broken kernel
+                self.failed.add(which)
+            log.warning("toptheta: the Triton %s kernel cannot run this call (%s); using the plain kernel", which,
+                        str(err).splitlines()[0] if str(err) else type(err).__name__)
+            from ..kernel import plain_attention
+
+            return plain_attention(call)
+
+    def _run(self, call: AttentionCall, which: str):
+        B, H, Hkv, Q, K = call.shape
+        key_start, q_offset = _segments(call)
+        # valid keys of each row (B, 1, Q): [key_start, position] with the queries at q_offset .. q_offset + Q − 1
+        pos = q_offset + torch.arange(Q, device=call.device)
+        n = (pos[None, :] + 1 - key_start[:, None]).clamp(min=0).view(B, 1, Q)
+        sparse = call.kind == "toptheta"
+        theta = mass = None
+        clamped = 0
+        if sparse:
+            theta, _, clamped = call.thetas(n, causal=call.valid is None)
+            if call.sdc_mode == 3:
+                mass = call.sdc_mass(n)
+        kernel = self.module.decode_attention if which == "decode" else self.module.prefill_attention
+        result = kernel(call.query, call.key, call.value, scaling=call.scaling, theta=theta,
+                        placement=call.placement if sparse else None, key_start=key_start, key_end=K,
+                        q_offset=q_offset, causal=True, window=None, sdc=call.sdc.estimator if call.sdc else None,
+                        sdc_scale=call.sdc_scale if call.sdc else 1.0, sdc_mass=mass, vmc=call.vmc, empty_rows=call.empty_rows)
+        if call.counting:
+            rows = RowBlock(call.layer, call.phase, torch.zeros((), device=call.device).expand(B, H, Q, K), n)
+            rows.kept_counts = result.kept.long()
+            rows.clamped_rows = clamped
+            if sparse:
+                rows.kept_mass = result.kept_mass.float().unsqueeze(-1)
+                rows.empty = result.empty.bool()
+                if call.phase == "decode" and result.vrows is not None:
+                    rows.vrow_counts = result.vrows.sum(-1)  # (B, Hkv) the union over each group's heads
+            call.stats.update(rows)
+        out = result.out.transpose(1, 2)  # (B, Q, H, Dv)
+        return out if out.dtype == call.query.dtype else out.to(call.query.dtype)
+
+
+def _which(call: AttentionCall) -> str:
+    """Decode steps (their V-row statistics need the group's union) go to the decode kernel, the rest to prefill."""
+    return "decode" if call.phase == "decode" else "prefill"
+
+
+def _segments(call: AttentionCall):
+    """(key_start (B,) int32, q_offset) of a causal call with left padding, or None for a mask of another form.
+
+    A causal call (valid None) needs no mask. A mask is checked once per mask tensor (transformers hands every layer
+    of a forward the same one): the only host read of a forward on this path.
+    """
+    B, H, Hkv, Q, K = call.shape
+    device = call.device
+    if call.valid is None:
+        return torch.zeros(B, dtype=torch.int32, device=device), K - Q
+    memo = _SEGMENTS.get(id(call.valid))
+    if memo is not None and memo[0]() is call.valid and memo[1] == (B, Q, K):
+        return memo[2]
+    valid = call.valid.expand(B, 1, Q, K)[:, 0]  # (B, Q, K)
+    last = valid[:, -1]  # (B, K): the last query sees every key of its sequence
+    key_start = torch.where(last.any(-1), last.int().argmax(-1), K).int()
+    j = torch.arange(K, device=device)
+    position = (K - Q) + torch.arange(Q, device=device)
+    rebuilt = (j >= key_start[:, None, None]) & (j <= position[None, :, None])  # (B, Q, K)
+    result = (key_start, K - Q) if bool(torch.equal(rebuilt, valid)) else None
+    if len(_SEGMENTS) > 64:  # masks of forwards gone by
+        _SEGMENTS.clear()
+    _SEGMENTS[id(call.valid)] = (weakref.ref(call.valid), (B, Q, K), result)
+    return result
+
+
+# id(mask) -> (weak reference to it, (B, Q, K), segments). Keyed by id: a tensor's == is elementwise.
+_SEGMENTS: dict[int, tuple] = {}
+
+_MODULE = _kernels()
+BACKEND = TritonBackend(_MODULE) if _MODULE is not None else None  # registered only where the kernels exist
