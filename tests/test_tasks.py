@@ -263,6 +263,26 @@ def test_offline_yamls_resolve_against_the_shipped_data():
 # ---------------------------------------------------------------- calibration requests
 
 
+def test_prompts_from_compiled_templates_are_lm_evals_own(monkeypatch):
+    """lm-eval compiles a prompt template on every use; ours compiles each once: the same prompts, byte for byte."""
+    from lm_eval import utils
+
+    def requests():
+        resolved = resolve_data_dir("auto")
+        with adapter.task_include_paths(["arc_easy"], resolved) as include_paths:
+            task = adapter._load_tasks(adapter._task_manager(include_paths), ["arc_easy"], resolved,
+                                       "first_n")["arc_easy"]
+            adapter._build_requests(task, 5, 6, 1234)
+        return [instance.args for instance in task.instances]
+
+    cached = requests()
+    assert utils.apply_template._toptheta_cached and utils.apply_template.compiled.cache_info().hits > 0
+    monkeypatch.setattr(adapter, "_compile_templates_once", lambda: None)
+    monkeypatch.setattr(utils, "apply_template", utils.apply_template.stock)  # lm-eval's own, compiling each time
+    assert requests() == cached and len(cached) == 6 * 4
+    assert not getattr(utils.apply_template, "_toptheta_cached", False)
+
+
 def test_calibration_requests_on_smoke_are_deterministic(tokenizer):
     kwargs = {"data_dir": None, "num_fewshot": 1, "limit": 4, "max_length": None, "seed": 7}
     first = adapter.calibration_requests(tokenizer, "smoke", **kwargs)

@@ -70,7 +70,33 @@ def _task_manager(include_paths: list[str], stock: bool = False) -> TaskManager:
     """
     from lm_eval.tasks import TaskManager
 
+    _compile_templates_once()
     return TaskManager(include_path=include_paths, include_defaults=stock)
+
+
+def _compile_templates_once() -> None:
+    """Make lm-eval compile each prompt template once instead of once per use (the same text, ~10× faster prompts).
+
+    lm-eval 0.4.13 renders ``doc_to_text``/``doc_to_target``/``doc_to_choice`` through ``utils.apply_template``, which
+    compiles its Jinja template from the string on every call: a 25-shot question renders ~80 templates, and building
+    ARC-Easy's 2,376 25-shot contexts took 5 minutes here, 90 % of it in Jinja's compiler. The compiled templates
+    are kept per template text in the same environment, so every rendering is what lm-eval's own would be.
+    """
+    import functools
+
+    from lm_eval import utils
+
+    if getattr(utils.apply_template, "_toptheta_cached", False):
+        return
+    compile_template = functools.lru_cache(maxsize=4096)(utils.env.from_string)
+
+    def apply_template(template: str, doc: dict) -> str:
+        return compile_template(template).render(**doc)
+
+    apply_template._toptheta_cached = True  # type: ignore[attr-defined]
+    apply_template.compiled = compile_template  # type: ignore[attr-defined]  (its cache_info() counts the reuse)
+    apply_template.stock = utils.apply_template  # type: ignore[attr-defined]
+    utils.apply_template = apply_template
 
 
 def is_catalogued(task: str) -> bool:
