@@ -104,13 +104,14 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
             calib_cfg["fewshot_sampler"] = task["fewshot_sampler"]
     label = sparsifier["name"] if sparsifier["name"] == "dense" else f"{sparsifier['name']}-{placement}"
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}
-    if sparse.get("empty_rows") is None:  # only Top-θ has the rule: other run ids stay as they were
-        sparse.pop("empty_rows", None)
+    for key in ("empty_rows", "p", "lam"):  # only Top-θ / the baselines have these: other run ids stay as they were
+        if sparse.get(key) is None:
+            sparse.pop(key, None)
     target_rows = None
     if sparse.get("target_kept") is None:  # runs given by k keep the ids they had before the knob existed
         sparse.pop("target_kept", None)
-    else:  # matched sparsity: k is resolved on calibration rows built as the evaluated ones
-        sparse["k"] = None
+    else:  # matched sparsity: k (a baseline's p or λ) is resolved on calibration rows built as the evaluated ones
+        sparse[_tuned_key(sparse["name"])] = None
         target_rows = {"task": calib_task or task.get("calib_task") or _evaluated_task(task),
                        "num_fewshot": calib_cfg["num_fewshot"] if calib_cfg else task.get("num_fewshot"),
                        "num_samples": calib.get("num_samples"), "seed": calib.get("seed", 0),
@@ -123,6 +124,13 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         spec.config["task"] = {**spec.config["task"], "prefix_cache": prefix_cache}  # nor this (after the id)
         spec.log_samples = bool(c["log_samples"])
     return specs
+
+
+def _tuned_key(name: str) -> str:
+    """The sparsifier field sparsifier.target_kept resolves: k, or a baseline's own parameter (p, lam)."""
+    from .calibration.target_param import PARAMETERS
+
+    return PARAMETERS[name].key if name in PARAMETERS else "k"
 
 
 def _evaluated_task(task: dict) -> str | None:
@@ -201,12 +209,16 @@ def _compensation(comp: dict, thresholds=None) -> list:
 
 
 def build_sparsifier(sparsifier: dict, thresholds=None):
-    from . import Dense, TopK, TopTheta
+    from . import Dense, SkipSoftmax, TopK, TopP, TopTheta
 
     if sparsifier["name"] == "dense":
         return Dense()
     if sparsifier["name"] == "topk":
         return TopK(sparsifier["k"], sparsifier["placement"], sparsifier.get("layer_k"))
+    if sparsifier["name"] == "topp":
+        return TopP(sparsifier["p"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
+    if sparsifier["name"] == "skipsoftmax":
+        return SkipSoftmax(sparsifier["lam"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
     return TopTheta(thresholds, sparsifier["placement"], empty_rows=sparsifier.get("empty_rows") or "keep-max")
 
 
@@ -412,8 +424,8 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
                     thresholds_ref=thresholds_ref, extra={"label": spec.label},
                     texts={"invocation.json": json.dumps(invocation or {}, indent=2, default=str) + "\n"},
                     copies={"thresholds.safetensors": thresholds_ref} if thresholds_ref else None)
-    rows = summary_rows(spec.run_id, config, results, summary,
-                        overrides={"k": target["k"]} if target is not None else None)
+    rows = summary_rows(spec.run_id, config, results, summary,  # matched sparsity: the k (p, lam) chosen
+                        overrides={key: target[key] for key in ("k", "p", "lam") if key in target} if target else None)
     store.append_summary(rows)
     if checkpoint is not None:
         shutil.rmtree(checkpoint, ignore_errors=True)  # the run is stored: its parts are no longer needed
@@ -445,6 +457,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
 
     from . import sparsify
     from .calibration.target_kept import resolve_k
+    from .calibration.target_param import PARAMETERS, fit_parameter
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
 
     target = spec.config["sparsifier"].get("target_kept")
@@ -458,24 +471,34 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     layer_k = spec.config["sparsifier"].get("layer_k") or {}
     num_layers = model.config.get_text_config().num_hidden_layers
 
-    def with_k(k: int) -> RunSpec:
+    def with_k(k, key: str = "k") -> RunSpec:
         resolved = copy.copy(spec)
         resolved.config = copy.deepcopy(spec.config)
-        resolved.config["sparsifier"]["k"] = k
+        resolved.config["sparsifier"][key] = k
         return resolved
 
-    def measure(k: int) -> float:
-        candidate = with_k(k)
-        with _thresholds_claim(candidate, model):
-            thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
+    def measure(k, key: str = "k") -> float:
+        candidate = with_k(k, key)
+        thresholds = None
+        if candidate.thresholds is not None:
+            with _thresholds_claim(candidate, model):
+                thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
         sparsifier = build_sparsifier(candidate.config["sparsifier"], thresholds)
         with torch.no_grad(), sparsify(model, sparsifier, _compensation(candidate.config["comp"], thresholds)) as stats:
             for ids in sequences[:MEASURE_SEQUENCES]:
                 model(input_ids=torch.tensor([ids], device=model.device))
-        log.info("target_kept=%g: k=%d keeps %.4f on %d calibration rows", target, k, stats.kept_attention_fraction,
-                 min(len(sequences), MEASURE_SEQUENCES))
+        log.info("target_kept=%g: %s=%g keeps %.4f on %d calibration rows", target, key, k,
+                 stats.kept_attention_fraction, min(len(sequences), MEASURE_SEQUENCES))
         return stats.kept_attention_fraction
 
+    name = spec.config["sparsifier"]["name"]
+    if name in PARAMETERS:  # a baseline: its own parameter (p, λ) is bisected, k keeps only rows whole
+        key = PARAMETERS[name].key
+        value, kept, tried = fit_parameter(target, PARAMETERS[name], lambda v: measure(v, key))
+        log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
+                 rows["task"])
+        return with_k(value, key), {"target_kept": target, key: value, "calibration_kept": kept, "tried": tried,
+                                    "calibration_sequences": len(sequences)}
     k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
                                measure if spec.thresholds is not None else None)
     log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows["task"])
