@@ -102,6 +102,8 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
                      else task.get("num_fewshot")}
         if task.get("fewshot_sampler") not in (None, "default"):  # calibration rows built as the evaluated ones
             calib_cfg["fewshot_sampler"] = task["fewshot_sampler"]
+        if calib_cfg.get("beyond") == "clamp":  # the rule before calib.beyond existed: run ids stay as they were
+            calib_cfg.pop("beyond")
     label = sparsifier["name"] if sparsifier["name"] == "dense" else f"{sparsifier['name']}-{placement}"
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}
     for key in ("empty_rows", "p", "lam"):  # only Top-θ / the baselines have these: other run ids stay as they were
@@ -232,7 +234,7 @@ def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
     """
     from .calibration import calibration_compensation, compensation_labels
 
-    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma", "compensation")}
+    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma", "compensation", "beyond")}
     sparsifier = spec.config["sparsifier"]
     applied = calibration_compensation(_compensation(spec.config["comp"]), sparsifier["placement"],
                                        spec.thresholds.get("compensation", "run"), spec.thresholds.get("tac", True))
@@ -270,9 +272,10 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
     path = thresholds_dir() / spec.config["model"]["name"] / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
     options = {"lookup": calib.get("lookup", "nearest"), "smooth_sigma": calib.get("smooth_sigma", 0.0)}
+    beyond = calib.get("beyond", "clamp")  # rows past the calibrated lengths (calibration/beyond.py): at run time
     if path.is_file():
         log.info("thresholds: reusing %s", path)
-        return Thresholds.load(path, model, **options), str(path)
+        return Thresholds.load(path, model, **options, beyond=beyond), str(path)
     t0 = time.time()
     thresholds = calibrate_on_task(
         model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
@@ -290,6 +293,8 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     )
     thresholds.save(path)
     log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
+    if beyond != "clamp":  # the file holds what was calibrated; the rule is how it is read
+        thresholds = Thresholds.load(path, model, **options, beyond=beyond)
     return thresholds, str(path)
 
 
