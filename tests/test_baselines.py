@@ -142,7 +142,8 @@ def test_rows_with_at_most_k_keys_are_kept_whole():
         assert not bool(whole.all(-1).permute(0, 2, 1)[~short].all())  # longer rows are sparsified
 
 
-@pytest.mark.parametrize("bad,message", [(lambda: toptheta.TopP(0.0), r"\(0, 1\]"), (lambda: toptheta.TopP(1.5), "p in"),
+@pytest.mark.parametrize("bad,message", [(lambda: toptheta.TopP(0.0), r"\(0, 1\]"),
+                                         (lambda: toptheta.TopP(1.5), "p in"),
                                          (lambda: toptheta.SkipSoftmax(0.0), "λ > 0"),
                                          (lambda: toptheta.SkipSoftmax(math.inf), "finite"),
                                          (lambda: toptheta.TopP(0.5, k=0), "integer ≥ 1"),

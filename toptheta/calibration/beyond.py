@@ -41,8 +41,8 @@ TINY = torch.finfo(torch.float32).tiny
 
 def check_rule(rule: str) -> str:
     if rule not in RULES:
-        raise ValueError(f"beyond must be one of {RULES} (rows longer than any calibrated row: clamp uses the θ of the "
-                         f"longest, fit extrapolates a law of θ against n), got {rule!r}")
+        raise ValueError(f"beyond must be one of {RULES} (rows longer than any calibrated row: clamp uses the θ of "
+                         f"the longest, fit extrapolates a law of θ against n), got {rule!r}")
     return rule
 
 
@@ -102,7 +102,7 @@ def choose(n: torch.Tensor, theta: torch.Tensor, placement: str,
     if len(n) < MIN_LENGTHS:
         return 0, 0.0, 0.0
     x = n.log()
-    unit = theta if placement == "pre" else theta.clamp_min(TINY).log()  # where errors are measured
+    unit = _unit(theta, placement)  # where errors are measured
     held = max(1, int(len(n) * HOLD_OUT))
     train = slice(0, len(n) - held)
     candidates = ("flat", "log") if placement == "pre" else ("flat", "log", "power")
@@ -112,7 +112,8 @@ def choose(n: torch.Tensor, theta: torch.Tensor, placement: str,
         if coef is None:
             continue
         predicted = _predict(name, coef, x[-held:], theta[train][-1], placement)
-        error = float((weights[-held:] * (_unit(predicted, placement) - unit[-held:]) ** 2).sum() / weights[-held:].sum())
+        residual = _unit(predicted, placement) - unit[-held:]
+        error = float((weights[-held:] * residual ** 2).sum() / weights[-held:].sum())
         if best_error == math.inf or error < best_error - 1e-9 * max(1.0, best_error):  # ties: the simpler law
             best, best_error = name, error
     coef = _fit(best, x, theta, weights) if best != "flat" else None
@@ -144,4 +145,5 @@ def _predict(name: str, coef: tuple[float, float], x: torch.Tensor, flat: torch.
 
 
 def _unit(theta: torch.Tensor, placement: str) -> torch.Tensor:
+    """θ in the units errors are measured in: logits before the softmax, log-probabilities after it."""
     return theta if placement == "pre" else theta.clamp_min(TINY).log()
