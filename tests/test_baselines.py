@@ -337,3 +337,13 @@ def test_new_fields_leave_existing_run_ids_alone(tmp_path):
     assert a.run_id != b.run_id and a.thresholds is None
     fitted = pipeline.plan(cfg(*base, "sparsifier=skipsoftmax", "sparsifier.target_kept=0.1"))[-1]
     assert fitted.config["sparsifier"]["lam"] is None and fitted.config["target"]["task"]  # fitted at run time
+
+
+def test_wandb_run_names_carry_the_baselines_parameter():
+    from types import SimpleNamespace
+
+    from toptheta.results.wandb_logger import run_name
+
+    spec = SimpleNamespace(label="skipsoftmax-pre", run_id="a" * 16)
+    rows = [{"model": "m", "k": None, "lam": 0.5, "comp": "none", "task": "smoke", "calib_beyond": None}]
+    assert run_name(spec, rows) == "m skipsoftmax-pre lam=0.5 smoke [aaaaaaaa]"
