@@ -456,7 +456,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     attention elements on its calibration rows, the record of the choice); other runs: (``spec``, None).
 
     Top-k's fraction follows from the rows' lengths; Top-θ's is measured with the thresholds of each k tried
-    (calibrated and cached as any run's). Fails with the fix when the target is below what k = 1 keeps."""
+    (calibrated and cached as any run's); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
+    fraction (calibration/target_param.py). Fails with the fix when the target is out of reach."""
     import copy
 
     import torch
@@ -477,14 +478,14 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     layer_k = spec.config["sparsifier"].get("layer_k") or {}
     num_layers = model.config.get_text_config().num_hidden_layers
 
-    def with_k(k, key: str = "k") -> RunSpec:
+    def with_value(k, key: str = "k") -> RunSpec:  # the spec with sparsifier.<key> (k, p or lam) resolved
         resolved = copy.copy(spec)
         resolved.config = copy.deepcopy(spec.config)
         resolved.config["sparsifier"][key] = k
         return resolved
 
     def measure(k, key: str = "k") -> float:
-        candidate = with_k(k, key)
+        candidate = with_value(k, key)
         thresholds = None
         if candidate.thresholds is not None:
             with _thresholds_claim(candidate, model):
@@ -503,13 +504,13 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         value, kept, tried = fit_parameter(target, PARAMETERS[name], lambda v: measure(v, key))
         log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
                  rows["task"])
-        return with_k(value, key), {"target_kept": target, key: value, "calibration_kept": kept, "tried": tried,
-                                    "calibration_sequences": len(sequences)}
+        return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,
+                                        "tried": tried, "calibration_sequences": len(sequences)}
     k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
                                measure if spec.thresholds is not None else None)
     log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows["task"])
-    return with_k(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
-                       "calibration_sequences": len(sequences)}
+    return with_value(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
+                           "calibration_sequences": len(sequences)}
 
 
 STOP_FILE = "STOP"
