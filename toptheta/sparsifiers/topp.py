@@ -45,7 +45,7 @@ class TopP(Sparsifier):
         ranked = torch.sort(rows.logits, dim=-1, descending=True).values  # (B, H, Q, K), -inf (invalid) last
         e = (ranked.double() - rows.row_max.double()).exp_()  # (B, H, Q, K) exp(s − m), 0 where invalid
         running = e.cumsum(-1)  # (B, H, Q, K) mass up to each ranked key; the last is the row's total
-        before = running - e  # mass strictly before each ranked key
+        before = e.neg_().add_(running)  # mass strictly before each ranked key (in e's buffer)
         needed = (before < self.p * running[..., -1:]).sum(-1, keepdim=True)  # (B, H, Q, 1) keys to reach p
         boundary = ranked.gather(-1, (needed - 1).clamp_min(0))  # (B, H, Q, 1) score of the last key needed
         keep = (rows.logits >= boundary) & rows.valid  # ties with the boundary kept; rows without keys keep none
