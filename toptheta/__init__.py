@@ -16,7 +16,7 @@ put one name in lm-eval's model registry, ``toptheta``, as a lazy "module:class"
 from .attention import SparsityStats, sparse_attention, sparsify
 from .calibration import Thresholds, calibrate
 from .compensation import SDC, VMC
-from .sparsifiers import Dense, RowBlock, Sparsifier, TopK, TopTheta
+from .sparsifiers import Dense, RowBlock, SkipSoftmax, Sparsifier, TopK, TopP, TopTheta
 
 __version__ = "0.1.0"
 
@@ -41,6 +41,6 @@ def _register_lm_eval_model() -> None:
 _register_lm_eval_model()
 
 __all__ = [
-    "SDC", "VMC", "Dense", "RowBlock", "Sparsifier", "SparsityStats", "Thresholds", "TopK", "TopTheta",
+    "SDC", "VMC", "Dense", "RowBlock", "Sparsifier", "SparsityStats", "Thresholds", "TopK", "TopTheta", "TopP", "SkipSoftmax",
     "calibrate", "sparse_attention", "sparsify",
 ]

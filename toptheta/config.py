@@ -36,13 +36,15 @@ def _choices(name: str, *values: str) -> type[Choice]:
 
 
 Dtype = _choices("Dtype", "float32", "float16", "bfloat16", "auto")
-SparsifierName = _choices("SparsifierName", "dense", "topk", "toptheta")
+SparsifierName = _choices("SparsifierName", "dense", "topk", "toptheta", "topp", "skipsoftmax")
+BASELINES = ("topp", "skipsoftmax")  # rules with a parameter of their own (p, λ) instead of a budget k
 Placement = _choices("Placement", "pre", "post", "auto")
 EmptyRows = _choices("EmptyRows", "keep-max", "reference")  # toptheta.sparsifiers.toptheta.EMPTY_ROWS
 SdcEstimator = _choices("SdcEstimator", "exact", "exp-threshold", "calibrated")
 Statistic = _choices("Statistic", "order", "target-k")
 Granularity = _choices("Granularity", "layer", "layer-n", "layer-head", "layer-head-n")
 Lookup = _choices("Lookup", "nearest", "linear")
+Beyond = _choices("Beyond", "clamp", "fit")  # toptheta.calibration.beyond.RULES
 CalibCompensation = _choices("CalibCompensation", "run", "reference", "none")
 TaskKind = _choices("TaskKind", "lm_eval", "humaneval", "passkey")
 FewshotSampler = _choices("FewshotSampler", "default", "first_n")  # lm-eval's samplers
@@ -81,6 +83,10 @@ class SparsifierConfig:
     # Matched sparsity: the fraction of attention elements the run keeps, on the calibration rows; k is then
     # resolved per run (calibration/target_kept.py) and sparsifier.k is ignored. Part of the run id when set.
     target_kept: Optional[float] = None
+    # The baselines' own parameters (null elsewhere, and then out of the run id): topp's probability mass p,
+    # skipsoftmax's λ. With target_kept set, the parameter is fitted instead (calibration/target_param.py).
+    p: Optional[float] = None
+    lam: Optional[float] = None
 
 
 @dataclass
@@ -105,6 +111,9 @@ class CalibConfig:
     decode_tokens: int = 0
     lookup: Lookup = Lookup["nearest"]
     smooth_sigma: float = 0.0
+    # Rows longer than any calibrated row: clamp (θ of the longest) or fit (a law of θ against n per layer and head,
+    # calibration/beyond.py). A run-time lookup option; clamp stays out of the run id.
+    beyond: Beyond = Beyond["clamp"]
 
 
 @dataclass
@@ -203,9 +212,15 @@ def check(cfg: Any) -> None:
          "sparsifier.target_kept", target, "null (k decides) or a fraction in (0, 1), e.g. sparsifier.target_kept=0.1")
     need(target is None or str(get(sparsifier, "name")) != "dense", "sparsifier.target_kept", target,
          "null for dense attention (it keeps everything)")
-    if str(get(sparsifier, "name")) != "dense" and target is None:
+    name = str(get(sparsifier, "name"))
+    if name in BASELINES:
+        _check_baseline(name, sparsifier, comp, get, need)
+    elif name != "dense" and target is None:
         need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
         need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
+    for key, owner in (("p", "topp"), ("lam", "skipsoftmax")):
+        need(get(sparsifier, key) is None or name == owner, f"sparsifier.{key}", get(sparsifier, key),
+             f"null: only sparsifier={owner} reads it")
     for layer, layer_k in dict(get(sparsifier, "layer_k") or {}).items():
         need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
              "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
@@ -222,6 +237,23 @@ def check(cfg: Any) -> None:
         need(value is None or is_int(value, minimum), key, value, f"null or an integer >= {minimum}")
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _check_baseline(name: str, sparsifier: Any, comp: Any, get, need) -> None:
+    """topp and skipsoftmax: their parameter (unless target_kept fits it), an optional k, SDC only as the exact mass."""
+    k, target, p, lam = (get(sparsifier, key) for key in ("k", "target_kept", "p", "lam"))
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if name == "topp":
+        need(target is not None or (number(p) and 0 < p <= 1), "sparsifier.p", p,
+             "a probability mass in (0, 1], e.g. sparsifier.p=0.9 (or sparsifier.target_kept=0.1 to fit it)")
+    else:
+        need(target is not None or (number(lam) and 0 < lam < float("inf")), "sparsifier.lam", lam,
+             "a finite λ > 0, e.g. sparsifier.lam=1.0 (or sparsifier.target_kept=0.1 to fit it)")
+    need(k is None or is_int(k, 1), "sparsifier.k", k, "null (every row sparsified) or an integer >= 1 (rows with at "
+         "most k keys kept whole)")
+    need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
+    need(get(comp, "sdc") in (None, "exact"), "comp.sdc", get(comp, "sdc"),
+         f"null or exact for sparsifier={name} (exp-threshold and calibrated SDC need Top-θ's or Top-k's thresholds)")
 
 
 def _check_task(task: Any, get, need) -> None:

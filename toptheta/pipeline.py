@@ -102,15 +102,18 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
                      else task.get("num_fewshot")}
         if task.get("fewshot_sampler") not in (None, "default"):  # calibration rows built as the evaluated ones
             calib_cfg["fewshot_sampler"] = task["fewshot_sampler"]
+        if calib_cfg.get("beyond") == "clamp":  # the rule before calib.beyond existed: run ids stay as they were
+            calib_cfg.pop("beyond")
     label = sparsifier["name"] if sparsifier["name"] == "dense" else f"{sparsifier['name']}-{placement}"
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}
-    if sparse.get("empty_rows") is None:  # only Top-θ has the rule: other run ids stay as they were
-        sparse.pop("empty_rows", None)
+    for key in ("empty_rows", "p", "lam"):  # only Top-θ / the baselines have these: other run ids stay as they were
+        if sparse.get(key) is None:
+            sparse.pop(key, None)
     target_rows = None
     if sparse.get("target_kept") is None:  # runs given by k keep the ids they had before the knob existed
         sparse.pop("target_kept", None)
-    else:  # matched sparsity: k is resolved on calibration rows built as the evaluated ones
-        sparse["k"] = None
+    else:  # matched sparsity: k (a baseline's p or λ) is resolved on calibration rows built as the evaluated ones
+        sparse[_tuned_key(sparse["name"])] = None
         target_rows = {"task": calib_task or task.get("calib_task") or _evaluated_task(task),
                        "num_fewshot": calib_cfg["num_fewshot"] if calib_cfg else task.get("num_fewshot"),
                        "num_samples": calib.get("num_samples"), "seed": calib.get("seed", 0),
@@ -123,6 +126,13 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         spec.config["task"] = {**spec.config["task"], "prefix_cache": prefix_cache}  # nor this (after the id)
         spec.log_samples = bool(c["log_samples"])
     return specs
+
+
+def _tuned_key(name: str) -> str:
+    """The sparsifier field sparsifier.target_kept resolves: k, or a baseline's own parameter (p, lam)."""
+    from .calibration.target_param import PARAMETERS
+
+    return PARAMETERS[name].key if name in PARAMETERS else "k"
 
 
 def _evaluated_task(task: dict) -> str | None:
@@ -201,12 +211,16 @@ def _compensation(comp: dict, thresholds=None) -> list:
 
 
 def build_sparsifier(sparsifier: dict, thresholds=None):
-    from . import Dense, TopK, TopTheta
+    from . import Dense, SkipSoftmax, TopK, TopP, TopTheta
 
     if sparsifier["name"] == "dense":
         return Dense()
     if sparsifier["name"] == "topk":
         return TopK(sparsifier["k"], sparsifier["placement"], sparsifier.get("layer_k"))
+    if sparsifier["name"] == "topp":
+        return TopP(sparsifier["p"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
+    if sparsifier["name"] == "skipsoftmax":
+        return SkipSoftmax(sparsifier["lam"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
     return TopTheta(thresholds, sparsifier["placement"], empty_rows=sparsifier.get("empty_rows") or "keep-max")
 
 
@@ -220,7 +234,7 @@ def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
     """
     from .calibration import calibration_compensation, compensation_labels
 
-    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma", "compensation")}
+    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma", "compensation", "beyond")}
     sparsifier = spec.config["sparsifier"]
     applied = calibration_compensation(_compensation(spec.config["comp"]), sparsifier["placement"],
                                        spec.thresholds.get("compensation", "run"), spec.thresholds.get("tac", True))
@@ -259,9 +273,10 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
     path = thresholds_dir() / spec.config["model"]["name"] / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
     options = {"lookup": calib.get("lookup", "nearest"), "smooth_sigma": calib.get("smooth_sigma", 0.0)}
+    beyond = calib.get("beyond", "clamp")  # rows past the calibrated lengths (calibration/beyond.py): at run time
     if path.is_file():
         log.info("thresholds: reusing %s", path)
-        return Thresholds.load(path, model, **options), str(path)
+        return Thresholds.load(path, model, **options, beyond=beyond), str(path)
     t0 = time.time()
     thresholds = calibrate_on_task(
         model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
@@ -279,6 +294,8 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     )
     thresholds.save(path)
     log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
+    if beyond != "clamp":  # the file holds what was calibrated; the rule is how it is read
+        thresholds = Thresholds.load(path, model, **options, beyond=beyond)
     return thresholds, str(path)
 
 
@@ -413,8 +430,8 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
                     thresholds_ref=thresholds_ref, extra={"label": spec.label},
                     texts={"invocation.json": json.dumps(invocation or {}, indent=2, default=str) + "\n"},
                     copies={"thresholds.safetensors": thresholds_ref} if thresholds_ref else None)
-    rows = summary_rows(spec.run_id, config, results, summary,
-                        overrides={"k": target["k"]} if target is not None else None)
+    rows = summary_rows(spec.run_id, config, results, summary,  # matched sparsity: the k (p, lam) chosen
+                        overrides={key: target[key] for key in ("k", "p", "lam") if key in target} if target else None)
     store.append_summary(rows)
     if checkpoint is not None:
         shutil.rmtree(checkpoint, ignore_errors=True)  # the run is stored: its parts are no longer needed
@@ -439,13 +456,15 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     attention elements on its calibration rows, the record of the choice); other runs: (``spec``, None).
 
     Top-k's fraction follows from the rows' lengths; Top-θ's is measured with the thresholds of each k tried
-    (calibrated and cached as any run's). Fails with the fix when the target is below what k = 1 keeps."""
+    (calibrated and cached as any run's); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
+    fraction (calibration/target_param.py). Fails with the fix when the target is out of reach."""
     import copy
 
     import torch
 
     from . import sparsify
     from .calibration.target_kept import resolve_k
+    from .calibration.target_param import PARAMETERS, fit_parameter
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
 
     target = spec.config["sparsifier"].get("target_kept")
@@ -459,29 +478,39 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     layer_k = spec.config["sparsifier"].get("layer_k") or {}
     num_layers = model.config.get_text_config().num_hidden_layers
 
-    def with_k(k: int) -> RunSpec:
+    def with_value(k, key: str = "k") -> RunSpec:  # the spec with sparsifier.<key> (k, p or lam) resolved
         resolved = copy.copy(spec)
         resolved.config = copy.deepcopy(spec.config)
-        resolved.config["sparsifier"]["k"] = k
+        resolved.config["sparsifier"][key] = k
         return resolved
 
-    def measure(k: int) -> float:
-        candidate = with_k(k)
-        with _thresholds_claim(candidate, model):
-            thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
+    def measure(k, key: str = "k") -> float:
+        candidate = with_value(k, key)
+        thresholds = None
+        if candidate.thresholds is not None:
+            with _thresholds_claim(candidate, model):
+                thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
         sparsifier = build_sparsifier(candidate.config["sparsifier"], thresholds)
         with torch.no_grad(), sparsify(model, sparsifier, _compensation(candidate.config["comp"], thresholds)) as stats:
             for ids in sequences[:MEASURE_SEQUENCES]:
                 model(input_ids=torch.tensor([ids], device=model.device))
-        log.info("target_kept=%g: k=%d keeps %.4f on %d calibration rows", target, k, stats.kept_attention_fraction,
-                 min(len(sequences), MEASURE_SEQUENCES))
+        log.info("target_kept=%g: %s=%g keeps %.4f on %d calibration rows", target, key, k,
+                 stats.kept_attention_fraction, min(len(sequences), MEASURE_SEQUENCES))
         return stats.kept_attention_fraction
 
+    name = spec.config["sparsifier"]["name"]
+    if name in PARAMETERS:  # a baseline: its own parameter (p, λ) is bisected, k keeps only rows whole
+        key = PARAMETERS[name].key
+        value, kept, tried = fit_parameter(target, PARAMETERS[name], lambda v: measure(v, key))
+        log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
+                 rows["task"])
+        return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,
+                                        "tried": tried, "calibration_sequences": len(sequences)}
     k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
                                measure if spec.thresholds is not None else None)
     log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows["task"])
-    return with_k(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
-                       "calibration_sequences": len(sequences)}
+    return with_value(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
+                           "calibration_sequences": len(sequences)}
 
 
 STOP_FILE = "STOP"

@@ -6,7 +6,8 @@ length; per layer and head; per layer, head and row length) as a tensor of shape
 into a dense lookup table (L, H, N_max + 1) indexed by row length, filling uncalibrated lengths by
 the nearest calibrated one (the paper's rule; ties go to the shorter) or by linear interpolation,
 optionally smoothed along n with a Gaussian. Rows longer than the longest calibrated length use the
-last value (clamped), and every clamp is counted so a run can report it. A (layer, head) with no
+last value (clamped; ``beyond="fit"`` extrapolates a law of θ against n instead, see ``beyond.py``), and
+every such row is counted so a run can report it. A (layer, head) with no
 calibrated length at all (every calibration row had n ≤ k) gets θ = −inf: it never drops.
 
 A file records the model it was calibrated on (name and revision, see ``model_identity``) and its
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_write
+from .beyond import check_rule, fit as fit_beyond
 
 FORMAT_VERSION = 1
 GRANULARITIES = {  # name -> which of (head, row length) the values resolve
@@ -77,11 +79,13 @@ class Thresholds:
         smooth_sigma: Gaussian smoothing along n, in row lengths (0 = off).
         allow_other_model: apply them to a model whose name or revision differs from the one recorded
             in ``metadata["identity"]`` (the shape must still match).
+        beyond: rows longer than any calibrated row: "clamp" (the θ of the longest) or "fit" (``beyond.py``).
     """
 
     def __init__(self, values: torch.Tensor, k: list[int], placement: str, metadata: dict | None = None,
                  counts: torch.Tensor | None = None, sdc_mass: torch.Tensor | None = None,
-                 lookup: str = "nearest", smooth_sigma: float = 0.0, allow_other_model: bool = False):
+                 lookup: str = "nearest", smooth_sigma: float = 0.0, allow_other_model: bool = False,
+                 beyond: str = "clamp"):
         values = torch.as_tensor(values, dtype=torch.float32)
         if values.ndim != 3:
             raise ValueError(f"threshold values must be (layers, heads or 1, row lengths or 1), got {tuple(values.shape)}")
@@ -99,6 +103,7 @@ class Thresholds:
         self.placement = placement
         self.lookup_rule, self.smooth_sigma = lookup, float(smooth_sigma)
         self.allow_other_model = bool(allow_other_model)
+        self.beyond_rule, self._law = check_rule(beyond), None
         self.metadata = dict(metadata or {})
         self.metadata.setdefault("granularity", _granularity_of(values))
         self._tables: dict = {}
@@ -138,8 +143,12 @@ class Thresholds:
         if last > 0:  # a count; on an accelerator a device tensor, read when the statistics are read
             clamped = (n > self._max_n).sum()
             clamped = int(clamped) if n.device.type == "cpu" else clamped
-        theta = table[:, idx.flatten()].view(table.shape[0], *n.shape).squeeze(2)  # (H|1, B, Q)
-        return theta.permute(1, 0, 2), clamped  # (B, H|1, Q)
+        theta = table[:, idx.flatten()].view(table.shape[0], *n.shape).squeeze(2).permute(1, 0, 2)  # (B, H|1, Q)
+        if self.beyond_rule == "fit" and which == "values" and last > 0:
+            if self._law is None:
+                self._law = fit_beyond(self.values, self.placement, self.counts)
+            theta = self._law.apply(layer, n, theta, self._max_n)
+        return theta, clamped
 
     def lookup_sdc(self, layer: int, n: torch.Tensor) -> torch.Tensor:
         return self.lookup(layer, n, which="sdc_mass")[0]

@@ -80,6 +80,9 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "fewshot_sampler",
     "target_kept",
     "calib_seed",
+    "p",
+    "lam",
+    "calib_beyond",
     "limit",
     "metric",
     "value",
@@ -118,12 +121,15 @@ SUMMARY_FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "fewshot_sampler": ("task.fewshot_sampler",),
     "target_kept": ("sparsifier.target_kept",),
     "calib_seed": ("calib.seed",),
+    "p": ("sparsifier.p",),  # top-p's probability mass
+    "lam": ("sparsifier.lam",),  # skip-softmax's λ
+    "calib_beyond": ("calib.beyond",),  # rows past the calibrated lengths: clamp (the default) or fit
     "limit": ("task.limit", "eval.limit", "limit"),
     "phase": ("phase",),
 }
 
 # Columns that describe sparsification: empty for a dense run, whatever its config holds.
-SPARSE_ONLY_COLUMNS: tuple[str, ...] = ("placement", "k", "layer_k", "empty_rows")
+SPARSE_ONLY_COLUMNS: tuple[str, ...] = ("placement", "k", "layer_k", "empty_rows", "p", "lam", "calib_beyond")
 
 # Columns read from the run's statistics: column -> candidate keys of stats (the first present wins).
 STAT_SOURCES: dict[str, tuple[str, ...]] = {
@@ -351,6 +357,8 @@ def summary_rows(
 
     if base.get("fewshot_sampler") is None and _lookup(config, "task.kind") == "lm_eval":
         base["fewshot_sampler"] = "default"  # lm-eval's per-question random draw
+    if base.get("calib_beyond") is None and _lookup(config, "sparsifier.name") == "toptheta":
+        base["calib_beyond"] = "clamp"  # the rule before calib.beyond existed, and its default (not in the run id)
     if _lookup(config, "sparsifier.name") == "dense":
         base.update({column: None for column in SPARSE_ONLY_COLUMNS})
 
@@ -577,7 +585,7 @@ def load_summary(results_dir: str | os.PathLike[str] = "results") -> pd.DataFram
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
     # Text columns pinned to str: a hex run id such as "1234e567..." would otherwise parse as a float.
     text = ("run_id", "model", "sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task",
-            "calib_statistic", "tac", "calib_compensation", "empty_rows", "task", "fewshot_sampler", "metric", "stats_scope",
+            "calib_statistic", "tac", "calib_compensation", "empty_rows", "calib_beyond", "task", "fewshot_sampler", "metric", "stats_scope",
             "git_commit", "phase", "timestamp")
     summary = pd.read_csv(path, dtype={c: str for c in text})
     for column in SUMMARY_COLUMNS:  # a store written before a column existed: the column, empty

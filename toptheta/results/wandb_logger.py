@@ -77,8 +77,11 @@ def run_name(spec, rows: Sequence[Mapping[str, Any]]) -> str:
     """E.g. ``smollm2-135m toptheta-post k=64 vmc arc_easy [1a2b3c4d]``."""
     first = rows[0] if rows else {}
     parts = [first.get("model"), spec.label]
-    if first.get("k") not in (None, ""):
-        parts.append(f"k={first['k']}")
+    for key in ("k", "p", "lam"):  # the budget, or a baseline's parameter
+        if first.get(key) not in (None, ""):
+            parts.append(f"{key}={first[key]}")
+    if first.get("calib_beyond") == "fit":
+        parts.append("beyond=fit")
     if first.get("comp") not in (None, "", "none"):
         parts.append(str(first["comp"]))
     parts.extend(sorted({r["task"] for r in rows}))

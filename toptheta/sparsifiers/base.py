@@ -166,6 +166,17 @@ def check_placement(placement: str) -> str:
     return placement
 
 
+def check_budgets(name: str, k, layer_k) -> tuple[int | None, dict[int, int]]:
+    """(k, layer_k) of a rule without a budget of its own (top-p, skip-softmax), checked: only the rows it keeps
+    whole, as Top-k's budget does (method.md §1); k None sparsifies every row."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"{name}'s k (rows with at most k keys are kept whole) must be None or an integer ≥ 1, got {k!r}")
+    layer_k = {int(layer): int(v) for layer, v in (layer_k or {}).items()}
+    if any(v < 1 for v in layer_k.values()):
+        raise ValueError(f"every layer_k value must be ≥ 1, got {layer_k}")
+    return k, layer_k
+
+
 def keep_whole_short_rows(keep: torch.Tensor, rows: RowBlock, k: int, also: torch.Tensor | None = None) -> torch.Tensor:
     """Rows with n ≤ k are not sparsified (method.md §1): they keep every valid key.
 

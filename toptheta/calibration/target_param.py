@@ -1,0 +1,71 @@
+"""Matched sparsity for the baselines: the p (top-p) or λ (skip-softmax) that keeps a target fraction.
+
+``sparsifier.target_kept`` fixes the fraction of attention elements a run keeps on its calibration rows
+(``target_kept.py`` finds Top-k's and Top-θ's k). Top-p and skip-softmax have no k: each has one parameter whose
+kept fraction moves one way, more mass p keeps more, a larger λ keeps less. :func:`fit_parameter` bisects it
+(λ on a log scale) with the same tolerance, measuring the fraction with the caller's ``measure`` (the pipeline runs
+the calibration rows through the sparsified model). A target outside what the parameter's range can reach is
+refused (:class:`~.target_kept.Unreachable`), naming the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from .target_kept import TOLERANCE, Unreachable
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """A sparsifier's tunable parameter: its config key, search range, and direction."""
+
+    key: str  # sparsifier.<key>
+    low: float
+    high: float
+    log: bool  # bisect log(value)
+    keeps_more_when_higher: bool
+
+    def between(self, a: float, b: float) -> float:
+        return math.sqrt(a * b) if self.log else (a + b) / 2
+
+
+PARAMETERS = {  # sparsifier name -> its parameter
+    "topp": Parameter("p", 1e-3, 1.0, log=False, keeps_more_when_higher=True),
+    "skipsoftmax": Parameter("lam", 1e-6, 1e4, log=True, keeps_more_when_higher=False),
+}
+
+
+def fit_parameter(target: float, parameter: Parameter, measure: Callable[[float], float], *,
+                  tolerance: float = TOLERANCE, max_steps: int = 14) -> tuple[float, float, list[tuple[float, float]]]:
+    """(value, kept fraction at value, [(value, measured), ...] tried) for the value whose measured kept fraction is
+    within ``tolerance`` (relative) of ``target``, else the closest of ``max_steps`` bisection steps.
+
+    Raises Unreachable when even the end of the range that keeps least keeps more than the target allows (e.g. the
+    layers of layer_k keep too much on their own) or the end that keeps most keeps too little."""
+    if not 0 < target <= 1:
+        raise ValueError(f"target kept fraction must be in (0, 1], got {target!r}")
+    lo, hi = parameter.low, parameter.high  # the value keeping less is `fewer`, the one keeping more `more`
+    fewer, more = (lo, hi) if parameter.keeps_more_when_higher else (hi, lo)
+    tried: list[tuple[float, float]] = []
+    for _ in range(max_steps):
+        value = parameter.between(fewer, more)
+        kept = measure(value)
+        tried.append((value, kept))
+        if abs(kept / target - 1) <= tolerance:
+            return value, kept, tried
+        if kept > target:
+            more = value
+        else:
+            fewer = value
+    value, kept = min(tried, key=lambda t: abs(t[1] / target - 1))
+    if abs(kept / target - 1) > 2 * tolerance:
+        edge = "least" if kept > target else "most"
+        raise Unreachable(
+            f"target_kept={target:g} cannot be reached with sparsifier.{parameter.key} in [{parameter.low:g}, "
+            f"{parameter.high:g}]: the closest, {parameter.key}={value:g}, keeps {kept:.4f} on the calibration rows "
+            f"(the range's end that keeps {edge}). Move sparsifier.target_kept towards {kept:.4f}"
+            + (", or give the layers of sparsifier.layer_k a smaller k (e.g. {0:128,1:128}) or none "
+               "(sparsifier.layer_k=null)" if kept > target else ""))
+    return value, kept, tried

@@ -1,0 +1,84 @@
+"""Skip-softmax (BLASST; TensorRT-LLM, FlashInfer, SGLang, Model-Optimizer): one global λ, no calibration per head.
+
+A row of n valid keys with maximum score m drops every score s with
+
+    s < m + ln(λ / n),    i.e.  exp(s − m) < λ / n,
+
+so a key survives when its probability is at least λ/n times the row's largest one: a key's share of a uniform row
+is 1/n, and λ says how far below that share a key may fall. One λ serves every layer, head and row length; it is
+given (``sparsifier.lam``) or fitted to a target kept fraction on calibration rows (``sparsifier.target_kept``,
+``calibration/target_param.py``). Scores tied with the cut are kept. When λ > n the cut lies above m and the rule
+would keep nothing: such a row keeps its maximum (as Top-θ's ``keep-max``) and is counted in ``rows.empty``.
+
+This is the exact rule, with the true row maximum. The tiled kernels that ship it compare against the *running*
+maximum m̃_t of the tiles seen so far (m̃_t ≤ m) and skip whole tiles whose largest score falls below the cut. Their
+cut m̃_t + ln(λ/n) is lower before the row's maximum has been seen, and a tile survives when any one of its scores
+does, so they drop a subset of what this rule drops (they keep more); the two agree on every tile processed after
+the one holding the maximum. The kept fraction here is therefore the sparsity the rule promises, a lower bound on
+what a tiled kernel keeps.
+
+Placement: BLASST drops a skipped tile from the numerator and the denominator of the softmax, i.e. ``"pre"`` (the
+kept weights are renormalised; SDC can put the dropped mass back); ``"post"`` keeps the dense probabilities (VMC
+can give the rest to the mean V row). The kept set is the same. Rows with at most ``k_for(layer)`` keys are kept
+whole, as in Top-k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
+
+
+class SkipSoftmax(Sparsifier):
+    """Drop s < m + ln(λ/n), per row; see the module docstring.
+
+    Args:
+        lam: λ > 0, the one threshold of the model (BLASST's λ; e.g. 1e-3 drops keys below 1/1000 of a uniform
+            share, relative to the row's largest probability).
+        placement: ``"pre"`` (BLASST) or ``"post"``.
+        k: rows with at most k valid keys are kept whole (None: every row is sparsified).
+        layer_k: per-layer overrides of ``k``, e.g. ``{0: 512, 1: 512}``.
+    """
+
+    def __init__(self, lam: float, placement: str = "pre", k: int | None = None,
+                 layer_k: dict[int, int] | None = None):
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (0 < lam < math.inf):
+            raise ValueError(f"SkipSoftmax needs a finite λ > 0 (sparsifier.lam), got {lam!r}")
+        self.lam = float(lam)
+        self.placement = check_placement(placement)
+        self.k, self.layer_k = check_budgets("SkipSoftmax", k, layer_k)
+
+    def k_for(self, layer: int) -> int:
+        return self.layer_k.get(layer, self.k or 0)
+
+    def cut(self, rows: RowBlock) -> torch.Tensor:
+        """(B, H, Q, 1) float32 c such that s ≥ c exactly when s ≥ m + ln(λ/n) in float64, the maximum always kept.
+
+        The cut is found in float64 and rounded up to the next float32: comparing a float32 score with it then
+        decides as the float64 comparison does (no float32 lies strictly between the two).
+        """
+        m = rows.row_max.double()  # (B, H, Q, 1)
+        n = rows.n.unsqueeze(-1).double().clamp_min(1.0)  # (B, 1, Q, 1)
+        exact = torch.minimum(m + torch.log(self.lam / n), m)  # keep-max: the cut never passes the maximum
+        cut = exact.float()
+        return torch.where(cut.double() < exact, torch.nextafter(cut, cut.new_tensor(math.inf)), cut)
+
+    def select(self, rows: RowBlock) -> torch.Tensor | None:
+        k = self.k_for(rows.layer)
+        if rows.logits.shape[-1] <= k:  # every row has n ≤ K ≤ k: nothing to drop
+            return None
+        keep = rows.logits >= self.cut(rows)  # (B, H, Q, K); invalid keys are -inf, below any cut
+        B, H, Q = rows.logits.shape[:3]
+        # Rows where λ > n: the rule's cut is above the maximum, nothing would pass (kept: the maximum, and ties).
+        rows.empty = ((rows.n > k) & (rows.n > 0) & (rows.n < self.lam)).expand(B, H, Q)
+        return keep_whole_short_rows(keep, rows, k)
+
+    def describe(self) -> dict:
+        return {"name": "skipsoftmax", "placement": self.placement, "lam": self.lam, "k": self.k,
+                "layer_k": dict(self.layer_k)}
+
+    def __repr__(self) -> str:
+        return f"SkipSoftmax(lam={self.lam:g}, placement={self.placement!r}, k={self.k}, layer_k={self.layer_k})"

@@ -1,0 +1,59 @@
+"""Top-p (nucleus) attention (Twilight, Tactic): each row keeps the fewest keys holding a fraction p of its softmax.
+
+The keys of a row are ranked by score; the kept set is the shortest prefix of that ranking whose dense probabilities
+sum to at least p, plus every key tied with the last one of the prefix (ties at the boundary are kept, so the set
+depends on the scores only, never on the order a sort leaves equal keys in). The mass is summed in float64 from the
+logits, so the boundary does not move with float32 rounding of the probabilities.
+
+Placement means what it means for Top-k (method.md §1): ``"pre"`` renormalises the kept weights over the kept set
+(SDC can put the dropped mass back), ``"post"`` keeps the dense probabilities, which then sum to at least p (VMC can
+give the rest to the mean V row). Rows with at most ``k_for(layer)`` valid keys are kept whole, as in Top-k, so
+``layer_k={0: 512, 1: 512}`` leaves the same rows dense as the paper's runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
+
+
+class TopP(Sparsifier):
+    """Per-row, per-head nucleus selection.
+
+    Args:
+        p: the probability mass each row keeps, in (0, 1]; p = 1 keeps every valid key (dense).
+        placement: ``"pre"`` or ``"post"`` (softmax): the same kept set, normalised as in Top-k.
+        k: rows with at most k valid keys are kept whole (None: every row is sparsified).
+        layer_k: per-layer overrides of ``k``, e.g. ``{0: 512, 1: 512}``.
+    """
+
+    def __init__(self, p: float, placement: str = "post", k: int | None = None, layer_k: dict[int, int] | None = None):
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"TopP needs a probability mass p in (0, 1], got {p!r}")
+        self.p = float(p)
+        self.placement = check_placement(placement)
+        self.k, self.layer_k = check_budgets("TopP", k, layer_k)
+
+    def k_for(self, layer: int) -> int:
+        return self.layer_k.get(layer, self.k or 0)
+
+    def select(self, rows: RowBlock) -> torch.Tensor | None:
+        k = self.k_for(rows.layer)
+        if rows.logits.shape[-1] <= k or self.p >= 1.0:  # every row has n ≤ K ≤ k, or p = 1: nothing to drop
+            return None
+        ranked = torch.sort(rows.logits, dim=-1, descending=True).values  # (B, H, Q, K), -inf (invalid) last
+        e = (ranked.double() - rows.row_max.double()).exp_()  # (B, H, Q, K) exp(s − m), 0 where invalid
+        running = e.cumsum(-1)  # (B, H, Q, K) mass up to each ranked key; the last is the row's total
+        before = e.neg_().add_(running)  # mass strictly before each ranked key (in e's buffer)
+        needed = (before < self.p * running[..., -1:]).sum(-1, keepdim=True)  # (B, H, Q, 1) keys to reach p
+        boundary = ranked.gather(-1, (needed - 1).clamp_min(0))  # (B, H, Q, 1) score of the last key needed
+        keep = (rows.logits >= boundary) & rows.valid  # ties with the boundary kept; rows without keys keep none
+        return keep_whole_short_rows(keep, rows, k)
+
+    def describe(self) -> dict:
+        return {"name": "topp", "placement": self.placement, "p": self.p, "k": self.k, "layer_k": dict(self.layer_k)}
+
+    def __repr__(self) -> str:
+        return f"TopP(p={self.p}, placement={self.placement!r}, k={self.k}, layer_k={self.layer_k})"
+
