@@ -58,6 +58,13 @@ OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", 
                         "vrow_popularity", "decode_batch", "share_prefix", "filler", "fewshot_sampler")
 
 
+def _open_dict(key_type: type, element_type: type):
+    """An empty typed mapping node without the struct flag: overrides may add keys (Hydra sets struct on the rest)."""
+    from omegaconf import DictConfig
+
+    return DictConfig({}, key_type=key_type, element_type=element_type, flags={"struct": False})
+
+
 # Defaults below are placeholders: every option YAML sets its own values.
 @dataclass
 class ModelConfig:
@@ -76,7 +83,11 @@ class SparsifierConfig:
     name: SparsifierName = MISSING
     placement: Optional[Placement] = None  # null only for dense
     k: Optional[int] = None                # null only for dense
-    layer_k: Optional[Dict[int, int]] = field(default_factory=dict)  # layer -> k overrides
+    # layer -> k overrides, on a node without the struct flag: a command-line dict may name layers the YAML's default
+    # does not (sparsifier.layer_k={0:512,1:512,2:512}; under Hydra's struct flag the new key 2 is refused). An
+    # override merges into the YAML's entries (changes or adds layers); null clears them. Layers the model does not
+    # have are refused once its depth is known (pipeline.check_sparsifies).
+    layer_k: Optional[Dict[int, int]] = field(default_factory=lambda: _open_dict(int, int))
     empty_rows: Optional[EmptyRows] = None  # toptheta only: keep-max | reference (method.md §9, 10a)
     # Matched sparsity: the fraction of attention elements the run keeps, on the calibration rows; k is then
     # resolved per run (calibration/target_kept.py) and sparsifier.k is ignored. Part of the run id when set.
@@ -206,7 +217,10 @@ def check(cfg: Any) -> None:
     if str(get(sparsifier, "name")) != "dense" and target is None:
         need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
         need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
-    for layer, layer_k in dict(get(sparsifier, "layer_k") or {}).items():
+    layer_ks = get(sparsifier, "layer_k")
+    need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
+         "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")
+    for layer, layer_k in (dict(layer_ks) if hasattr(layer_ks, "items") else {}).items():
         need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
              "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
     need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")

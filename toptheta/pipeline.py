@@ -174,6 +174,12 @@ def check_sparsifies(sparsifier: dict, num_layers: int, longest_row: int | None,
     if sparsifier["name"] == "dense":
         return
     layer_k = sparsifier.get("layer_k") or {}
+    beyond = sorted(layer for layer in layer_k if not 0 <= int(layer) < num_layers)
+    if beyond:
+        raise ValueError(
+            f"sparsifier.layer_k={layer_k} names layer(s) {beyond}, but {model_name} has {num_layers} layers "
+            f"(0..{num_layers - 1}). Drop them from sparsifier.layer_k, e.g. "
+            f"sparsifier.layer_k={{{','.join(f'{l}:{k}' for l, k in layer_k.items() if int(l) < num_layers)}}}")
     ks = [layer_k.get(layer, sparsifier["k"] or 1) for layer in range(num_layers)]  # target_kept: k resolved later
     if longest_row is not None and min(ks) >= longest_row:
         raise ValueError(

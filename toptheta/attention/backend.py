@@ -182,6 +182,10 @@ def sparsify(
     if any(m in _SESSIONS for m in modules):
         raise RuntimeError("this model is already inside a toptheta.sparsify block; nesting is not supported")
     layers, heads, kv_heads = model_shape(model)
+    beyond = sorted(layer for layer in getattr(sparsifier, "layer_k", None) or {} if not 0 <= layer < layers)
+    if beyond:
+        raise ValueError(f"layer_k names layer(s) {beyond}, but {type(model).__name__} has {layers} layers "
+                         f"(0..{layers - 1}): drop them from layer_k")
     session = _Session(sparsifier, compensation, SparsityStats(layers, heads, kv_heads, enabled=stats),
                        observer, chunk_size)
     previous = model.config._attn_implementation

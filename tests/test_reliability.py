@@ -1,0 +1,68 @@
+"""What a careful user hits with bad or unusual input (issue 31): clear errors before expensive work, warnings
+once per run with the fix, nothing lost after a kill, and the hand-written decoding loop of the README."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from toptheta import config, pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def cfg(*overrides: str):
+    config.register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+# ---- item 6: layer_k from the command line, and layers the model does not have --------------------------------
+
+def test_layer_k_override_may_name_layers_the_default_does_not():
+    composed = cfg("model=tiny-llama", "task=smoke", "sparsifier.layer_k={0:512,1:512,2:512}")
+    assert dict(composed.sparsifier.layer_k) == {0: 512, 1: 512, 2: 512}
+    spec = pipeline.plan(composed)[-1]
+    assert spec.config["sparsifier"]["layer_k"] == {0: 512, 1: 512, 2: 512}
+    assert cfg("sparsifier.layer_k=null").sparsifier.layer_k is None
+    assert dict(cfg("sparsifier=dense", "sparsifier.layer_k={3:8}").sparsifier.layer_k) == {3: 8}
+
+
+def test_default_layer_k_still_changes_no_run_id():
+    """The schema type changed (Any on an open node); the default configuration's sparse run id did not."""
+    default = pipeline.plan(cfg("model=tiny-llama", "task=smoke"))[-1]
+    spelled = pipeline.plan(cfg("model=tiny-llama", "task=smoke", "sparsifier.layer_k={0:512,1:512}"))[-1]
+    assert default.run_id == spelled.run_id
+    assert default.config["sparsifier"]["layer_k"] == {0: 512, 1: 512}
+
+
+@pytest.mark.parametrize("value", ["5", "{a:3}", "{0:x}"])
+def test_layer_k_of_the_wrong_type_still_fails_at_composition(value):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        cfg(f"sparsifier.layer_k={value}")
+
+
+@pytest.mark.parametrize("sparsifier", ["topk", "toptheta"])
+def test_a_layer_beyond_the_model_is_refused_before_any_evaluation(sparsifier, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "execute", lambda *a, **k: pytest.fail("evaluated before refusing layer 99"))
+    with pytest.raises(ValueError, match=r"layer\(s\) \[99\].*has 6 layers \(0..5\)"):
+        pipeline.run(cfg("model=tiny-llama", "task=smoke", f"sparsifier={sparsifier}", f"results_dir={tmp_path}",
+                         "sparsifier.layer_k={99:512}"))
+
+
+def test_the_library_refuses_a_layer_beyond_the_model():
+    import toptheta
+    from helpers_lm import tiny_model
+
+    model = tiny_model()  # 2 layers
+    with pytest.raises(ValueError, match=r"layer\(s\) \[2\].*has 2 layers"):
+        with toptheta.sparsify(model, toptheta.TopK(4, "post", layer_k={2: 8})):
+            pass
+    with toptheta.sparsify(model, toptheta.TopK(4, "post", layer_k={1: 8})):  # layer 1 exists
+        pass
