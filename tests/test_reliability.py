@@ -39,12 +39,17 @@ def test_default_layer_k_still_changes_no_run_id():
     assert default.config["sparsifier"]["layer_k"] == {0: 512, 1: 512}
 
 
-@pytest.mark.parametrize("value", ["5", "{a:3}", "{0:x}"])
+@pytest.mark.parametrize("value", ["{a:3}", "{0:x}"])
 def test_layer_k_of_the_wrong_type_still_fails_at_composition(value):
     from hydra.errors import ConfigCompositionException
 
     with pytest.raises(ConfigCompositionException):
         cfg(f"sparsifier.layer_k={value}")
+
+
+def test_layer_k_that_is_no_mapping_is_refused_at_planning():
+    with pytest.raises(ValueError, match="sparsifier.layer_k=5: a mapping of layer index to k"):
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", "sparsifier.layer_k=5"))
 
 
 @pytest.mark.parametrize("sparsifier", ["topk", "toptheta"])
