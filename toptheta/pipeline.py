@@ -261,12 +261,23 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     """Load cached thresholds for this calibration key, or calibrate and cache them."""
     from .calibration import Thresholds, model_fingerprint
 
+    from .calibration.thresholds import DamagedThresholds
+
     calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
     path = thresholds_dir() / spec.config["model"]["name"] / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
     options = {"lookup": calib.get("lookup", "nearest"), "smooth_sigma": calib.get("smooth_sigma", 0.0)}
+    found = _checkpoint_thresholds(spec, model, options)  # a model folder that carries its own (save_pretrained)
+    if found is not None:
+        return found
     if path.is_file():
-        log.info("thresholds: reusing %s", path)
-        return Thresholds.load(path, model, **options), str(path)
+        try:
+            thresholds = Thresholds.load(path, model, **options)
+            log.info("thresholds: reusing %s", path)
+            return thresholds, str(path)
+        except DamagedThresholds as err:  # e.g. a job killed mid-write by an older toptheta: recalibrate
+            aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+            os.replace(path, aside)
+            log.warning("thresholds: %s is damaged (%s); moved aside to %s, calibrating again", path, err, aside.name)
     t0 = time.time()
     thresholds = calibrate_on_task(
         model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
@@ -285,6 +296,21 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     thresholds.save(path)
     log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
     return thresholds, str(path)
+
+
+def _checkpoint_thresholds(spec: RunSpec, model, options: dict):
+    """(thresholds, file) a model folder (model.source) carries for exactly this run's settings, else None."""
+    from .calibration import calibration_compensation, compensation_labels
+    from .calibration.checkpoint import matching, run_settings
+
+    source = os.path.expanduser(str(spec.config["model"]["source"]))
+    if not os.path.isdir(source):
+        return None
+    sparsifier, calib = spec.config["sparsifier"], spec.thresholds
+    applied = calibration_compensation(_compensation(spec.config["comp"]), sparsifier["placement"],
+                                       calib.get("compensation", "run"), calib.get("tac", True))
+    wanted = run_settings(sparsifier, calib, compensation_labels(applied), model.config.get_text_config().num_hidden_layers)
+    return matching(source, wanted, model, **options)
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------

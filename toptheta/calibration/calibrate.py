@@ -20,7 +20,7 @@ from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
 from .collector import PHASES, OrderStatCollector
 from .target_k import TargetKCollector
-from .thresholds import GRANULARITIES, LOOKUPS, Thresholds, model_fingerprint, model_identity, stamp
+from .thresholds import GRANULARITIES, LOOKUPS, Thresholds, model_dtype, model_fingerprint, model_identity, stamp
 
 STATISTICS = ("order", "target-k")
 COMPENSATION_MODES = ("run", "reference", "none")
@@ -136,7 +136,7 @@ def calibrate(
     provenance = {
         "model": getattr(model.config, "_name_or_path", None) or type(model).__name__,
         "revision": getattr(model.config, "_commit_hash", None),
-        "fingerprint": model_fingerprint(model),
+        "fingerprint": model_fingerprint(model), "dtype": model_dtype(model),
         "k": k, "layer_k": layer_k, "k_per_layer": k_per_layer, "placement": placement,
         "granularity": granularity, "statistic": statistic,
         "sigma_add": sigma_add if statistic == "order" else None, "tac": tac,

@@ -139,7 +139,33 @@ class TopThetaLM(SharedContextHFLM):
 
             self.thresholds = Thresholds.load(thresholds, model, lookup=self.calib["lookup"])
             self.thresholds_path = str(thresholds)
+            self._check_file_settings(f"thresholds={thresholds}", info.num_layers)
+        elif self.needs_thresholds:  # a model folder that carries its own (Thresholds.save_pretrained)
+            from ..calibration.checkpoint import matching
+
+            wanted = {"k_per_layer": self._k_per_layer(info.num_layers), "placement": self.sparse_cfg["placement"],
+                      "granularity": granularity, "sigma_add": float(sigma_add), "calibration_documents": calib_samples,
+                      **({"calibration_task": calib_task} if calib_task else {})}
+            found = matching(pretrained, wanted, model, lookup=self.calib["lookup"]) if isinstance(pretrained, str) else None
+            if found is not None:
+                self.thresholds, self.thresholds_path = found
         self.task_stats: dict[str, Any] = {}
+
+    def _k_per_layer(self, num_layers: int) -> list[int]:
+        return [self.sparse_cfg["layer_k"].get(layer, self.sparse_cfg["k"]) for layer in range(num_layers)]
+
+    def _check_file_settings(self, source: str, num_layers: int) -> None:
+        """A thresholds file calibrated for another k, layer_k or placement is refused: Top-θ would keep the file's
+        k while the report names the requested one."""
+        from ..calibration.checkpoint import check_settings
+
+        if self.sparse_cfg["name"] != "toptheta" and self.comp["sdc"] != "calibrated":
+            return
+        meta = self.thresholds.metadata
+        layer_k = "+".join(f"{a}:{b}" for a, b in (meta.get("layer_k") or {}).items()) or "none"
+        fix = (f"pass the file's settings (k={meta.get('k')},layer_k={layer_k},placement={self.thresholds.placement}), "
+               "or drop thresholds= to calibrate for these")
+        check_settings(self.thresholds, self._k_per_layer(num_layers), self.sparse_cfg["placement"], source, fix)
 
     # ---- requests: each task's requests inside one sparsify block ----------------------------------------------
 
