@@ -71,3 +71,49 @@ def test_the_library_refuses_a_layer_beyond_the_model():
             pass
     with toptheta.sparsify(model, toptheta.TopK(4, "post", layer_k={1: 8})):  # layer 1 exists
         pass
+
+
+# ---- item 4: the README's hand-written decoding loop ----------------------------------------------------------
+
+def _hand_written_loop(model, prompt, steps: int, mark_decode: bool):
+    """The README's loop: one prefill forward, then one forward per token on the KV cache."""
+    import contextlib
+
+    import torch
+
+    import toptheta
+
+    tokens = []
+    with toptheta.sparsify(model, toptheta.TopK(k=4, placement="post"), [toptheta.VMC()]) as stats, torch.no_grad():
+        out = model(prompt, use_cache=True)                          # the prompt: prefill
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        tokens.append(token)
+        with toptheta.decoding(model) if mark_decode else contextlib.nullcontext():  # each step: a decode step
+            for _ in range(steps):
+                out = model(token, cache=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                tokens.append(token)
+    return torch.cat(tokens, dim=1), stats
+
+
+def test_the_readme_decoding_loop_records_what_generate_records():
+    import torch
+    from helpers_lm import tiny_model
+
+    import toptheta
+
+    assert "decoding" in toptheta.__all__ and toptheta.decoding is not None
+    readme = (ROOT / "README.md").read_text()
+    assert "with toptheta.decoding(model):" in readme and "cache=cache" in readme
+    model, steps = tiny_model(), 6
+    prompt = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    tokens, stats = _hand_written_loop(model, prompt, steps, mark_decode=True)
+    assert stats.summary()["decode_steps"] == steps and stats.decode_kept_attention_fraction < 1
+    with toptheta.sparsify(model, toptheta.TopK(k=4, placement="post"), [toptheta.VMC()]) as reference, torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False)
+    assert torch.equal(generated[:, prompt.shape[1]:], tokens)
+    assert reference.summary()["decode_steps"] == steps
+    assert stats.decode_kept_attention_fraction == pytest.approx(reference.decode_kept_attention_fraction)
+    assert stats.kept_vrow_fraction == pytest.approx(reference.kept_vrow_fraction)
+    _, unmarked = _hand_written_loop(model, prompt, steps, mark_decode=False)  # without decoding(model): all prefill
+    assert unmarked.summary()["decode_steps"] == 0
