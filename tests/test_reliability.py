@@ -117,3 +117,71 @@ def test_the_readme_decoding_loop_records_what_generate_records():
     assert stats.kept_vrow_fraction == pytest.approx(reference.kept_vrow_fraction)
     _, unmarked = _hand_written_loop(model, prompt, steps, mark_decode=False)  # without decoding(model): all prefill
     assert unmarked.summary()["decode_steps"] == 0
+
+
+# ---- item 5: nothing lost or stuck after a kill --------------------------------------------------------------
+
+SMALL_RUN = ("model=tiny-llama", "task=smoke", "task.limit=2", "sparsifier=toptheta", "sparsifier.k=8",
+             "sparsifier.layer_k=null", "calib.num_samples=2", "log_samples=false")
+
+
+def test_a_resumed_sweep_restores_a_stored_runs_missing_summary_rows(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import pandas as pd
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    pipeline.run(cfg(*SMALL_RUN, f"results_dir={tmp_path}"))
+    summary = tmp_path / "summary.csv"
+    before = pd.read_csv(summary)
+    assert set(before["sparsifier"]) == {"dense", "toptheta"}
+    # A kill between write_run and append_summary: the sparse run is stored, its rows are not.
+    kept = before[before["sparsifier"] == "dense"]
+    kept.to_csv(summary, index=False)
+    monkeypatch.setattr(pipeline, "execute", lambda *a, **k: pytest.fail("recomputed a stored run"))
+    with caplog.at_level(logging.WARNING, logger="toptheta"):
+        pipeline.run(cfg(*SMALL_RUN, f"results_dir={tmp_path}"))
+    after = pd.read_csv(summary)
+    assert len(after) == len(before) and set(after["sparsifier"]) == {"dense", "toptheta"}
+    restored = after[after["sparsifier"] == "toptheta"].set_index("metric")
+    original = before[before["sparsifier"] == "toptheta"].set_index("metric")
+    for column in ("run_id", "value", "kept_attention_fraction", "k", "placement"):
+        assert restored[column].tolist() == original[column].tolist(), column
+    assert caplog.text.count("summary.csv lacked its rows") == 1
+    pipeline.run(cfg(*SMALL_RUN, f"results_dir={tmp_path}"))  # nothing missing now: no duplicate rows
+    assert len(pd.read_csv(summary)) == len(before)
+
+
+def test_a_damaged_cached_thresholds_file_is_moved_aside_and_recalibrated(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from toptheta.calibration import Thresholds
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    pipeline.run(cfg(*SMALL_RUN, "baseline=false", f"results_dir={tmp_path / 'a'}"))
+    cached = next((tmp_path / "cache" / "thresholds").rglob("*.safetensors"))
+    good = Thresholds.load(cached)
+    cached.write_bytes(cached.read_bytes()[:100])  # truncated, as a kill mid-write by a non-atomic writer leaves it
+    with caplog.at_level(logging.WARNING, logger="toptheta"):
+        pipeline.run(cfg(*SMALL_RUN, "baseline=false", f"results_dir={tmp_path / 'b'}"))
+    assert caplog.text.count("is damaged") == 1 and "calibrating again" in caplog.text
+    aside = list(cached.parent.glob(f"{cached.name}.damaged-*"))
+    assert len(aside) == 1 and aside[0].stat().st_size == 100
+    import torch
+
+    assert torch.equal(torch.nan_to_num(Thresholds.load(cached).values), torch.nan_to_num(good.values))
+
+
+def test_thresholds_are_fsynced_before_the_rename(tmp_path, monkeypatch):
+    import os
+
+    import torch
+
+    from toptheta.calibration import Thresholds
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    path = Thresholds(torch.rand(2, 1, 1), [4, 4], "post").save(tmp_path / "t.safetensors")
+    assert any(".t.safetensors." in p and p.endswith(".tmp") for p in synced)  # the temporary file, before rename
+    assert str(tmp_path) in synced and path.is_file()  # then the directory entry

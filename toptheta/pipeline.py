@@ -8,6 +8,7 @@ dense baseline beside the sparse run so the printed table compares the two.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -530,6 +531,18 @@ def stop_requested(results_dir: str | Path) -> bool:
     return stop_file(results_dir).exists()
 
 
+def _restore_summary(store, spec: RunSpec, held: bool = False) -> None:
+    """A stored run whose summary rows are missing (its job was killed between the two writes) gets them back from
+    its directory, under its claim (a job still writing the run holds it: then nothing is done here)."""
+    from .results.migrate import restore_summary
+
+    with contextlib.nullcontext(True) if held else store.claim(spec.run_id, wait=False) as mine:
+        restored = restore_summary(store, spec.run_id) if mine else 0
+    if restored:
+        log.warning("%s: run %s was stored but summary.csv lacked its rows (an interrupted job); restored %d row(s) "
+                    "from its directory", spec.label, spec.run_id, restored)
+
+
 def run(cfg: DictConfig):
     """The main flow of ``python run.py``; returns the comparison table (a pandas DataFrame)."""
     from .models import load_model
@@ -547,6 +560,7 @@ def run(cfg: DictConfig):
     for spec in specs:
         if spec not in todo:
             log.info("%s: identical run %s already finished; skipping (force=true reruns it)", spec.label, spec.run_id)
+            _restore_summary(store, spec)
     if todo and stop_requested(cfg.results_dir):
         log.warning("%s exists: not starting %d run(s) (remove it to go on)", stop_file(cfg.results_dir), len(todo))
         todo = []
@@ -595,6 +609,7 @@ def run(cfg: DictConfig):
                         if store.exists(spec.run_id) and (not cfg.force or store.finished_since(spec.run_id, started)):
                             log.info("%s: run %s was computed by another job meanwhile; reusing it",
                                      spec.label, spec.run_id)
+                            _restore_summary(store, spec, held=True)
                         else:
                             try:
                                 execute(spec, model, tokenizer, store, logger, chunk_size=cfg.get("chunk_size"),

@@ -253,7 +253,8 @@ class Thresholds:
         try:
             with safe_open(str(path), framework="pt") as f:
                 header = json.loads((f.metadata() or {})["toptheta"])
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                # copies, not views of the mapped file: a file changed under a running job cannot crash it
+                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
         except Exception as err:  # safetensors raises several error types for damaged files
             raise DamagedThresholds(f"{path} is not a readable toptheta thresholds file ({err}); delete it and "
                                     "calibrate again") from err
