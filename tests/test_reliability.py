@@ -185,3 +185,119 @@ def test_thresholds_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     path = Thresholds(torch.rand(2, 1, 1), [4, 4], "post").save(tmp_path / "t.safetensors")
     assert any(".t.safetensors." in p and p.endswith(".tmp") for p in synced)  # the temporary file, before rename
     assert str(tmp_path) in synced and path.is_file()  # then the directory entry
+
+
+# ---- item 1: clear errors before expensive work, warnings once per run ------------------------------------------
+
+@pytest.mark.parametrize("sigma", ["-50", "4"])
+def test_a_sigma_add_that_makes_theta_meaningless_is_refused_at_planning(sigma):
+    with pytest.raises(ValueError, match=r"calib.sigma_add=.*in \[-3, 3\] \(the paper: 0.1"):
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", f"calib.sigma_add={sigma}"))
+    pipeline.plan(cfg("model=tiny-llama", "task=smoke", "calib.sigma_add=-0.5"))  # inside the range: planned
+
+
+def test_post_softmax_thresholds_below_zero_are_refused_after_calibration(caplog):
+    import torch
+    from helpers_lm import tiny_model
+
+    import toptheta
+
+    model = tiny_model(initializer_range=0.5)  # peaked attention: the (k+1)-th largest scores vary between rows
+    inputs = [torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with pytest.raises(ValueError, match=r"\d+ of 448 post-softmax thresholds are below 0 \(sigma_add=-3.0\).*"
+                                         r"keep every key.*use sigma_add >= 0"):
+        toptheta.calibrate(model, inputs, k=4, placement="post", sigma_add=-3.0)
+    thresholds = toptheta.calibrate(model, inputs, k=4, placement="post", sigma_add=0.1)  # the paper's: all ≥ 0
+    assert float(torch.nan_to_num(thresholds.values, nan=0.0).min()) >= 0
+    toptheta.calibrate(model, inputs, k=4, placement="pre", sigma_add=-3.0)  # logit thresholds may be negative
+
+
+def _stats(kept: float, clamped: int = 0):
+    from toptheta import SparsityStats
+
+    stats = SparsityStats(2, 1, 1)
+    stats.prefill_valid[:] = 1000.0
+    stats.prefill_kept[:] = kept * 1000.0
+    stats.clamped_rows = clamped
+    return stats
+
+
+def test_a_sparse_run_keeping_nearly_everything_and_clamped_rows_are_warned_once_with_the_fix(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from toptheta.guards import warn_unintended
+
+    sparse = {"name": "toptheta", "k": 64, "layer_k": {}}
+    with caplog.at_level(logging.WARNING, logger="toptheta"):
+        warn_unintended("toptheta-post", sparse, {"sigma_add": -2.0}, _stats(0.998, clamped=7), SimpleNamespace(max_n=300))
+    assert len(caplog.records) == 2
+    assert "kept 99.8% of the attention elements (1996 of 2000), above 95%" in caplog.records[0].message
+    assert "raise calib.sigma_add" in caplog.records[0].message
+    assert "7 attention rows were longer than the longest calibrated row (300 keys)" in caplog.records[1].message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="toptheta"):
+        warn_unintended("topk-post", {**sparse, "name": "topk"}, None, _stats(0.5))  # a sparse run as meant
+        warn_unintended("dense", {"name": "dense", "k": None}, None, _stats(1.0))
+    assert not caplog.records
+
+
+def _bypassing_model():
+    """A tiny Llama whose attention modules compute eager attention whatever implementation the model is set to
+    (as custom modeling code that never asks transformers' attention interface does)."""
+    import copy
+
+    from helpers_lm import tiny_model
+
+    model = tiny_model()
+    for layer in model.model.layers:
+        layer.self_attn.config = copy.copy(model.config)
+        layer.self_attn.config._attn_implementation = "eager"
+    return model
+
+
+def test_a_model_whose_attention_bypasses_the_interface_is_refused_before_evaluating():
+    import torch
+    from helpers_lm import tiny_model
+
+    import toptheta
+    from toptheta.attention.backend import check_supported
+
+    model = _bypassing_model()
+    with toptheta.sparsify(model, toptheta.TopK(2, "post")) as stats:  # today: runs dense, silently
+        model(torch.randint(0, 256, (1, 16)))
+    assert stats.kept_attention_fraction is None
+    with pytest.raises(ValueError, match=r"layer\(s\) \[0, 1\] of 2 does not go through transformers' attention"):
+        check_supported(model)
+    check_supported(tiny_model())  # a model that does: accepted
+
+
+def test_the_pipeline_checks_the_model_before_the_dense_baseline(tmp_path, monkeypatch):
+    from toptheta import models
+
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (_bypassing_model(), *real(*a, **k)[1:]))
+    monkeypatch.setattr(pipeline, "execute", lambda *a, **k: pytest.fail("evaluated a model toptheta cannot see"))
+    with pytest.raises(ValueError, match="does not go through transformers' attention interface"):
+        pipeline.run(cfg("model=tiny-llama", "task=smoke", "sparsifier=topk", f"results_dir={tmp_path}"))
+
+
+def test_a_model_with_attention_sinks_is_refused_on_entering_sparsify():
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    import toptheta
+    from toptheta.attention.backend import check_supported
+
+    config = GptOssConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                          num_experts_per_tok=1, layer_types=["sliding_attention", "full_attention"])
+    model = GptOssForCausalLM(config).eval()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(NotImplementedError, match=r"has attention sinks \(GptOssAttention.sinks, 2 layers\)"):
+        with toptheta.sparsify(model, toptheta.TopK(2, "post")):
+            model(torch.randint(0, 256, (1, 8)))
+    assert not calls  # refused before the first forward
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        check_supported(model)

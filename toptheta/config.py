@@ -49,6 +49,8 @@ FewshotSampler = _choices("FewshotSampler", "default", "first_n")  # lm-eval's s
 LoggerName = _choices("LoggerName", "none", "wandb")
 WandbMode = _choices("WandbMode", "offline", "online", "disabled")
 
+SIGMA_ADD_LIMIT = 3.0  # |calib.sigma_add| beyond this makes θ meaningless (check)
+
 # Task fields only some kinds use: left out of a run's identity when null, so adding them to the schema did
 # not change the id of runs stored before (their YAMLs never had these keys).
 # task.vrow_popularity's keys besides `layer` (toptheta.attention.popularity; pipeline._popularity_recorder).
@@ -227,6 +229,11 @@ def check(cfg: Any) -> None:
     for key, minimum in (("num_samples", 1), ("num_fewshot", 0)):
         value = get(calib, key)
         need(value is None or is_int(value, minimum), f"calib.{key}", value, f"null or an integer >= {minimum}")
+    # θ = mean + sigma_add · std of each row's (k+1)-th largest score: beyond ±3 std it lies outside nearly every
+    # calibration row's score, so rows keep everything (below) or only their maximum (above).
+    need(-SIGMA_ADD_LIMIT <= get(calib, "sigma_add") <= SIGMA_ADD_LIMIT, "calib.sigma_add", get(calib, "sigma_add"),
+         f"a number of standard deviations in [-{SIGMA_ADD_LIMIT:g}, {SIGMA_ADD_LIMIT:g}] (the paper: 0.1; "
+         "θ beyond them keeps every key or only each row's maximum)")
     need(0 < get(calib, "sample_frac") <= 1, "calib.sample_frac", get(calib, "sample_frac"), "a fraction in (0, 1]")
     need(is_int(get(calib, "decode_tokens"), 0), "calib.decode_tokens", get(calib, "decode_tokens"), "an integer >= 0")
     need(get(calib, "smooth_sigma") >= 0, "calib.smooth_sigma", get(calib, "smooth_sigma"), "a width >= 0 (0 = off)")

@@ -407,6 +407,7 @@ def _popularity_recorder(task: dict, model):
 
 def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, invocation: dict | None = None) -> list[dict]:
     from . import sparsify
+    from .guards import warn_unintended
     from .results.store import summary_rows
 
     recorder, group = _popularity_recorder(spec.config["task"], model)  # bad settings fail before calibration
@@ -436,10 +437,7 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     if target is not None:
         summary["target"] = target  # what target_kept chose: k, the calibration rows' kept fraction, the k tried
     extra_stats = {"vrow_popularity": recorder.to_dict(group)} if recorder is not None else {}
-    if spec.config["sparsifier"]["name"] != "dense" and summary.get("kept_attention_fraction") == 1.0:
-        log.warning("%s kept every attention element: no row was longer than its layer's k (sparsifier.k=%s, "
-                    "layer_k=%s). Lower sparsifier.k or evaluate longer prompts", spec.label,
-                    spec.config["sparsifier"]["k"], spec.config["sparsifier"].get("layer_k"))
+    warn_unintended(spec.label, spec.config["sparsifier"], spec.thresholds, stats, thresholds)
     config = {k: v for k, v in planned.config.items() if k != "data_dir_path"}  # as planned: the run id's source
     store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, "per_layer": stats.per_layer(), **extra_stats},
                     thresholds_ref=thresholds_ref, extra={"label": spec.label},
@@ -545,6 +543,7 @@ def _restore_summary(store, spec: RunSpec, held: bool = False) -> None:
 
 def run(cfg: DictConfig):
     """The main flow of ``python run.py``; returns the comparison table (a pandas DataFrame)."""
+    from .attention.backend import check_supported
     from .models import load_model
     from .results.store import RunStore, load_summary
     from .results.tables import comparison_table
@@ -573,6 +572,7 @@ def run(cfg: DictConfig):
         model, tokenizer, info = load_model(m.source, dtype=m.dtype, device=m.device, device_map=m.device_map,
                                             revision=m.revision)
         model.eval()
+        check_supported(model)  # sinks, or attention that bypasses the interface: refused before any evaluation
         longest_row = cfg.task.max_length or m.max_length or info.max_position_embeddings
         check_sparsifies(specs[-1].config["sparsifier"], info.num_layers, longest_row, m.name)
         if cfg.task.kind != "lm_eval":

@@ -132,6 +132,9 @@ class TopThetaLM(SharedContextHFLM):
                                             revision=revision)
         self.info = info
         super().__init__(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
+        from ..attention.backend import check_supported
+
+        check_supported(model)  # sinks, or attention that bypasses the interface: refused before any request
         pipeline.check_sparsifies(self.sparse_cfg, info.num_layers, self.max_length, info.name)
         self.thresholds, self.thresholds_path = None, None
         if thresholds is not None:
