@@ -301,3 +301,35 @@ def test_a_model_with_attention_sinks_is_refused_on_entering_sparsify():
     assert not calls  # refused before the first forward
     with pytest.raises(NotImplementedError, match="attention sinks"):
         check_supported(model)
+
+
+# ---- item 8: the cluster path, through the submitit plugin's local executor ----------------------------------------
+
+@pytest.mark.slow  # two job processes, each importing torch, transformers and lm-eval: minutes on 2 shared cores
+def test_a_submitit_sweep_stores_one_run_per_configuration_and_one_shared_baseline(tmp_path):
+    """scripts/slurm_local.sh's sweep (two configurations, one job each) through hydra/launcher=submitit_local: the
+    same plugin as submitit_slurm, jobs started by submitit in their own processes, sharing results_dir and the cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    results = tmp_path / "results"
+    env = {**os.environ, "TOPTHETA_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "run.py", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=15",
+               "hydra.launcher.cpus_per_task=1", f"hydra.sweep.dir={tmp_path / 'multirun'}", "model=tiny-llama",
+               "task=smoke", "task.limit=4", "sparsifier=topk", "sparsifier.k=4,8", "sparsifier.layer_k=null",
+               "comp=vmc", "log_samples=false", f"results_dir={results}"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [d for d in (results / "runs").iterdir() if (d / "DONE").is_file()]
+    configs = [json.loads((d / "config.json").read_text()) for d in runs]
+    assert sorted((c["sparsifier"]["name"], c["sparsifier"]["k"]) for c in configs) == [
+        ("dense", None), ("topk", 4), ("topk", 8)]
+    jobs = {json.loads((d / "invocation.json").read_text()).get("job") for d in runs}
+    assert jobs <= {0, 1} and len(list((tmp_path / "multirun").rglob("*_log.out"))) == 2  # two submitit jobs ran them
+    summary = pd.read_csv(results / "summary.csv")
+    assert sorted(set(summary["run_id"])) == sorted(d.name for d in runs)
+    assert not summary.duplicated(["run_id", "task", "metric"]).any()  # the baseline was computed once
