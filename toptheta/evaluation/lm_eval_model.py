@@ -19,8 +19,10 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
 ``placement``       ``auto`` (pre-softmax with SDC, else post), ``pre``, ``post``
 ``comp``            ``none``, ``sdc``, ``vmc`` (default), ``sdc+vmc``; ``sdc`` = ``exact`` | ``exp-threshold`` |
                     ``calibrated`` picks the SDC estimator, ``sdc_scale`` scales it
-``thresholds``      a thresholds file (``Thresholds.save``). Without one, Top-θ calibrates before the first request
-                    and caches the result (as ``run.py`` does; parallel jobs calibrate once)
+``thresholds``      a thresholds file (``Thresholds.save``), refused when calibrated for another k, layer_k or
+                    placement. Without one, a ``pretrained`` folder's own (``Thresholds.save_pretrained``) with these
+                    settings is used; else Top-θ calibrates before the first request and caches the result (as
+                    ``run.py`` does; parallel jobs calibrate once)
 ``calib_task``      the calibration task (its train split); default: the evaluated task when our catalogue has
                     its train split, else ``arc_challenge``. Also ``calib_samples`` (120), ``calib_fewshot``,
                     ``granularity`` (``layer-head-n``), ``sigma_add`` (0.1)
