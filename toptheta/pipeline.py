@@ -261,7 +261,6 @@ def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int
 def obtain_thresholds(spec: RunSpec, model, tokenizer):
     """Load cached thresholds for this calibration key, or calibrate and cache them."""
     from .calibration import Thresholds, model_fingerprint
-
     from .calibration.thresholds import DamagedThresholds
 
     calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
