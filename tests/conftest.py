@@ -1,4 +1,11 @@
+import os
+
 import pytest
+
+# Triton decides between its interpreter and its compiler when it is first imported (its own library functions,
+# tl.zeros and the like, are decorated then), and any test module may import it first through the backends: the
+# whole session runs Triton's interpreter unless the caller asks for compiled kernels (TRITON_INTERPRET=0 on a GPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -173,3 +173,20 @@ def test_calibration_with_first_n_leaves_the_exemplars_out(tokenizer):
     with pytest.raises(ValueError, match="first_n"):
         adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=3, limit=4, max_length=None,
                                      fewshot_sampler="firstn")
+
+
+def test_calibration_draws_share_no_document(tokenizer):
+    """calib.seed s > 0 calibrates on the s-th block of documents after the exemplars: draws are disjoint."""
+    def questions(draw):
+        seqs = adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=3, limit=4,
+                                            max_length=None, fewshot_sampler="first_n", draw=draw)
+        return {tokenizer.decode(s).rsplit("Question:", 1)[1].split("\n")[0] for s in seqs}
+    draws = [questions(d) for d in range(3)]
+    assert all(len(q) == 4 for q in draws)
+    assert not (draws[0] & draws[1]) and not (draws[0] & draws[2]) and not (draws[1] & draws[2])
+    assert questions(0) == draws[0]  # draw 0 is today's calibration set
+    with pytest.raises(ValueError, match="calib.seed or calib.num_samples"):
+        questions(10_000)
+    with pytest.raises(ValueError, match="whole number of calibration documents"):
+        adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=3, limit=0.5, max_length=None,
+                                     fewshot_sampler="first_n", draw=1)

@@ -245,7 +245,8 @@ def thresholds_dir() -> Path:
 
 def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
                       max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None, **options):
-    """Thresholds calibrated on the first `num_samples` train documents of one of our tasks (None: all), each
+    """Thresholds calibrated on the first `num_samples` train documents of one of our tasks (None: all; the
+    `seed`-th block of `num_samples` documents after them for seed > 0, so seeds are disjoint draws), each
     scored as its lm-eval request is (`num_fewshot` shots drawn by `fewshot_sampler`, cut to `max_length`, the
     model's limit by default); `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...)."""
     from .calibration import calibrate
@@ -253,7 +254,7 @@ def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int
 
     requests = calibration_requests(tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot, limit=num_samples,
                                     max_length=max_length or hflm_max_length(model, tokenizer), seed=seed,
-                                    fewshot_sampler=fewshot_sampler)
+                                    fewshot_sampler=fewshot_sampler, draw=seed)
     log.info("calibrating on %d sequences of %s (train split)", len(requests), task)
     return calibrate(model, [[r] for r in requests], seed=seed, **options)
 
@@ -484,7 +485,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     sequences = calibration_requests(
         tokenizer, rows["task"], data_dir=spec.config["data_dir_path"], num_fewshot=rows["num_fewshot"],
         limit=rows["num_samples"], max_length=spec.config["model"].get("max_length") or hflm_max_length(model, tokenizer),
-        seed=rows.get("seed", 0), fewshot_sampler=rows.get("fewshot_sampler"))
+        seed=rows.get("seed", 0), fewshot_sampler=rows.get("fewshot_sampler"), draw=rows.get("seed", 0))
     layer_k = spec.config["sparsifier"].get("layer_k") or {}
     num_layers = model.config.get_text_config().num_hidden_layers
 

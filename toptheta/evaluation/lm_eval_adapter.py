@@ -392,6 +392,7 @@ def calibration_requests(
     max_length: int | None,
     seed: int = 1234,
     fewshot_sampler: str | None = None,
+    draw: int = 0,
 ) -> list[list[int]]:
     """The token id sequences HFLM would feed the model for `task`'s calibration (train) split.
 
@@ -411,10 +412,19 @@ def calibration_requests(
     With `fewshot_sampler="first_n"` every document gets the first `num_fewshot` train documents as its
     exemplars, as the evaluated questions do (their few-shot split is train): those documents are then left out
     of the calibration documents, which are the `limit` documents after them.
+
+    `draw` d > 0 takes the d-th block of `limit` documents after those instead (documents d·limit to
+    (d + 1)·limit − 1 of the remaining ones): calibration draws that share no document (``calib.seed``), so the
+    variance of a calibration can be measured. It needs an integer `limit`, and a split long enough.
     """
     _check_run_args(num_fewshot, limit, 1, max_length)
     _check_sampler(fewshot_sampler)
     skip = (num_fewshot or 0) if fewshot_sampler == "first_n" else 0
+    if draw:
+        if not isinstance(limit, int) or limit < 1 or draw < 0:
+            raise ValueError(f"calibration draw {draw} needs a whole number of calibration documents (calib.num_samples"
+                             f"=64, say) and a draw >= 0; got num_samples={limit!r}")
+        skip += draw * limit
     resolved = resolve_data_dir(data_dir)
     calib = calibration_name(task) if isinstance(task, str) else task
     check_tasks([calib], resolved, num_fewshot)
@@ -422,6 +432,9 @@ def calibration_requests(
     with task_include_paths([calib], resolved) as include_paths:
         lm_task = _load_tasks(_task_manager(include_paths), [calib], resolved, fewshot_sampler)[calib]
         _build_requests(lm_task, num_fewshot, limit, seed, skip=skip)
+        if draw and len(lm_task.eval_docs) < skip + limit:
+            raise ValueError(f"calibration draw {draw} needs documents {skip} to {skip + limit - 1} of {calib!r}, which "
+                             f"has {len(lm_task.eval_docs)}: use a smaller calib.seed or calib.num_samples")
 
     sequences: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
