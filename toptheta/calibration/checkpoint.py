@@ -145,7 +145,8 @@ def _load_entry(directory: Path, index: dict, entry: dict, model, overrides: dic
         thresholds.check_model(model)  # the shape (and the dtype, said once)
         # Verified against the folder: from here on the thresholds are this model's, for sparsify's own check.
         thresholds.metadata["identity"] = model_identity(model)
-        thresholds.allow_other_model = False
+    # Without a model, sparsify checks the identity they were calibrated on (pass model= to check the folder's).
+    thresholds.allow_other_model = False
     return thresholds
 
 

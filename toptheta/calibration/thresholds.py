@@ -225,11 +225,11 @@ class Thresholds:
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"toptheta": json.dumps(header, default=str)}),
                             fsync=True)
 
-    def save_pretrained(self, directory: str | os.PathLike, **kwargs) -> Path:
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write these thresholds into a Hugging Face model folder, beside its weights (see ``checkpoint.py``)."""
         from .checkpoint import save_pretrained
 
-        return save_pretrained(self, directory, **kwargs)
+        return save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, model=None, **kwargs) -> "Thresholds":
