@@ -27,6 +27,7 @@ def test_layer_k_override_may_name_layers_the_default_does_not():
     assert dict(composed.sparsifier.layer_k) == {0: 512, 1: 512, 2: 512}
     spec = pipeline.plan(composed)[-1]
     assert spec.config["sparsifier"]["layer_k"] == {0: 512, 1: 512, 2: 512}
+    assert dict(cfg("sparsifier.layer_k={2:64}").sparsifier.layer_k) == {0: 512, 1: 512, 2: 64}  # merged, as README says
     assert cfg("sparsifier.layer_k=null").sparsifier.layer_k is None
     assert dict(cfg("sparsifier=dense", "sparsifier.layer_k={3:8}").sparsifier.layer_k) == {3: 8}
 
