@@ -13,7 +13,7 @@ put one name in lm-eval's model registry, ``toptheta``, as a lazy "module:class"
 ``_register_lm_eval_model``), so ``lm_eval.simple_evaluate(model="toptheta", ...)`` works.
 """
 
-from .attention import SparsityStats, sparse_attention, sparsify
+from .attention import SparsityStats, decoding, sparse_attention, sparsify
 from .calibration import Thresholds, calibrate
 from .compensation import SDC, VMC
 from .sparsifiers import Dense, RowBlock, SkipSoftmax, Sparsifier, TopK, TopP, TopTheta
@@ -41,6 +41,6 @@ def _register_lm_eval_model() -> None:
 _register_lm_eval_model()
 
 __all__ = [
-    "SDC", "VMC", "Dense", "RowBlock", "Sparsifier", "SparsityStats", "Thresholds", "TopK", "TopTheta", "TopP", "SkipSoftmax",
-    "calibrate", "sparse_attention", "sparsify",
+    "SDC", "VMC", "Dense", "RowBlock", "SkipSoftmax", "Sparsifier", "SparsityStats", "Thresholds", "TopK", "TopP",
+    "TopTheta", "calibrate", "decoding", "sparse_attention", "sparsify",
 ]

@@ -28,8 +28,11 @@ def default_mode(directory: bool = False) -> int:
     return (0o777 if directory else 0o666) & ~_UMASK
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> Path:
-    """Write ``path`` through ``write(tmp_path)`` (which creates or fills the temporary file), then rename."""
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None], *, fsync: bool = False) -> Path:
+    """Write ``path`` through ``write(tmp_path)`` (which creates or fills the temporary file), then rename.
+
+    ``fsync``: flush the temporary file to disk before the rename and the directory entry after it, for files
+    written by a callback that cannot fsync itself (e.g. safetensors' ``save_file``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -37,12 +40,25 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
     try:
         write(tmp)
         os.chmod(tmp, default_mode())
+        if fsync:
+            _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    if fsync:
+        with contextlib.suppress(OSError):  # directories cannot be opened for fsync everywhere (Windows)
+            _fsync(path.parent)
     return path
+
+
+def _fsync(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str, *, fsync: bool = False) -> Path:

@@ -51,6 +51,8 @@ FewshotSampler = _choices("FewshotSampler", "default", "first_n")  # lm-eval's s
 LoggerName = _choices("LoggerName", "none", "wandb")
 WandbMode = _choices("WandbMode", "offline", "online", "disabled")
 
+SIGMA_ADD_LIMIT = 3.0  # |calib.sigma_add| beyond this makes θ meaningless (check)
+
 # Task fields only some kinds use: left out of a run's identity when null, so adding them to the schema did
 # not change the id of runs stored before (their YAMLs never had these keys).
 # task.vrow_popularity's keys besides `layer` (toptheta.attention.popularity; pipeline._popularity_recorder).
@@ -58,6 +60,13 @@ VROW_POPULARITY_DEFAULTS = {"group": 0, "max_steps": 256}
 
 OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code",
                         "vrow_popularity", "decode_batch", "share_prefix", "filler", "fewshot_sampler")
+
+
+def _open_dict(key_type: type, element_type: type):
+    """An empty typed mapping node without the struct flag: overrides may add keys (Hydra sets struct on the rest)."""
+    from omegaconf import DictConfig
+
+    return DictConfig({}, key_type=key_type, element_type=element_type, flags={"struct": False})
 
 
 # Defaults below are placeholders: every option YAML sets its own values.
@@ -78,7 +87,11 @@ class SparsifierConfig:
     name: SparsifierName = MISSING
     placement: Optional[Placement] = None  # null only for dense
     k: Optional[int] = None                # null only for dense
-    layer_k: Optional[Dict[int, int]] = field(default_factory=dict)  # layer -> k overrides
+    # layer -> k overrides, on a node without the struct flag: a command-line dict may name layers the YAML's default
+    # does not (sparsifier.layer_k={0:512,1:512,2:512}; under Hydra's struct flag the new key 2 is refused). An
+    # override merges into the YAML's entries (changes or adds layers); null clears them. Layers the model does not
+    # have are refused once its depth is known (pipeline.check_sparsifies).
+    layer_k: Optional[Dict[int, int]] = field(default_factory=lambda: _open_dict(int, int))
     empty_rows: Optional[EmptyRows] = None  # toptheta only: keep-max | reference (method.md §9, 10a)
     # Matched sparsity: the fraction of attention elements the run keeps, on the calibration rows; k is then
     # resolved per run (calibration/target_kept.py) and sparsifier.k is ignored. Part of the run id when set.
@@ -221,13 +234,21 @@ def check(cfg: Any) -> None:
     for key, owner in (("p", "topp"), ("lam", "skipsoftmax")):
         need(get(sparsifier, key) is None or name == owner, f"sparsifier.{key}", get(sparsifier, key),
              f"null: only sparsifier={owner} reads it")
-    for layer, layer_k in dict(get(sparsifier, "layer_k") or {}).items():
+    layer_ks = get(sparsifier, "layer_k")
+    need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
+         "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")
+    for layer, layer_k in (dict(layer_ks) if hasattr(layer_ks, "items") else {}).items():
         need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
              "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
     need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")
     for key, minimum in (("num_samples", 1), ("num_fewshot", 0)):
         value = get(calib, key)
         need(value is None or is_int(value, minimum), f"calib.{key}", value, f"null or an integer >= {minimum}")
+    # θ = mean + sigma_add · std of each row's (k+1)-th largest score: beyond ±3 std it lies outside nearly every
+    # calibration row's score, so rows keep everything (below) or only their maximum (above).
+    need(-SIGMA_ADD_LIMIT <= get(calib, "sigma_add") <= SIGMA_ADD_LIMIT, "calib.sigma_add", get(calib, "sigma_add"),
+         f"a number of standard deviations in [-{SIGMA_ADD_LIMIT:g}, {SIGMA_ADD_LIMIT:g}] (the paper: 0.1; "
+         "θ beyond them keeps every key or only each row's maximum)")
     need(0 < get(calib, "sample_frac") <= 1, "calib.sample_frac", get(calib, "sample_frac"), "a fraction in (0, 1]")
     need(is_int(get(calib, "decode_tokens"), 0), "calib.decode_tokens", get(calib, "decode_tokens"), "an integer >= 0")
     need(get(calib, "smooth_sigma") >= 0, "calib.smooth_sigma", get(calib, "smooth_sigma"), "a width >= 0 (0 = off)")

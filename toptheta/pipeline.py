@@ -8,6 +8,7 @@ dense baseline beside the sparse run so the printed table compares the two.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -184,6 +185,12 @@ def check_sparsifies(sparsifier: dict, num_layers: int, longest_row: int | None,
     if sparsifier["name"] == "dense":
         return
     layer_k = sparsifier.get("layer_k") or {}
+    beyond = sorted(layer for layer in layer_k if not 0 <= int(layer) < num_layers)
+    if beyond:
+        raise ValueError(
+            f"sparsifier.layer_k={layer_k} names layer(s) {beyond}, but {model_name} has {num_layers} layers "
+            f"(0..{num_layers - 1}). Drop them from sparsifier.layer_k, e.g. "
+            f"sparsifier.layer_k={{{','.join(f'{l}:{k}' for l, k in layer_k.items() if int(l) < num_layers)}}}")
     ks = [layer_k.get(layer, sparsifier["k"] or 1) for layer in range(num_layers)]  # target_kept: k resolved later
     if longest_row is not None and min(ks) >= longest_row:
         raise ValueError(
@@ -269,14 +276,25 @@ def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int
 def obtain_thresholds(spec: RunSpec, model, tokenizer):
     """Load cached thresholds for this calibration key, or calibrate and cache them."""
     from .calibration import Thresholds, model_fingerprint
+    from .calibration.thresholds import DamagedThresholds
 
     calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
     path = thresholds_dir() / spec.config["model"]["name"] / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
     options = {"lookup": calib.get("lookup", "nearest"), "smooth_sigma": calib.get("smooth_sigma", 0.0)}
     beyond = calib.get("beyond", "clamp")  # rows past the calibrated lengths (calibration/beyond.py): at run time
+    loading = {**options, "beyond": beyond}
+    found = _checkpoint_thresholds(spec, model, loading)  # a model folder that carries its own (save_pretrained)
+    if found is not None:
+        return found
     if path.is_file():
-        log.info("thresholds: reusing %s", path)
-        return Thresholds.load(path, model, **options, beyond=beyond), str(path)
+        try:
+            thresholds = Thresholds.load(path, model, **loading)
+            log.info("thresholds: reusing %s", path)
+            return thresholds, str(path)
+        except DamagedThresholds as err:  # e.g. a job killed mid-write by an older toptheta: recalibrate
+            aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+            os.replace(path, aside)
+            log.warning("thresholds: %s is damaged (%s); moved aside to %s, calibrating again", path, err, aside.name)
     t0 = time.time()
     thresholds = calibrate_on_task(
         model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
@@ -295,8 +313,23 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     thresholds.save(path)
     log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
     if beyond != "clamp":  # the file holds what was calibrated; the rule is how it is read
-        thresholds = Thresholds.load(path, model, **options, beyond=beyond)
+        thresholds = Thresholds.load(path, model, **loading)
     return thresholds, str(path)
+
+
+def _checkpoint_thresholds(spec: RunSpec, model, options: dict):
+    """(thresholds, file) a model folder (model.source) carries for exactly this run's settings, else None."""
+    from .calibration import calibration_compensation, compensation_labels
+    from .calibration.checkpoint import matching, run_settings
+
+    source = os.path.expanduser(str(spec.config["model"]["source"]))
+    if not os.path.isdir(source):
+        return None
+    sparsifier, calib = spec.config["sparsifier"], spec.thresholds
+    applied = calibration_compensation(_compensation(spec.config["comp"]), sparsifier["placement"],
+                                       calib.get("compensation", "run"), calib.get("tac", True))
+    wanted = run_settings(sparsifier, calib, compensation_labels(applied), model.config.get_text_config().num_hidden_layers)
+    return matching(source, wanted, model, **options)
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
@@ -392,6 +425,7 @@ def _popularity_recorder(task: dict, model):
 
 def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, invocation: dict | None = None) -> list[dict]:
     from . import sparsify
+    from .guards import warn_unintended
     from .results.store import summary_rows
 
     recorder, group = _popularity_recorder(spec.config["task"], model)  # bad settings fail before calibration
@@ -421,10 +455,7 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     if target is not None:
         summary["target"] = target  # what target_kept chose: k, the calibration rows' kept fraction, the k tried
     extra_stats = {"vrow_popularity": recorder.to_dict(group)} if recorder is not None else {}
-    if spec.config["sparsifier"]["name"] != "dense" and summary.get("kept_attention_fraction") == 1.0:
-        log.warning("%s kept every attention element: no row was longer than its layer's k (sparsifier.k=%s, "
-                    "layer_k=%s). Lower sparsifier.k or evaluate longer prompts", spec.label,
-                    spec.config["sparsifier"]["k"], spec.config["sparsifier"].get("layer_k"))
+    warn_unintended(spec.label, spec.config["sparsifier"], spec.thresholds, stats, thresholds)
     config = {k: v for k, v in planned.config.items() if k != "data_dir_path"}  # as planned: the run id's source
     store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, "per_layer": stats.per_layer(), **extra_stats},
                     thresholds_ref=thresholds_ref, extra={"label": spec.label},
@@ -528,8 +559,21 @@ def stop_requested(results_dir: str | Path) -> bool:
     return stop_file(results_dir).exists()
 
 
+def _restore_summary(store, spec: RunSpec, held: bool = False) -> None:
+    """A stored run whose summary rows are missing (its job was killed between the two writes) gets them back from
+    its directory, under its claim (a job still writing the run holds it: then nothing is done here)."""
+    from .results.migrate import restore_summary
+
+    with contextlib.nullcontext(True) if held else store.claim(spec.run_id, wait=False) as mine:
+        restored = restore_summary(store, spec.run_id) if mine else 0
+    if restored:
+        log.warning("%s: run %s was stored but summary.csv lacked its rows (an interrupted job); restored %d row(s) "
+                    "from its directory", spec.label, spec.run_id, restored)
+
+
 def run(cfg: DictConfig):
     """The main flow of ``python run.py``; returns the comparison table (a pandas DataFrame)."""
+    from .attention.backend import check_supported
     from .models import load_model
     from .results.store import RunStore, load_summary
     from .results.tables import comparison_table
@@ -545,6 +589,7 @@ def run(cfg: DictConfig):
     for spec in specs:
         if spec not in todo:
             log.info("%s: identical run %s already finished; skipping (force=true reruns it)", spec.label, spec.run_id)
+            _restore_summary(store, spec)
     if todo and stop_requested(cfg.results_dir):
         log.warning("%s exists: not starting %d run(s) (remove it to go on)", stop_file(cfg.results_dir), len(todo))
         todo = []
@@ -557,6 +602,7 @@ def run(cfg: DictConfig):
         model, tokenizer, info = load_model(m.source, dtype=m.dtype, device=m.device, device_map=m.device_map,
                                             revision=m.revision)
         model.eval()
+        check_supported(model)  # sinks, or attention that bypasses the interface: refused before any evaluation
         longest_row = cfg.task.max_length or m.max_length or info.max_position_embeddings
         check_sparsifies(specs[-1].config["sparsifier"], info.num_layers, longest_row, m.name)
         if cfg.task.kind != "lm_eval":
@@ -593,6 +639,7 @@ def run(cfg: DictConfig):
                         if store.exists(spec.run_id) and (not cfg.force or store.finished_since(spec.run_id, started)):
                             log.info("%s: run %s was computed by another job meanwhile; reusing it",
                                      spec.label, spec.run_id)
+                            _restore_summary(store, spec, held=True)
                         else:
                             try:
                                 execute(spec, model, tokenizer, store, logger, chunk_size=cfg.get("chunk_size"),

@@ -137,6 +137,35 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+def _refuse_sinks(model: torch.nn.Module, modules: list[torch.nn.Module]) -> None:
+    """Attention sinks (a learned logit per head that takes part in every softmax, e.g. gpt-oss) are not modelled by
+    the kernel: refuse such a model when it enters ``sparsify``, before any forward."""
+    with_sinks = [m for m in modules if isinstance(getattr(m, "sinks", None), torch.Tensor)]
+    if with_sinks:
+        raise NotImplementedError(
+            f"{type(model).__name__} has attention sinks ({type(with_sinks[0]).__name__}.sinks, {len(with_sinks)} "
+            "layers): toptheta's kernel has no sink logit in its softmax, so it cannot sparsify this model; use a "
+            "model without sinks (LLaMA, Mistral, Qwen2, Gemma-3)")
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Refuse, before anything is evaluated, a model toptheta cannot sparsify: no attention modules, attention sinks,
+    or attention modules that never call transformers' attention interface (custom modeling code that computes
+    attention itself would otherwise run dense, with no statistics). One forward of one token tells."""
+    layers = model_shape(model)[0]
+    device = model.get_input_embeddings().weight.device
+    with sparsify(model) as stats, torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+        reached = (stats.rows.sum(-1) > 0).tolist()  # (L,) layers whose attention came through our function
+    silent = [layer for layer in range(layers) if not reached[layer]]
+    if silent:
+        raise ValueError(
+            f"{type(model).__name__}'s attention in layer(s) {silent} of {layers} does not go through transformers' "
+            "attention interface (its modeling code computes attention itself), so toptheta would run it dense and "
+            "measure nothing; use a model whose attention dispatches through AttentionInterface (LLaMA, Mistral, "
+            "Qwen2, Gemma-3), or port its attention module to it")
+
+
 def model_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     """(layers, query heads, KV heads) from the model config (text config for multimodal models)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -179,9 +208,14 @@ def sparsify(
     check_thresholds_fit(model, sparsifier, compensation)
     register()
     modules = attention_modules(model)
+    _refuse_sinks(model, modules)
     if any(m in _SESSIONS for m in modules):
         raise RuntimeError("this model is already inside a toptheta.sparsify block; nesting is not supported")
     layers, heads, kv_heads = model_shape(model)
+    beyond = sorted(layer for layer in getattr(sparsifier, "layer_k", None) or {} if not 0 <= layer < layers)
+    if beyond:
+        raise ValueError(f"layer_k names layer(s) {beyond}, but {type(model).__name__} has {layers} layers "
+                         f"(0..{layers - 1}): drop them from layer_k")
     session = _Session(sparsifier, compensation, SparsityStats(layers, heads, kv_heads, enabled=stats),
                        observer, chunk_size)
     previous = model.config._attn_implementation

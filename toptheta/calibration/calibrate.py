@@ -9,6 +9,7 @@ the sums at the requested granularity, and wrap the result with its provenance.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Iterable, Sequence
 
 import torch
@@ -20,7 +21,9 @@ from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
 from .collector import PHASES, OrderStatCollector
 from .target_k import TargetKCollector
-from .thresholds import GRANULARITIES, LOOKUPS, Thresholds, model_fingerprint, model_identity, stamp
+from .thresholds import GRANULARITIES, LOOKUPS, Thresholds, model_dtype, model_fingerprint, model_identity, stamp
+
+log = logging.getLogger("toptheta")
 
 STATISTICS = ("order", "target-k")
 COMPENSATION_MODES = ("run", "reference", "none")
@@ -132,11 +135,12 @@ def calibrate(
             f"{collector.max_n_seen or 'shorter than k'}); use longer sequences, a smaller k, or a larger sample_frac"
         )
     values, counts, sdc_mass = collector.reduce(granularity)
+    _check_meaningful(values, placement, sigma_add if statistic == "order" else None)
 
     provenance = {
         "model": getattr(model.config, "_name_or_path", None) or type(model).__name__,
         "revision": getattr(model.config, "_commit_hash", None),
-        "fingerprint": model_fingerprint(model),
+        "fingerprint": model_fingerprint(model), "dtype": model_dtype(model),
         "k": k, "layer_k": layer_k, "k_per_layer": k_per_layer, "placement": placement,
         "granularity": granularity, "statistic": statistic,
         "sigma_add": sigma_add if statistic == "order" else None, "tac": tac,
@@ -156,6 +160,26 @@ def calibrate(
     provenance = stamp({**provenance, **(metadata or {}), "identity": model_identity(model)})
     return Thresholds(values, k_per_layer, placement, provenance,
                       counts=counts, sdc_mass=sdc_mass, lookup=lookup, smooth_sigma=smooth_sigma)
+
+
+NEGATIVE_THETA_LIMIT = 0.01  # post-softmax θ below 0 keep their rows whole: refused above this fraction
+
+
+def _check_meaningful(values: torch.Tensor, placement: str, sigma_add: float | None) -> None:
+    """A post-softmax θ below 0 keeps every key of its rows (probabilities are ≥ 0): a negative sigma_add can push
+    mean − |σ|·std there. Refused when 1 % or more of the calibrated values are, warned about (with the count) below."""
+    if placement != "post":
+        return
+    calibrated = ~torch.isnan(values)
+    below = int((values[calibrated] < 0).sum())
+    if not below:
+        return
+    total = int(calibrated.sum())
+    message = (f"{below} of {total} post-softmax thresholds are below 0 (sigma_add={sigma_add}): their rows keep every "
+               "key, so the run is dense there; use sigma_add >= 0 (the paper: 0.1)")
+    if below >= NEGATIVE_THETA_LIMIT * total:
+        raise ValueError(message)
+    log.warning(message)
 
 
 def _check_arguments(k, layer_k, num_layers, statistic, granularity, lookup, smooth_sigma, generate_tokens, phases):

@@ -10,8 +10,13 @@ last value (clamped; ``beyond="fit"`` extrapolates a law of θ against n instead
 every such row is counted so a run can report it. A (layer, head) with no
 calibrated length at all (every calibration row had n ≤ k) gets θ = −inf: it never drops.
 
-A file records the model it was calibrated on (name and revision, see ``model_identity``) and its
-shape; loading it for another model is refused unless the caller says ``allow_other_model=True``.
+A file records the model it was calibrated on (name and revision, see ``model_identity``), its shape and
+its dtype; loading it for another model is refused unless the caller says ``allow_other_model=True``. The
+values are float32 and device-independent (always saved from the CPU), and the kernel compares scores in
+float32 whatever the model's dtype, so thresholds apply to the same model in another dtype unchanged: the
+scores themselves shift by that dtype's rounding, so ``check_model`` says so once (and names the fix,
+calibrating in that dtype) rather than refusing. ``save_pretrained`` / ``from_pretrained`` keep them in the
+model's own folder (``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +27,14 @@ import math
 import os
 from pathlib import Path
 
+import logging
+
 import torch
 
 from ..atomic import atomic_write
 from .beyond import check_rule, fit as fit_beyond
+
+log = logging.getLogger("toptheta")
 
 FORMAT_VERSION = 1
 GRANULARITIES = {  # name -> which of (head, row length) the values resolve
@@ -35,6 +44,18 @@ GRANULARITIES = {  # name -> which of (head, row length) the values resolve
     "layer-head-n": (True, True),
 }
 LOOKUPS = ("nearest", "linear")
+
+
+class DamagedThresholds(ValueError):
+    """A thresholds file that cannot be read (truncated, not safetensors, no toptheta header): recalibrate."""
+
+
+def model_dtype(model) -> str | None:
+    """The dtype of a model's parameters as a plain name ("float32", "bfloat16"), None for a config."""
+    try:
+        return str(next(model.parameters()).dtype).removeprefix("torch.")
+    except (AttributeError, StopIteration, TypeError):
+        return None
 
 
 def model_fingerprint(model_or_config) -> dict:
@@ -108,6 +129,7 @@ class Thresholds:
         self.metadata.setdefault("granularity", _granularity_of(values))
         self._tables: dict = {}
         self._max_n = self.max_n
+        self._dtype_said: set = set()  # model dtypes already warned about (check_model runs per sparsify block)
 
     # --- run-time lookup ------------------------------------------------------------------------
     @property
@@ -180,6 +202,16 @@ class Thresholds:
             raise ValueError(f"thresholds have {self.num_layers} layers, the model has {actual['layers']}")
         if self.values.shape[1] not in (1, actual["heads"]):
             raise ValueError(f"thresholds have {self.values.shape[1]} heads, the model has {actual['heads']}")
+        self._say_dtype(model)
+
+    def _say_dtype(self, model) -> None:
+        """Calibrated in one dtype, applied in another: θ is used as stored (float32), said once per dtype."""
+        recorded, actual = self.metadata.get("dtype"), model_dtype(model)
+        if recorded and actual and recorded != actual and actual not in self._dtype_said:
+            self._dtype_said.add(actual)
+            log.warning("thresholds calibrated on a %s model are applied to a %s model: θ stays as calibrated (scores "
+                        "are compared in float32) but the %s scores round differently, so kept counts may drift; "
+                        "calibrate in %s for thresholds fitted to it", recorded, actual, actual, actual)
 
     # --- storage --------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -191,14 +223,29 @@ class Thresholds:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"values": self.values.contiguous()}
+        tensors = {"values": self.values.cpu().contiguous()}  # device-independent: a file loads anywhere
         if self.counts is not None:
-            tensors["counts"] = self.counts.float().contiguous()
+            tensors["counts"] = self.counts.float().cpu().contiguous()
         if self.sdc_mass is not None:
-            tensors["sdc_mass"] = self.sdc_mass.float().contiguous()
+            tensors["sdc_mass"] = self.sdc_mass.float().cpu().contiguous()
         header = {"format": FORMAT_VERSION, "k": self.k, "placement": self.placement, "lookup": self.lookup_rule,
                   "smooth_sigma": self.smooth_sigma, "metadata": self.metadata}
-        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"toptheta": json.dumps(header, default=str)}))
+        # fsynced before the rename: a cached file other jobs reuse must not be empty after a power cut
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"toptheta": json.dumps(header, default=str)}),
+                            fsync=True)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write these thresholds into a Hugging Face model folder, beside its weights (see ``checkpoint.py``)."""
+        from .checkpoint import save_pretrained
+
+        return save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, model=None, **kwargs) -> "Thresholds":
+        """Read thresholds a model folder carries (``save_pretrained``), refusing another model (``checkpoint.py``)."""
+        from .checkpoint import from_pretrained
+
+        return from_pretrained(directory, model, **kwargs)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, *, allow_other_model: bool = False,
@@ -215,16 +262,18 @@ class Thresholds:
         try:
             with safe_open(str(path), framework="pt") as f:
                 header = json.loads((f.metadata() or {})["toptheta"])
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                # copies, not views of the mapped file: a file changed under a running job cannot crash it
+                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
         except Exception as err:  # safetensors raises several error types for damaged files
-            raise ValueError(f"{path} is not a readable toptheta thresholds file ({err}); delete it and calibrate again") from err
+            raise DamagedThresholds(f"{path} is not a readable toptheta thresholds file ({err}); delete it and "
+                                    "calibrate again") from err
         if not isinstance(header, dict):
-            raise ValueError(f"{path} has no toptheta header; delete it and calibrate again")
+            raise DamagedThresholds(f"{path} has no toptheta header; delete it and calibrate again")
         if header.get("format") != FORMAT_VERSION:
             raise ValueError(f"{path} has thresholds format {header.get('format')}, this toptheta reads {FORMAT_VERSION}")
         missing = [f for f in ("k", "placement") if f not in header] + (["values"] if "values" not in tensors else [])
         if missing:
-            raise ValueError(f"{path} lacks {', '.join(missing)}, so it was not written by Thresholds.save; "
+            raise DamagedThresholds(f"{path} lacks {', '.join(missing)}, so it was not written by Thresholds.save; "
                              "delete it and calibrate again")
         options = {"lookup": header.get("lookup", "nearest"), "smooth_sigma": header.get("smooth_sigma", 0.0), **overrides}
         thresholds = cls(tensors["values"], header["k"], header["placement"], header.get("metadata"),

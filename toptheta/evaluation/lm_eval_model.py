@@ -19,8 +19,10 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
 ``placement``       ``auto`` (pre-softmax with SDC, else post), ``pre``, ``post``
 ``comp``            ``none``, ``sdc``, ``vmc`` (default), ``sdc+vmc``; ``sdc`` = ``exact`` | ``exp-threshold`` |
                     ``calibrated`` picks the SDC estimator, ``sdc_scale`` scales it
-``thresholds``      a thresholds file (``Thresholds.save``). Without one, Top-θ calibrates before the first request
-                    and caches the result (as ``run.py`` does; parallel jobs calibrate once)
+``thresholds``      a thresholds file (``Thresholds.save``), refused when calibrated for another k, layer_k or
+                    placement. Without one, a ``pretrained`` folder's own (``Thresholds.save_pretrained``) with these
+                    settings is used; else Top-θ calibrates before the first request and caches the result (as
+                    ``run.py`` does; parallel jobs calibrate once)
 ``calib_task``      the calibration task (its train split); default: the evaluated task when our catalogue has
                     its train split, else ``arc_challenge``. Also ``calib_samples`` (120), ``calib_fewshot``,
                     ``granularity`` (``layer-head-n``), ``sigma_add`` (0.1)
@@ -132,6 +134,9 @@ class TopThetaLM(SharedContextHFLM):
                                             revision=revision)
         self.info = info
         super().__init__(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
+        from ..attention.backend import check_supported
+
+        check_supported(model)  # sinks, or attention that bypasses the interface: refused before any request
         pipeline.check_sparsifies(self.sparse_cfg, info.num_layers, self.max_length, info.name)
         self.thresholds, self.thresholds_path = None, None
         if thresholds is not None:
@@ -139,7 +144,33 @@ class TopThetaLM(SharedContextHFLM):
 
             self.thresholds = Thresholds.load(thresholds, model, lookup=self.calib["lookup"])
             self.thresholds_path = str(thresholds)
+            self._check_file_settings(f"thresholds={thresholds}", info.num_layers)
+        elif self.needs_thresholds:  # a model folder that carries its own (Thresholds.save_pretrained)
+            from ..calibration.checkpoint import matching
+
+            wanted = {"k_per_layer": self._k_per_layer(info.num_layers), "placement": self.sparse_cfg["placement"],
+                      "granularity": granularity, "sigma_add": float(sigma_add), "calibration_documents": calib_samples,
+                      **({"calibration_task": calib_task} if calib_task else {})}
+            found = matching(pretrained, wanted, model, lookup=self.calib["lookup"]) if isinstance(pretrained, str) else None
+            if found is not None:
+                self.thresholds, self.thresholds_path = found
         self.task_stats: dict[str, Any] = {}
+
+    def _k_per_layer(self, num_layers: int) -> list[int]:
+        return [self.sparse_cfg["layer_k"].get(layer, self.sparse_cfg["k"]) for layer in range(num_layers)]
+
+    def _check_file_settings(self, source: str, num_layers: int) -> None:
+        """A thresholds file calibrated for another k, layer_k or placement is refused: Top-θ would keep the file's
+        k while the report names the requested one."""
+        from ..calibration.checkpoint import check_settings
+
+        if self.sparse_cfg["name"] != "toptheta" and self.comp["sdc"] != "calibrated":
+            return
+        meta = self.thresholds.metadata
+        layer_k = "+".join(f"{a}:{b}" for a, b in (meta.get("layer_k") or {}).items()) or "none"
+        fix = (f"pass the file's settings (k={meta.get('k')},layer_k={layer_k},placement={self.thresholds.placement}), "
+               "or drop thresholds= to calibrate for these")
+        check_settings(self.thresholds, self._k_per_layer(num_layers), self.sparse_cfg["placement"], source, fix)
 
     # ---- requests: each task's requests inside one sparsify block ----------------------------------------------
 

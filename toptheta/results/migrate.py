@@ -55,21 +55,51 @@ def _restore_scalar_stats(rows: list[dict], old_rows: list[dict]) -> None:
                 row[column] = float(before[column])
 
 
+def run_rows(run_dir: Path) -> list[dict] | None:
+    """Summary rows of one complete run directory (None when it is incomplete)."""
+    if not (run_dir / DONE_MARKER).is_file() or not (run_dir / "config.json").is_file():
+        return None
+    config, meta = _read(run_dir / "config.json"), _read(run_dir / "meta.json")
+    stats = _read(run_dir / "stats.json")
+    stats = {k: v for k, v in stats.items()  # per-layer lists and records are not row statistics
+             if not isinstance(v, list) and k not in ("per_layer", "vrow_popularity")}
+    overrides = {"k": stats["target"]["k"]} if isinstance(stats.get("target"), dict) else None  # as execute writes
+    new = summary_rows(run_dir.name, config, _read(run_dir / "lm_eval.json"), stats, overrides=overrides,
+                       commit=meta.get("git_commit") or "", timestamp=meta.get("timestamp"))
+    return _percent_to_fraction(config, new)
+
+
 def rebuilt_rows(results_dir: str | Path) -> tuple[list[dict], set[str]]:
     """Summary rows of every complete run directory, and the run ids they cover."""
     rows, covered = [], set()
     for run_dir in sorted(Path(results_dir, "runs").glob("*/")):
-        if not (run_dir / DONE_MARKER).is_file() or not (run_dir / "config.json").is_file():
+        new = run_rows(run_dir)
+        if new is None:
             continue
-        config, meta = _read(run_dir / "config.json"), _read(run_dir / "meta.json")
-        stats = _read(run_dir / "stats.json")
-        stats = {k: v for k, v in stats.items()  # per-layer lists and records are not row statistics
-                 if not isinstance(v, list) and k not in ("per_layer", "vrow_popularity")}
-        new = summary_rows(run_dir.name, config, _read(run_dir / "lm_eval.json"), stats,
-                           commit=meta.get("git_commit") or "", timestamp=meta.get("timestamp"))
-        rows += _percent_to_fraction(config, new)
+        rows += new
         covered.add(run_dir.name)
     return rows, covered
+
+
+def summarised_run_ids(store: RunStore) -> set[str]:
+    """The run ids summary.csv has rows for."""
+    if not store.summary_path.exists():
+        return set()
+    with open(store.summary_path, newline="", encoding="utf-8") as fh:
+        return {row.get("run_id") for row in csv.DictReader(fh)}
+
+
+def restore_summary(store: RunStore, run_id: str) -> int:
+    """Append the rows of a stored run that summary.csv lacks (a job killed between storing the run and appending
+    its rows); returns the number of rows appended. Call it holding the run's claim, so the job writing the run
+    (which holds it until its rows are appended) is never raced."""
+    if run_id in summarised_run_ids(store):
+        return 0
+    rows = run_rows(store.run_dir(run_id))
+    if not rows:
+        return 0
+    store.append_summary(rows)
+    return len(rows)
 
 
 def migrate(results_dir: str | Path, *, dry_run: bool = False, compress: bool = True) -> int:
