@@ -103,27 +103,29 @@ class RulerSettings:
     word_repeats: int = 24
     rare_repeats: int = 3
 
-    def problems(self) -> list[str]:
-        """What is out of range, each with its fix (empty when the settings are valid)."""
+    def problems(self) -> list[tuple[str, object, str]]:
+        """What is out of range, as (setting, value, what it must be); empty when the settings are valid."""
         out = []
         unknown = [s for s in self.subtasks if s not in SUBTASKS]
         if unknown or not self.subtasks or len(set(self.subtasks)) != len(self.subtasks):
-            out.append(f"task.ruler.subtasks={list(self.subtasks)}: a non-empty list of distinct names among "
-                       f"{', '.join(SUBTASKS)}")
+            out.append(("task.ruler.subtasks", list(self.subtasks),
+                        f"a non-empty list of distinct names among {', '.join(SUBTASKS)}"))
         minimum = {"distractors": 0, "hops": 1, "rare_repeats": 1}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name != "subtasks" and (isinstance(value, bool) or not isinstance(value, int)
                                          or value < minimum.get(f.name, 1)):
-                out.append(f"task.ruler.{f.name}={value!r}: an integer >= {minimum.get(f.name, 1)}")
+                out.append((f"task.ruler.{f.name}", value, f"an integer >= {minimum.get(f.name, 1)}"))
         if not out and self.word_repeats <= self.rare_repeats:
-            out.append(f"task.ruler.word_repeats={self.word_repeats}: more than task.ruler.rare_repeats="
-                       f"{self.rare_repeats}, so the common words are the most frequent")
+            out.append(("task.ruler.word_repeats", self.word_repeats, f"more than task.ruler.rare_repeats="
+                        f"{self.rare_repeats}, so the common words are the most frequent"))
         return out
 
     def check(self) -> "RulerSettings":
-        if self.problems():
-            raise ValueError("invalid ruler settings:\n  " + "\n  ".join(self.problems()))
+        """Itself, or a ValueError listing every setting out of range and what it must be."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid ruler settings:\n  " + "\n  ".join(f"{k}={v!r}: {why}" for k, v, why in problems))
         return self
 
     def queries(self, subtask: str) -> int:
