@@ -239,7 +239,7 @@ def _fit(count: Callable[[str], int], build: Callable[[int], list[str]], target:
         return max(count(p) for p in build(n)) <= target
 
     if not fits(0):
-        raise ValueError(f"{what}: its prompts without haystack are longer than {target} tokens; ask for a longer "
+        raise ValueError(f"{what}: its prompts without filler text are longer than {target} tokens; ask for a longer "
                          "length (task.lengths) or fewer planted items (task.ruler)")
     lo, hi = 0, 1
     while fits(hi):
