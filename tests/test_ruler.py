@@ -231,7 +231,9 @@ def test_shared_haystacks_run_once_with_each_prompts_tokens_and_statistics(tmp_p
         again = run_ruler({**task, "share_prefix": True}, model, tokenizer, chat_template=False, stats=stats,
                           checkpoint=tmp_path / "True")
     assert again["samples"] == shared["samples"] and list(again["resumed"]) == ["ruler_600"]
-    assert again["task_stats"]["ruler_600"]["kept_vrow_fraction"] == b["kept_vrow_fraction"]
+    assert again["task_stats"] == shared["task_stats"]  # sub-task statistics read back too
+    assert set(shared["task_stats"]) == {"ruler_600", "ruler_600_niah_multikey", "ruler_600_vt", "ruler_niah_multikey",
+                                         "ruler_vt"}
 
 
 def test_a_tiny_llama_run_through_the_pipeline_reports_scores_per_length_and_subtask(tmp_path, monkeypatch):
@@ -252,9 +254,14 @@ def test_a_tiny_llama_run_through_the_pipeline_reports_scores_per_length_and_sub
     assert set(summary["task"]) == views and summary.groupby("sparsifier").size().eq(len(views)).all()
     assert summary["value"].between(0, 1).all()
     sparse = summary[summary["sparsifier"] == "topk"].set_index("task")
-    assert (sparse.loc[["ruler_500", "ruler_700"], "stats_scope"] == "task").all()  # each length its own statistics
-    fractions = sorted(sparse.loc[["ruler_500", "ruler_700"], "kept_vrow_fraction"])
-    assert fractions[0] < fractions[1] and fractions[0] <= sparse.loc["ruler", "kept_vrow_fraction"] <= fractions[1]
+    assert (sparse.drop(index="ruler")["stats_scope"] == "task").all()  # each view has its own statistics
+    for pooled, parts in (("ruler", ["ruler_500", "ruler_700"]), ("ruler_vt", ["ruler_500_vt", "ruler_700_vt"]),
+                          ("ruler_500", ["ruler_500_vt", "ruler_500_niah_multikey"])):
+        low, high = sorted(sparse.loc[parts, "kept_vrow_fraction"])
+        assert 0 < low < high < 1 and low <= sparse.loc[pooled, "kept_vrow_fraction"] <= high, pooled
+    stats = json.loads((tmp_path / "runs" / sparse.loc["ruler", "run_id"] / "stats.json").read_text())
+    assert stats["ruler_500"]["prefill_attention_elements"] == sum(
+        stats[f"ruler_500_{t}"]["prefill_attention_elements"] for t in ("niah_multikey", "vt"))
     assert (summary.loc[summary["task"] == "ruler", "generated_tokens"] > 0).all()  # how long the model talked
     samples = json.loads(gzip.decompress((tmp_path / "runs" / sparse.loc["ruler", "run_id"] / "samples.json.gz")
                                          .read_bytes()))

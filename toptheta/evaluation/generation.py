@@ -302,7 +302,7 @@ def _read_section(checkpoint, length: int, group: list[dict], stats, name: str =
     from ..attention.stats import SparsityStats
 
     part = SparsityStats.from_json(data["stats"]) if data["stats"] is not None else None
-    return part, {"samples": data["samples"], "seconds": data["seconds"]}
+    return part, {key: value for key, value in data.items() if key not in ("prompts", "stats")}  # samples, seconds, ...
 
 
 def _write_section(checkpoint, length: int, group: list[dict], done: dict, part, name: str = "passkey") -> None:

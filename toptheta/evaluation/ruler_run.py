@@ -1,10 +1,10 @@
 """The ruler task (``task=ruler``): the suite of ``ruler.py`` generated, decoded greedily and scored, with its
-numbers per length, per sub-task and per (length, sub-task), and sparsity statistics per length.
+numbers and sparsity statistics per length, per sub-task and per (length, sub-task).
 
 Like passkey (``generation.run_passkey``), each finished length is saved in the run's checkpoint directory and read
 back when the run resumes, and the stop file pauses a run between lengths. With ``task.share_prefix`` each
 haystack's prompts go to ``generate_all`` together, so the haystack they share runs once (``prefix_sharing``);
-otherwise a length's prompts go together (``task.decode_batch`` batches them).
+otherwise a sub-task's prompts of one length go together (``task.decode_batch`` batches them).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
+from ..attention.stats import SparsityStats
 from .generation import Paused, _read_section, _result, _write_section, generate_all
 from .ruler import RulerSettings, build_ruler_records, score_ruler
 
@@ -47,7 +48,7 @@ def ruler_records(task: dict, tokenizer) -> list[dict]:
 
 
 def _generate(model, tokenizer, group: list[dict], task: dict, *, chat_template: bool, bar) -> list[dict]:
-    """generate_all's outputs for a length's records, in order: per haystack when prompts share their prefix."""
+    """generate_all's outputs for records of one sub-task, in order: per haystack when prompts share their prefix."""
     share = bool(task.get("share_prefix"))
     batches = ([[r for r in group if r["haystack"] == h] for h in dict.fromkeys(r["haystack"] for r in group)]
                if share else [group])
@@ -59,14 +60,29 @@ def _generate(model, tokenizer, group: list[dict], task: dict, *, chat_template:
     return outputs
 
 
+def _run_length(model, tokenizer, group: list[dict], task: dict, *, chat_template: bool, stats, bar) -> tuple:
+    """(the length's statistics or None, {samples, seconds, subtask_stats}): each sub-task's prompts run in a
+    statistics section of their own, inside the length's."""
+    t0, samples, subtask_stats = time.time(), [], {}
+    with stats.section() if stats is not None else contextlib.nullcontext() as part:
+        for subtask in dict.fromkeys(r["subtask"] for r in group):  # a length's records are grouped by sub-task
+            records = [r for r in group if r["subtask"] == subtask]
+            with stats.section() if stats is not None else contextlib.nullcontext() as sub:
+                outputs = _generate(model, tokenizer, records, task, chat_template=chat_template, bar=bar)
+            samples += [_sample(r, out) for r, out in zip(records, outputs)]
+            if sub is not None:
+                subtask_stats[subtask] = sub.to_json()
+    return part, {"samples": samples, "seconds": round(time.time() - t0, 2), "subtask_stats": subtask_stats}
+
+
 def run_ruler(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None,
               stop: Callable[[], bool] | None = None) -> dict:
     """Scores of the suite: ``ruler`` (every prompt), ``ruler_<length>``, ``ruler_<subtask>`` and
-    ``ruler_<length>_<subtask>``, each the mean score with its standard error; with the session's ``stats`` each
-    length's sparsity statistics under ``task_stats["ruler_<length>"]``. ``checkpoint`` and ``stop`` as for
-    passkey (``generation.run_passkey``)."""
+    ``ruler_<length>_<subtask>``, each the mean score with its standard error; with the session's ``stats`` the
+    sparsity statistics of each of these views but the first under ``task_stats`` (the run's are the first's).
+    ``checkpoint`` and ``stop`` as for passkey (``generation.run_passkey``)."""
     records = ruler_records(task, tokenizer)
-    samples, task_stats, resumed = [], {}, {}
+    samples, task_stats, resumed, by_subtask = [], {}, {}, {}
     lengths = sorted({r["target_tokens"] for r in records})
     with tqdm(total=len(records), desc="ruler", unit="prompt") as bar:
         for length in lengths:
@@ -83,15 +99,20 @@ def run_ruler(task: dict, model, tokenizer, *, chat_template: bool, stats=None, 
                 if checkpoint is not None and stop is not None and stop():
                     raise Paused(f"stopped before ruler length {length}; the lengths before it are saved in "
                                  f"{checkpoint}")
-                t0 = time.time()
-                with stats.section() if stats is not None else contextlib.nullcontext() as part:
-                    outputs = _generate(model, tokenizer, group, task, chat_template=chat_template, bar=bar)
-                done = {"samples": [_sample(r, out) for r, out in zip(group, outputs)],
-                        "seconds": round(time.time() - t0, 2)}
+                part, done = _run_length(model, tokenizer, group, task, chat_template=chat_template, stats=stats,
+                                         bar=bar)
                 _write_section(checkpoint, length, group, done, part, name="ruler")
             samples += done["samples"]
             if part is not None:
                 task_stats[f"ruler_{length}"] = part.summary()
+            for subtask, counters in done["subtask_stats"].items():
+                sub = SparsityStats.from_json(counters)
+                task_stats[f"ruler_{length}_{subtask}"] = sub.summary()
+                if subtask in by_subtask:
+                    by_subtask[subtask].add(sub)
+                else:
+                    by_subtask[subtask] = sub
+    task_stats.update({f"ruler_{subtask}": pooled.summary() for subtask, pooled in by_subtask.items()})
     out = _result("ruler", "score", [s["score"] for s in samples], samples)
     subtasks = list(dict.fromkeys(s["subtask"] for s in samples))
     views = [(f"ruler_{n}", lambda s, n=n: s["target_tokens"] == n) for n in lengths]
