@@ -203,7 +203,8 @@ def test_shared_haystacks_run_once_with_each_prompts_tokens_and_statistics(tmp_p
             "ruler": {**SMALL, "subtasks": ["niah_multikey", "vt"]}}
     groups, seen = [], []
     plain = prefix_sharing.generate_shared
-    monkeypatch.setattr(prefix_sharing, "generate_shared", lambda m, ids, **kw: groups.append(len(ids)) or plain(m, ids, **kw))
+    monkeypatch.setattr(prefix_sharing, "generate_shared",
+                        lambda m, ids, **kw: groups.append(len(ids)) or plain(m, ids, **kw))
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
     runs, tokens = [], []
     for share in (None, True):
@@ -224,7 +225,8 @@ def test_shared_haystacks_run_once_with_each_prompts_tokens_and_statistics(tmp_p
     assert shared["results"] == one["results"]
     a, b = one["task_stats"]["ruler_600"], shared["task_stats"]["ruler_600"]
     assert b["prefill_attention_elements"] == a["prefill_attention_elements"]  # as if every prompt ran whole
-    assert b["kept_vrow_fraction"] == pytest.approx(a["kept_vrow_fraction"], rel=1e-3) and 0 < a["kept_vrow_fraction"] < 1
+    assert b["kept_vrow_fraction"] == pytest.approx(a["kept_vrow_fraction"], rel=1e-3)
+    assert 0 < a["kept_vrow_fraction"] < 1
     assert [p.name for p in (tmp_path / "True").iterdir()] == ["ruler_600.json"]
     monkeypatch.setattr(generation, "generate_all", lambda *a, **k: pytest.fail("a saved length is generated again"))
     with toptheta.sparsify(model, toptheta.TopTheta(thresholds), [toptheta.VMC()]) as stats:
@@ -267,3 +269,24 @@ def test_a_tiny_llama_run_through_the_pipeline_reports_scores_per_length_and_sub
                                          .read_bytes()))
     assert len(samples) == 4 and {s["subtask"] for s in samples} == {"niah_multikey", "vt"}
     assert sparse.loc["ruler", "value"] == pytest.approx(sum(s["score"] for s in samples) / 4)
+
+
+def test_the_store_counts_a_runs_prompts_and_paired_outcomes_keep_each_views_own():
+    from toptheta.results.paired import question_outcomes
+    from toptheta.results.store import summary_rows
+
+    config = {"model": {"name": "m"}, "task": {"name": "ruler", "kind": "ruler", "lengths": [500, 700],
+                                               "prompts_per_length": 2}, "sparsifier": {"name": "dense"}}
+    results = {"results": {"ruler": {"score,none": 0.5, "score_stderr,none": 0.1},
+                           "ruler_500": {"score,none": 1.0, "score_stderr,none": 0.0}}}
+    rows = summary_rows("r", config, results, {"ruler_500": {"kept_vrow_fraction": 1.0}}, commit="c", timestamp="t")
+    assert {row["task"]: row["limit"] for row in rows} == {"ruler": 4, "ruler_500": 4}  # 2 lengths x 2 prompts
+    samples = [{"id": "ruler-500-vt-0-1", "score": 0.5}, {"id": "ruler-500-niah_multikey-0-0", "score": 1.0},
+               {"id": "ruler-700-vt-1-0", "score": 0.0}]
+    views = {task: sorted(question_outcomes(samples, task, "score,none")) for task in
+             ("ruler", "ruler_500", "ruler_vt", "ruler_500_niah_multikey", "ruler_700_vt")}
+    assert views == {"ruler": sorted(s["id"] for s in samples), "ruler_500": ["ruler-500-niah_multikey-0-0",
+                                                                             "ruler-500-vt-0-1"],
+                     "ruler_vt": ["ruler-500-vt-0-1", "ruler-700-vt-1-0"],
+                     "ruler_500_niah_multikey": ["ruler-500-niah_multikey-0-0"], "ruler_700_vt": ["ruler-700-vt-1-0"]}
+    assert question_outcomes(samples, "ruler_500_vt", "score,none") == {"ruler-500-vt-0-1": 0.5}

@@ -233,7 +233,8 @@ def _compose(haystack: Haystack, filler: Sequence[str]) -> list[str]:
     return [body + question for question, _ in haystack.questions]
 
 
-def _fit(count: Callable[[str], int], build: Callable[[int], list[str]], target: int, what: str) -> tuple[int, list[str]]:
+def _fit(count: Callable[[str], int], build: Callable[[int], list[str]], target: int,
+         what: str) -> tuple[int, list[str]]:
     """The largest n whose prompts ``build(n)`` all fit in ``target`` tokens (token counts grow with n)."""
     def fits(n: int) -> bool:
         return max(count(p) for p in build(n)) <= target
@@ -270,7 +271,8 @@ def _cwe(rng_key: str, s: RulerSettings, count, target: int, what: str) -> tuple
     def build(n: int) -> list[str]:
         if len(rare) < n:
             rare.extend(_distinct(rng, _word, n - len(rare), taken))
-        entries = [w for w in common for _ in range(s.word_repeats)] + [w for w in rare[:n] for _ in range(s.rare_repeats)]
+        entries = [w for w in common for _ in range(s.word_repeats)]
+        entries += [w for w in rare[:n] for _ in range(s.rare_repeats)]
         random.Random(f"{rng_key}:order:{n}").shuffle(entries)
         body = " ".join(f"{i + 1}. {w}" for i, w in enumerate(entries))
         return [CWE_INTRO + body + CWE_QUESTION.format(n=s.words)]
