@@ -234,21 +234,47 @@ def _compose(haystack: Haystack, filler: Sequence[str]) -> list[str]:
 
 
 def _fit(count: Callable[[str], int], build: Callable[[int], list[str]], target: int,
-         what: str) -> tuple[int, list[str]]:
-    """The largest n whose prompts ``build(n)`` all fit in ``target`` tokens (token counts grow with n)."""
-    def fits(n: int) -> bool:
-        return max(count(p) for p in build(n)) <= target
+         what: str) -> tuple[int, list[str], list[int]]:
+    """The largest n whose prompts ``build(n)`` all fit in ``target`` tokens (token counts grow with n), the
+    prompts, and their lengths in tokens.
 
-    if not fits(0):
+    A long prompt takes a while to tokenize, so the search counts few: one prompt (the one with the longest
+    question), from a guess made from the tokens one probe of PROBE_UNITS units added, widening a bracket around
+    the guess, then halving it; all prompts are counted at the end (one unit less while one is too long)."""
+    prompts = build(0)
+    lengths = [count(p) for p in prompts]
+    if max(lengths) > target:
         raise ValueError(f"{what}: its prompts without filler text are longer than {target} tokens; ask for a longer "
                          "length (task.lengths) or fewer planted items (task.ruler)")
-    lo, hi = 0, 1
-    while fits(hi):
-        lo, hi = hi, hi * 2
+    longest = lengths.index(max(lengths))
+
+    def fits(n: int) -> bool:
+        return count(build(n)[longest]) <= target
+
+    per_unit = max(1.0, (count(build(PROBE_UNITS)[longest]) - lengths[longest]) / PROBE_UNITS)
+    guess = int((target - lengths[longest]) / per_unit)
+    if fits(guess):  # widen upwards until one does not fit
+        lo, step = guess, 1
+        while fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step
+    else:  # widen downwards until one fits (0 does)
+        hi, step = guess, 1
+        while hi - step > 0 and not fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(0, hi - step)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, build(lo)
+    while True:
+        prompts = build(lo)
+        lengths = [count(p) for p in prompts]
+        if lo == 0 or max(lengths) <= target:
+            return lo, prompts, lengths
+        lo -= 1
+
+
+PROBE_UNITS = 32
 
 
 def _filled(rng: random.Random) -> Callable[[int], list[str]]:
@@ -261,8 +287,9 @@ def _filled(rng: random.Random) -> Callable[[int], list[str]]:
     return first
 
 
-def _cwe(rng_key: str, s: RulerSettings, count, target: int, what: str) -> tuple[list[str], list[str], list[str]]:
-    """(prompt, answer words, every list word): ``s.words`` common words among rare ones, as many as fit."""
+def _cwe(rng_key: str, s: RulerSettings, count, target: int, what: str) -> tuple[str, int, list[str], list[str]]:
+    """(prompt, its length, answer words, every list word): ``s.words`` common words among as many rare ones as
+    fit."""
     rng = random.Random(rng_key)
     taken: set[str] = set()
     common = _distinct(rng, _word, s.words, taken)
@@ -277,8 +304,8 @@ def _cwe(rng_key: str, s: RulerSettings, count, target: int, what: str) -> tuple
         body = " ".join(f"{i + 1}. {w}" for i, w in enumerate(entries))
         return [CWE_INTRO + body + CWE_QUESTION.format(n=s.words)]
 
-    n, (prompt,) = _fit(count, build, target, what)
-    return [prompt], common, common + rare[:n]
+    n, (prompt,), (n_tokens,) = _fit(count, build, target, what)
+    return prompt, n_tokens, common, common + rare[:n]
 
 
 def build_ruler_records(tokenizer, lengths: Iterable[int] = (4096, 8192), prompts_per_length: int = 50,
@@ -301,19 +328,19 @@ def build_ruler_records(tokenizer, lengths: Iterable[int] = (4096, 8192), prompt
                 n_queries, key = min(per, n_prompts - h * per), f"ruler:{seed}:{target}:{subtask}:{h}"
                 what = f"ruler {subtask} at {target} tokens"
                 if subtask == "cwe":
-                    prompts, answer, universe = _cwe(key, settings, count, target, what)
-                    answers = [answer]
+                    prompt, n_tokens, answer, universe = _cwe(key, settings, count, target, what)
+                    prompts, sizes, answers = [prompt], [n_tokens], [answer]
                 else:
                     rng = random.Random(key)
                     haystack = (_vt(rng, settings, n_queries) if subtask == "vt"
                                 else _niah(rng, settings, subtask == "niah_multivalue", n_queries))
                     filler = _filled(random.Random(key + ":filler"))
-                    _, prompts = _fit(count, lambda n: _compose(haystack, filler(n)), target, what)
+                    _, prompts, sizes = _fit(count, lambda n: _compose(haystack, filler(n)), target, what)
                     answers, universe = [a for _, a in haystack.questions], haystack.universe
-                for q, (prompt, answer) in enumerate(zip(prompts, answers)):
+                for q, (prompt, n_tokens, answer) in enumerate(zip(prompts, sizes, answers)):
                     records.append({"id": f"ruler-{target}-{subtask}-{h}-{q}", "subtask": subtask,
                                     "haystack": f"{target}-{subtask}-{h}", "prompt": prompt, "answer": list(answer),
-                                    "universe": list(universe), "length_tokens": count(prompt),
+                                    "universe": list(universe), "length_tokens": n_tokens,
                                     "target_tokens": target, "new_tokens": settings.new_tokens(subtask)})
     return records
 
