@@ -290,8 +290,8 @@ def _section_path(checkpoint, length: int, name: str = "passkey") -> Path:
 
 
 def _read_section(checkpoint, length: int, group: list[dict], stats, name: str = "passkey"):
-    """(its statistics or None, {samples, seconds}) of a length of task ``name`` saved for exactly these prompts;
-    else None."""
+    """(its statistics or None, {samples, seconds, ...: what else was saved}) of a length of task ``name`` saved for
+    exactly these prompts; else None."""
     if checkpoint is None or not _section_path(checkpoint, length, name).is_file():
         return None
     data = json.loads(_section_path(checkpoint, length, name).read_text(encoding="utf-8"))
