@@ -142,6 +142,8 @@ def test_multikey_scorer_takes_the_first_planted_number_and_refuses_a_distractor
     assert score_ruler(f" {distractor}, or maybe {value}.", r) == 0.0  # the first planted number decides
     assert score_ruler(f" {value[:-1]}.", r) == 0.0 and score_ruler(f" {value}1.", r) == 0.0  # whole numbers only
     assert score_ruler("I cannot find it.", r) == 0.0
+    assert score_ruler(f" {int(value):,}.", r) == 1.0  # digits grouped in thousands
+    assert score_ruler(f" {value},{distractor}", r) == 1.0 and score_ruler(f" {distractor},{value}", r) == 0.0
 
 
 def test_multivalue_scorer_needs_every_value_and_no_distractor():

@@ -351,8 +351,11 @@ _ITEM = {"niah_multikey": r"\d+", "niah_multivalue": r"\d+", "vt": r"[A-Z]+", "c
 
 
 def named_items(generated: str, subtask: str, universe: Iterable[str]) -> list[str]:
-    """The planted items the generation names, in the order it first names them (whole tokens; cwe ignores case)."""
+    """The planted items the generation names, in the order it first names them (whole tokens; cwe ignores case,
+    numbers may group their digits in thousands)."""
     text = generated.lower() if subtask == "cwe" else generated
+    if subtask.startswith("niah"):  # 1,234,567 names 1234567
+        text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
     planted, out = set(universe), []
     for token in re.findall(_ITEM[subtask], text):
         if token in planted and token not in out:
