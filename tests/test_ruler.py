@@ -105,7 +105,9 @@ def test_a_haystack_is_the_shared_prefix_of_its_prompts_with_needles_over_its_wh
     recs = records(length=4096, n=16)
     for subtask in ("niah_multikey", "niah_multivalue", "vt"):
         group = [r for r in by(recs, subtask) if r["haystack"] == by(recs, subtask)[0]["haystack"]]
-        assert len(group) == 4 and len({body(r) for r in group}) == 1 and len({r["prompt"] for r in group}) == 4
+        queries = RulerSettings().queries(subtask)
+        assert queries >= 3 and len(group) == queries  # one haystack for every queries_per_haystack prompts
+        assert len({body(r) for r in group}) == 1 and len({r["prompt"] for r in group}) == queries
         assert len(TOK.encode(body(group[0]))) > 0.97 * group[0]["length_tokens"]  # all but the question shared
         text = body(group[0])
         planted = [text.index(item) / len(text) for r in group for item in r["answer"]]
@@ -113,6 +115,10 @@ def test_a_haystack_is_the_shared_prefix_of_its_prompts_with_needles_over_its_wh
     multikey = by(recs, "niah_multikey")[:4]
     depths = [body(r).index(r["answer"][0]) for r in multikey]
     assert depths == sorted(depths) and len(set(depths)) == 4  # the queries ask about needles at different depths
+    assert [r["depth"] for r in multikey] == sorted(r["depth"] for r in multikey)
+    assert 0 < multikey[0]["depth"] < 0.25 and 0.75 < multikey[-1]["depth"] < 1
+    assert all(0 <= r["depth"] <= 1 for r in recs if r["subtask"] != "cwe")
+    assert {r["depth"] for r in by(recs, "cwe")} == {None}
 
 
 def test_settings_out_of_range_and_lengths_too_short_are_refused_with_the_fix():
@@ -161,8 +167,10 @@ def test_vt_scorer_refuses_a_wrong_variable():
     chain, other = r["answer"], next(v for v in r["universe"] if v not in r["answer"])
     assert score_ruler(" " + " ".join(chain), r) == 1.0
     assert score_ruler(" VAR " + ", VAR ".join(chain) + ".", r) == 1.0
-    assert score_ruler(" " + " ".join([*chain[:-1], other]), r) == pytest.approx(0.8)  # a wrong variable
-    assert score_ruler(" " + " ".join(chain[:-1]), r) == pytest.approx(0.8)  # a missing one
+    near = (len(chain) - 1) / len(chain)
+    assert score_ruler(" " + " ".join([*chain[:-1], other]), r) == pytest.approx(near)  # a wrong variable
+    assert score_ruler(" " + " ".join(chain[:-1]), r) == pytest.approx(near)  # a missing one
+    assert score_ruler(" " + " ".join([*chain, other]), r) == pytest.approx(len(chain) / (len(chain) + 1))
     assert score_ruler(" " + " ".join(c.lower() for c in chain), r) == 0.0  # names are capitals
 
 

@@ -97,8 +97,8 @@ class RulerSettings:
     distractors: int = 7
     keys: int = 4
     values: int = 4
-    chains: int = 4
-    hops: int = 4
+    chains: int = 3
+    hops: int = 3
     words: int = 5
     word_repeats: int = 24
     rare_repeats: int = 3
@@ -313,7 +313,9 @@ def build_ruler_records(tokenizer, lengths: Iterable[int] = (4096, 8192), prompt
     """The suite: ``prompts_per_length`` prompts per length, dealt to the sub-tasks in turn, grouped by haystack.
 
     Records: {id, subtask, haystack, prompt, answer (items), universe (planted items of the answer's kind),
-    length_tokens, target_tokens, new_tokens}. Deterministic in ``seed``; a haystack's prompts are consecutive.
+    length_tokens, target_tokens, new_tokens, depth}. Deterministic in ``seed``; a haystack's prompts are consecutive.
+    ``depth``: where the asked item is first stated, as a fraction of the text between introduction and question
+    (None for cwe, whose answer is everywhere).
     """
     settings = (settings or RulerSettings()).check()
     if isinstance(prompts_per_length, bool) or not isinstance(prompts_per_length, int) or prompts_per_length < 1:
@@ -341,8 +343,17 @@ def build_ruler_records(tokenizer, lengths: Iterable[int] = (4096, 8192), prompt
                     records.append({"id": f"ruler-{target}-{subtask}-{h}-{q}", "subtask": subtask,
                                     "haystack": f"{target}-{subtask}-{h}", "prompt": prompt, "answer": list(answer),
                                     "universe": list(universe), "length_tokens": n_tokens,
-                                    "target_tokens": target, "new_tokens": settings.new_tokens(subtask)})
+                                    "target_tokens": target, "new_tokens": settings.new_tokens(subtask),
+                                    "depth": _depth(prompt, subtask, answer)})
     return records
+
+
+def _depth(prompt: str, subtask: str, answer: list[str]) -> float | None:
+    if subtask == "cwe":
+        return None
+    start, end = prompt.index("\n\n") + 2, prompt.rindex("\n\n")
+    at = min(prompt.index(f"VAR {item} = " if subtask == "vt" else f" {item}.") for item in answer)
+    return round((at - start) / (end - start), 4)
 
 
 # ---- grading --------------------------------------------------------------------------------------------------

@@ -133,5 +133,5 @@ def run_ruler(task: dict, model, tokenizer, *, chat_template: bool, stats=None, 
 def _sample(record: dict, out: dict) -> dict:
     score = score_ruler(out["text"], record)
     return {"id": record["id"], "subtask": record["subtask"], "haystack": record["haystack"],
-            "target_tokens": record["target_tokens"], "length_tokens": out["prompt_tokens"],
+            "target_tokens": record["target_tokens"], "length_tokens": out["prompt_tokens"], "depth": record["depth"],
             "generation": out["text"], "answer": record["answer"], "score": score, "correct": score == 1.0}
