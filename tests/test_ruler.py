@@ -300,3 +300,20 @@ def test_the_store_counts_a_runs_prompts_and_paired_outcomes_keep_each_views_own
                      "ruler_vt": ["ruler-500-vt-0-1", "ruler-700-vt-1-0"],
                      "ruler_500_niah_multikey": ["ruler-500-niah_multikey-0-0"], "ruler_700_vt": ["ruler-700-vt-1-0"]}
     assert question_outcomes(samples, "ruler_500_vt", "score,none") == {"ruler-500-vt-0-1": 0.5}
+
+
+def test_verdicts_compare_a_ruler_run_once_not_once_per_view():
+    """The per-length and per-sub-task rows are views of the run's prompts: the verdicts' comparisons take the
+    `ruler` row only (as they take `passkey`, not `passkey_<n>`). The store's passkey rows, renamed, are the runs."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from toptheta.results import verdicts
+
+    summary = pd.read_csv(Path(__file__).resolve().parents[1] / "results" / "summary.csv")
+    rows = summary[summary["task"].astype(str).str.fullmatch(r"passkey(_\d+)?")].copy()
+    assert {"passkey", "passkey_2048"} <= set(rows["task"]) and set(rows["sparsifier"]) >= {"dense", "topk"}
+    rows["task"] = rows["task"].str.replace("passkey", "ruler").str.replace("ruler_2048", "ruler_2048_vt")
+    rows["metric"] = "score,none"
+    assert set(verdicts.store_rows(rows)["g_task"]) == {"ruler"}
