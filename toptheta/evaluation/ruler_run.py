@@ -41,6 +41,8 @@ def ruler_new_tokens(task: dict) -> int:
 
 
 def ruler_records(task: dict, tokenizer) -> list[dict]:
+    """The task's prompts (ruler.build_ruler_records from its lengths, prompts_per_length, seed and knobs), the first
+    ``task.limit`` of them when set."""
     records = build_ruler_records(tokenizer, lengths=task.get("lengths") or DEFAULT_LENGTHS,
                                   prompts_per_length=int(task.get("prompts_per_length") or DEFAULT_PROMPTS_PER_LENGTH),
                                   seed=int(task.get("seed") or 0), settings=ruler_settings(task))
