@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from .evaluation.ruler import RulerSettings  # a plain dataclass (no heavy imports): task.ruler's schema
+
 
 class Choice(str, Enum):
     """Base of the choice Enums: prints as its value, so messages and paths read `post`, not `Placement.post`."""
@@ -46,7 +48,7 @@ Granularity = _choices("Granularity", "layer", "layer-n", "layer-head", "layer-h
 Lookup = _choices("Lookup", "nearest", "linear")
 Beyond = _choices("Beyond", "clamp", "fit")  # toptheta.calibration.beyond.RULES
 CalibCompensation = _choices("CalibCompensation", "run", "reference", "none")
-TaskKind = _choices("TaskKind", "lm_eval", "humaneval", "passkey")
+TaskKind = _choices("TaskKind", "lm_eval", "humaneval", "passkey", "ruler")
 FewshotSampler = _choices("FewshotSampler", "default", "first_n")  # lm-eval's samplers
 LoggerName = _choices("LoggerName", "none", "wandb")
 WandbMode = _choices("WandbMode", "offline", "online", "disabled")
@@ -59,7 +61,8 @@ SIGMA_ADD_LIMIT = 3.0  # |calib.sigma_add| beyond this makes θ meaningless (che
 VROW_POPULARITY_DEFAULTS = {"group": 0, "max_steps": 256}
 
 OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", "depths", "seed", "allow_unsafe_code",
-                        "vrow_popularity", "decode_batch", "share_prefix", "filler", "fewshot_sampler")
+                        "vrow_popularity", "decode_batch", "share_prefix", "filler", "fewshot_sampler",
+                        "prompts_per_length", "ruler")
 
 
 def _open_dict(key_type: type, element_type: type):
@@ -149,9 +152,11 @@ class TaskConfig:
     metric: Optional[str] = None
     max_length: Optional[int] = None
     timeout_s: Optional[float] = None      # humaneval
-    lengths: Optional[List[int]] = None    # passkey
+    lengths: Optional[List[int]] = None    # passkey, ruler
     depths: Optional[List[float]] = None   # passkey
-    seed: Optional[int] = None             # passkey
+    seed: Optional[int] = None             # passkey, ruler
+    prompts_per_length: Optional[int] = None  # ruler: prompts per length, dealt to its sub-tasks in turn
+    ruler: Optional[RulerSettings] = None  # ruler: sub-tasks and difficulty knobs (evaluation/ruler.py)
     allow_unsafe_code: Optional[bool] = None  # humaneval: run completions without the sandbox
     # Generation tasks: prompts decoded together (null = 1: one model.generate per prompt, the reference); lm_eval
     # tasks: generate_until requests decoded together (null = 1; batch_size batches multiple-choice scoring only).
@@ -312,6 +317,7 @@ def _check_task(task: Any, get, need) -> None:
     filler = get(task, "filler")
     need(filler is None or (str(get(task, "kind")) == "passkey" and filler in ("independent", "shared")),
          "task.filler", filler, "null, independent or shared, for passkey tasks only")
+    _check_ruler(task, get, need)
     popularity = get(task, "vrow_popularity")
     if popularity is not None:
         need(str(get(task, "kind")) != "lm_eval", "task.vrow_popularity", "{...}",
@@ -324,3 +330,19 @@ def _check_task(task: Any, get, need) -> None:
             value = popularity.get(key)
             need((key == "max_steps" and value is None) or is_int(value, minimum), f"task.vrow_popularity.{key}", value,
                  f"an integer >= {minimum}" + (" or null" if key == "max_steps" else ""))
+
+
+def _check_ruler(task: Any, get, need) -> None:
+    """task.prompts_per_length and task.ruler: set for ruler tasks (their ranges: RulerSettings), null for others."""
+    if str(get(task, "kind")) != "ruler":
+        for key in ("prompts_per_length", "ruler"):
+            need(get(task, key) is None, f"task.{key}", "{...}" if key == "ruler" else get(task, key),
+                 "null for tasks other than ruler")
+        return
+    per_length = get(task, "prompts_per_length")
+    need(is_int(per_length, 1), "task.prompts_per_length", per_length, "an integer >= 1, e.g. 50")
+    settings = dict(get(task, "ruler") or {})
+    if "subtasks" in settings:
+        settings["subtasks"] = list(settings["subtasks"])
+    for key, value, valid in RulerSettings(**settings).problems():
+        need(False, key, value, valid)

@@ -241,11 +241,12 @@ def check_context(task: dict, max_positions: int | None, model_name: str) -> Non
     """Refuse, before any prompt runs, a generation task whose sequences exceed the model's context."""
     if not max_positions:
         return
-    if task["kind"] == "passkey":
+    if task["kind"] in ("passkey", "ruler"):
+        new_tokens = PASSKEY_NEW_TOKENS if task["kind"] == "passkey" else _ruler_new_tokens(task)
         longest = max(task.get("lengths") or (0,))
-        need = longest + CHAT_OVERHEAD_TOKENS + PASSKEY_NEW_TOKENS
+        need = longest + CHAT_OVERHEAD_TOKENS + new_tokens
         if need > max_positions:
-            fitting = [n for n in (task.get("lengths") or ()) if n + CHAT_OVERHEAD_TOKENS + PASSKEY_NEW_TOKENS
+            fitting = [n for n in (task.get("lengths") or ()) if n + CHAT_OVERHEAD_TOKENS + new_tokens
                        <= max_positions]
             raise ValueError(
                 f"task.lengths reaches {longest} tokens but {model_name} has a context of {max_positions} positions; "
@@ -255,6 +256,12 @@ def check_context(task: dict, max_positions: int | None, model_name: str) -> Non
     elif task["kind"] == "humaneval" and int(task.get("max_length") or 2048) > max_positions:
         raise ValueError(f"task.max_length={task.get('max_length')} exceeds {model_name}'s context of "
                          f"{max_positions} positions; set task.max_length={max_positions} or lower")
+
+
+def _ruler_new_tokens(task: dict) -> int:
+    from .ruler_run import ruler_new_tokens  # ruler_run imports this module
+
+    return ruler_new_tokens(task)
 
 
 def check_decoding(task: dict, model) -> None:
@@ -278,32 +285,35 @@ def check_decoding(task: dict, model) -> None:
                          "through model.generate)")
 
 
-def _section_path(checkpoint, length: int) -> Path:
-    return Path(checkpoint) / f"passkey_{length}.json"
+def _section_path(checkpoint, length: int, name: str = "passkey") -> Path:
+    return Path(checkpoint) / f"{name}_{length}.json"
 
 
-def _read_section(checkpoint, length: int, group: list[dict], stats):
-    """(its statistics or None, {samples, seconds}) of a length saved for exactly these prompts; else None."""
-    if checkpoint is None or not _section_path(checkpoint, length).is_file():
+def _read_section(checkpoint, length: int, group: list[dict], stats, name: str = "passkey"):
+    """(its statistics or None, {samples, seconds, ...: what else was saved}) of a length of task ``name`` saved for
+    exactly these prompts; else None."""
+    if checkpoint is None or not _section_path(checkpoint, length, name).is_file():
         return None
-    data = json.loads(_section_path(checkpoint, length).read_text(encoding="utf-8"))
+    data = json.loads(_section_path(checkpoint, length, name).read_text(encoding="utf-8"))
     if data.get("prompts") != [r["prompt"] for r in group] or (data.get("stats") is None) != (stats is None):
-        log.warning("passkey %d: the checkpoint in %s was made for other prompts; generating again", length, checkpoint)
+        log.warning("%s %d: the checkpoint in %s was made for other prompts; generating again", name, length,
+                    checkpoint)
         return None
     from ..attention.stats import SparsityStats
 
     part = SparsityStats.from_json(data["stats"]) if data["stats"] is not None else None
-    return part, {"samples": data["samples"], "seconds": data["seconds"]}
+    return part, {key: value for key, value in data.items() if key not in ("prompts", "stats")}  # samples, seconds, ...
 
 
-def _write_section(checkpoint, length: int, group: list[dict], done: dict, part) -> None:
+def _write_section(checkpoint, length: int, group: list[dict], done: dict, part, name: str = "passkey") -> None:
     from ..atomic import write_text_atomic
 
     if checkpoint is None:
         return
-    _section_path(checkpoint, length).parent.mkdir(parents=True, exist_ok=True)
+    path = _section_path(checkpoint, length, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = {"prompts": [r["prompt"] for r in group], **done, "stats": part.to_json() if part is not None else None}
-    write_text_atomic(_section_path(checkpoint, length), json.dumps(data))
+    write_text_atomic(path, json.dumps(data))
 
 
 def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None,
@@ -317,4 +327,9 @@ def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, st
     if kind == "passkey":
         return run_passkey(task, model, tokenizer, chat_template=chat_template, stats=stats, checkpoint=checkpoint,
                            stop=stop)
-    raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, passkey")
+    if kind == "ruler":
+        from .ruler_run import run_ruler
+
+        return run_ruler(task, model, tokenizer, chat_template=chat_template, stats=stats, checkpoint=checkpoint,
+                         stop=stop)
+    raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, passkey, ruler")

@@ -131,7 +131,7 @@ def question_outcomes(samples: Any, task: str, metric: str) -> dict[Any, float]:
     """{question id: score} for one task and metric (e.g. 'acc_norm,none') from a samples file's content.
 
     lm-eval's samples are {task: [sample, ...]} with the metric's per-sample value under its bare name;
-    our generation tasks store a list of samples (HumanEval: task_id/passed, passkey: id/correct).
+    our generation tasks store a list of samples (HumanEval: task_id/passed, passkey: id/correct, ruler: id/score).
     """
     name = metric.split(",")[0]
     records = samples.get(task) if isinstance(samples, Mapping) else samples
@@ -140,6 +140,10 @@ def question_outcomes(samples: Any, task: str, metric: str) -> dict[Any, float]:
     length = re.fullmatch(r"passkey_(\d+)", task)
     if length and not isinstance(samples, Mapping):  # one passkey length: its prompts only
         records = [r for r in records if str(r.get("id", "")).startswith(f"passkey-{length.group(1)}-")]
+    view = re.fullmatch(r"ruler(?:_(\d+))?(?:_([a-z][a-z_]*))?", task)
+    if view and not isinstance(samples, Mapping):  # a ruler view (length, sub-task or both): its prompts only
+        pattern = re.compile(rf"ruler-{view.group(1) or '[0-9]+'}-{view.group(2) or '[a-z_]+'}-[0-9]+-[0-9]+")
+        records = [r for r in records if pattern.fullmatch(str(r.get("id", "")))]
     out = {}
     for i, record in enumerate(records):
         if not isinstance(record, Mapping):

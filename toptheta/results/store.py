@@ -352,7 +352,7 @@ def summary_rows(
     used_limit = (lm_eval_results.get("config") or {}).get("limit")
     if used_limit is not None:
         base["limit"] = used_limit
-    elif base.get("limit") is None and _lookup(config, "task.kind") == "passkey":
+    elif base.get("limit") is None and _lookup(config, "task.kind") in ("passkey", "ruler"):
         base["limit"] = _passkey_prompts(config)
 
     if base.get("fewshot_sampler") is None and _lookup(config, "task.kind") == "lm_eval":
@@ -385,9 +385,13 @@ def summary_rows(
 
 
 def _passkey_prompts(config: Mapping[str, Any]) -> int | None:
-    """How many prompts a passkey run without a limit evaluates (one per length and depth): its `limit` column, so
-    runs over other lengths or depths form settings of their own, and a larger one supersedes a smaller one."""
+    """How many prompts a passkey run (one per length and depth) or a ruler run (task.prompts_per_length per length)
+    without a limit evaluates: its `limit` column, so runs over other lengths, depths or prompt counts form settings
+    of their own, and a larger one supersedes a smaller one."""
     lengths, depths = _lookup(config, "task.lengths"), _lookup(config, "task.depths")
+    if _lookup(config, "task.kind") == "ruler":
+        per_length = _lookup(config, "task.prompts_per_length")
+        return len(lengths) * per_length if lengths and per_length else None
     return len(lengths) * len(depths) if lengths and depths else None
 
 

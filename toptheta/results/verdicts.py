@@ -100,8 +100,8 @@ def store_rows(summary: pd.DataFrame) -> pd.DataFrame:
     """Every run of every trade-off group with its group keys, series (figures.series_label) and settings."""
     frames = []
     for group in figures.tradeoff_groups(summary):
-        if re.fullmatch(r"passkey_\d+", str(group["task"])):
-            continue  # per-length views of a passkey run: its questions already count under `passkey`
+        if re.fullmatch(r"passkey_\d+|ruler_\w+", str(group["task"])):
+            continue  # per-length (ruler: and per-sub-task) views of a run: its questions already count under the task
         table = figures.tradeoff_table(summary, **group)
         frames.append(table.assign(group=figures.group_title(**group), **{f"g_{k}": v for k, v in group.items()}))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
