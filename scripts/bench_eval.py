@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import toptheta  # noqa: E402
 from toptheta.cachedir import cache_dir  # noqa: E402
-from toptheta.pipeline import calibrate_on_task  # noqa: E402
+from toptheta.thresholds_cache import calibrate_on_task  # noqa: E402
 from toptheta.results import bench_report  # noqa: E402
 from toptheta.evaluation import lm_eval_adapter as adapter  # noqa: E402
 from toptheta.evaluation.prefix_cache import prefix_groups  # noqa: E402

@@ -292,7 +292,7 @@ def test_fused_kernel_counts_the_same_empty_rows(monkeypatch):
 def test_empty_row_rule_is_checked_and_passed_by_the_pipeline():
     from types import SimpleNamespace
 
-    from toptheta.pipeline import build_sparsifier
+    from toptheta.builders import build_sparsifier
 
     thresholds = Thresholds(torch.zeros(1, 4, 1), [1], "post")
     with pytest.raises(ValueError, match="empty_rows must be one of"):

@@ -13,9 +13,8 @@ import torch
 
 import toptheta
 from test_config import cfg
-from toptheta import pipeline
+from toptheta import pipeline, thresholds_cache
 from toptheta.calibration import Thresholds
-from toptheta.calibration import beyond
 from toptheta.results.store import summary_rows
 
 LENGTHS = torch.arange(100, 1001, 25)  # calibrated row lengths
@@ -162,7 +161,7 @@ def test_beyond_enters_the_run_id_only_when_it_is_fit(tmp_path):
     assert "beyond" not in default.thresholds and default.run_id == clamp.run_id
     assert fit.thresholds["beyond"] == "fit" and fit.run_id != default.run_id
     fingerprint = {"layers": 2}
-    assert pipeline.thresholds_key(fit, fingerprint) == pipeline.thresholds_key(default, fingerprint)  # one file
+    assert thresholds_cache.thresholds_key(fit, fingerprint) == thresholds_cache.thresholds_key(default, fingerprint)  # one file
     with pytest.raises(Exception, match="calib.beyond"):  # Hydra's schema refuses other values while composing
         cfg(*base, "calib.beyond=extrapolate")
 

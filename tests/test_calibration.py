@@ -363,7 +363,7 @@ def test_calibration_compensation_modes(model):
 def test_thresholds_cache_key_includes_the_calibration_compensation(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from toptheta import config, pipeline
+    from toptheta import config, pipeline, thresholds_cache
     from toptheta.calibration import model_fingerprint
 
     config.register()  # the typed schema conf/config.yaml composes into
@@ -374,7 +374,7 @@ def test_thresholds_cache_key_includes_the_calibration_compensation(tmp_path):
             cfg = compose("config", overrides=["model=tiny-llama", "task=smoke", "sparsifier=toptheta",
                                                f"results_dir={tmp_path}", "baseline=false", *overrides])
         spec = pipeline.plan(cfg)[-1]
-        return pipeline.thresholds_key(spec, model_fingerprint(LlamaConfig()))
+        return thresholds_cache.thresholds_key(spec, model_fingerprint(LlamaConfig()))
 
     vmc, none = key("comp=vmc"), key("comp=none")  # post-softmax
     assert vmc != none == key("comp=vmc", "calib.compensation=none")

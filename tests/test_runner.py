@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from toptheta import config, pipeline
+from toptheta import builders, config, pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -38,9 +38,9 @@ def test_sparsifier_comp_calib_grid_plans_or_explains(sparsifier, comp, calib, t
         return
     for spec in specs:
         assert spec.run_id
-        comps = pipeline._compensation(spec.config["comp"], thresholds=None)
+        comps = builders.compensation_objects(spec.config["comp"], thresholds=None)
         if spec.config["sparsifier"]["name"] != "toptheta":
-            pipeline.build_sparsifier(spec.config["sparsifier"])
+            builders.build_sparsifier(spec.config["sparsifier"])
         assert len(comps) == bool(spec.config["comp"]["sdc"]) + bool(spec.config["comp"]["vmc"])
 
 
@@ -313,11 +313,11 @@ def test_a_run_that_cannot_sparsify_is_refused_before_evaluating(overrides, tmp_
 
 def test_layer_k_covering_every_layer_is_warned_about(caplog):
     sparsifier = {"name": "topk", "k": 64, "layer_k": {0: 8, 1: 8}}
-    pipeline.check_sparsifies(sparsifier, num_layers=2, longest_row=512, model_name="m")  # k = 8 still drops
+    builders.check_sparsifies(sparsifier, num_layers=2, longest_row=512, model_name="m")  # k = 8 still drops
     assert "applies to none" in caplog.text
     with pytest.raises(ValueError, match="nothing would be sparsified"):
-        pipeline.check_sparsifies({**sparsifier, "layer_k": {0: 512, 1: 512}}, 2, 512, "m")
-    pipeline.check_sparsifies({**sparsifier, "layer_k": {0: 512, 1: 512}}, 6, 512, "m")  # layers 2-5 at k = 64
+        builders.check_sparsifies({**sparsifier, "layer_k": {0: 512, 1: 512}}, 2, 512, "m")
+    builders.check_sparsifies({**sparsifier, "layer_k": {0: 512, 1: 512}}, 6, 512, "m")  # layers 2-5 at k = 64
 
 
 def test_a_stop_file_finishes_the_run_in_hand_and_starts_no_other(tmp_path, monkeypatch):

@@ -93,7 +93,7 @@ class SparsifierConfig:
     # layer -> k overrides, on a node without the struct flag: a command-line dict may name layers the YAML's default
     # does not (sparsifier.layer_k={0:512,1:512,2:512}; under Hydra's struct flag the new key 2 is refused). An
     # override merges into the YAML's entries (changes or adds layers); null clears them. Layers the model does not
-    # have are refused once its depth is known (pipeline.check_sparsifies).
+    # have are refused once its depth is known (builders.check_sparsifies).
     layer_k: Optional[Dict[int, int]] = field(default_factory=lambda: _open_dict(int, int))
     empty_rows: Optional[EmptyRows] = None  # toptheta only: keep-max | reference (method.md §9, 10a)
     # Matched sparsity: the fraction of attention elements the run keeps, on the calibration rows; k is then

@@ -1,6 +1,6 @@
 """Warnings a legal run gets when it likely did not do what was meant, once per run, with the count and the fix.
 
-Errors belong before the work (``config.check`` at composition, ``pipeline.check_sparsifies`` and
+Errors belong before the work (``config.check`` at composition, ``builders.check_sparsifies`` and
 ``attention.backend.check_supported`` once the model is known); these come after a run, from its statistics.
 """
 

@@ -9,7 +9,6 @@ dense baseline beside the sparse run so the printed table compares the two.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -17,11 +16,12 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
-from .cachedir import cache_dir
+from .builders import build_sparsifier, check_combination, check_sparsifies, compensation_objects
+from .matched import kept_in_sparsified_layers, resolve_target
+from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 log = logging.getLogger("toptheta")
 
@@ -77,7 +77,7 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         notes.append("dense attention drops nothing: compensation ignored (comp=none)")
         comp = {"sdc": None, "sdc_scale": 1.0, "vmc": False}
     placement = resolve_placement(sparsifier, comp)
-    _check_combination(sparsifier["name"], placement, comp)
+    check_combination(sparsifier["name"], placement, comp)
 
     data_dir = resolve_data_dir(c.get("data_dir", "auto"))
     needs_thresholds = sparsifier["name"] == "toptheta" or comp.get("sdc") == "calibrated"
@@ -145,18 +145,6 @@ def _spec(store, base: dict, sparsifier: dict, comp: dict, calib: dict | None, l
     return RunSpec(config=config, run_id=store.run_id_for(config), label=label, thresholds=calib)
 
 
-def _check_combination(name: str, placement: str | None, comp: dict) -> None:
-    """Build the compensation objects against a stand-in sparsifier: the library's own checks speak."""
-    from .compensation import check_compensation
-
-    if name == "dense":
-        return
-    stand_in = SimpleNamespace(placement=placement)
-    if name == "toptheta" or comp.get("sdc") == "calibrated":
-        stand_in.thresholds = SimpleNamespace(sdc_mass=True)
-    check_compensation(stand_in, _compensation(comp, thresholds=stand_in.__dict__.get("thresholds")))
-
-
 def _check_tasks(task: dict, calib_task: str | None, data_dir: str | None) -> None:
     """Task names and data files, checked by the task catalog before any model loads.
 
@@ -174,162 +162,6 @@ def _check_tasks(task: dict, calib_task: str | None, data_dir: str | None) -> No
         check_external_tasks([task["lm_eval_task"]], task.get("include_path"))
     if calib_task:
         check_tasks([calibration_name(calib_task)], root, None)
-
-
-def check_sparsifies(sparsifier: dict, num_layers: int, longest_row: int | None, model_name: str) -> None:
-    """Refuse a sparse run that cannot drop anything: every layer's k is at least the longest possible row.
-
-    Called once the model's depth is known, before it evaluates. Also warns when `layer_k` names every
-    layer, so the global `sparsifier.k` applies to none.
-    """
-    if sparsifier["name"] == "dense":
-        return
-    layer_k = sparsifier.get("layer_k") or {}
-    beyond = sorted(layer for layer in layer_k if not 0 <= int(layer) < num_layers)
-    if beyond:
-        raise ValueError(
-            f"sparsifier.layer_k={layer_k} names layer(s) {beyond}, but {model_name} has {num_layers} layers "
-            f"(0..{num_layers - 1}). Drop them from sparsifier.layer_k, e.g. "
-            f"sparsifier.layer_k={{{','.join(f'{l}:{k}' for l, k in layer_k.items() if int(l) < num_layers)}}}")
-    ks = [layer_k.get(layer, sparsifier["k"] or 1) for layer in range(num_layers)]  # target_kept: k resolved later
-    if longest_row is not None and min(ks) >= longest_row:
-        raise ValueError(
-            f"nothing would be sparsified: {model_name} has {num_layers} layers and every one keeps k >= "
-            f"{longest_row} keys (sparsifier.k={sparsifier['k']}, sparsifier.layer_k={layer_k}), while no row is "
-            f"longer than {longest_row} tokens. Lower sparsifier.k, or free layers from layer_k "
-            f"(sparsifier.layer_k=null, or a model with more than {len(layer_k)} layers)"
-        )
-    if all(layer in layer_k for layer in range(num_layers)):
-        log.warning("sparsifier.layer_k=%s sets k for all %d layers of %s, so sparsifier.k=%s applies to none; "
-                    "sparsifier.layer_k=null applies it everywhere", layer_k, num_layers, model_name, sparsifier["k"])
-
-
-# ---- building library objects from plain dicts ----------------------------------------------------------
-
-def _compensation(comp: dict, thresholds=None) -> list:
-    from .compensation import SDC, VMC
-
-    out = []
-    if comp.get("sdc"):
-        out.append(SDC(comp["sdc"], scale=float(comp.get("sdc_scale", 1.0)), thresholds=thresholds))
-    if comp.get("vmc"):
-        out.append(VMC())
-    return out
-
-
-def build_sparsifier(sparsifier: dict, thresholds=None):
-    from . import Dense, SkipSoftmax, TopK, TopP, TopTheta
-
-    if sparsifier["name"] == "dense":
-        return Dense()
-    if sparsifier["name"] == "topk":
-        return TopK(sparsifier["k"], sparsifier["placement"], sparsifier.get("layer_k"))
-    if sparsifier["name"] == "topp":
-        return TopP(sparsifier["p"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
-    if sparsifier["name"] == "skipsoftmax":
-        return SkipSoftmax(sparsifier["lam"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
-    return TopTheta(thresholds, sparsifier["placement"], empty_rows=sparsifier.get("empty_rows") or "keep-max")
-
-
-# ---- thresholds: calibrated once per key, cached ------------------------------------------------------------
-
-def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
-    """Hash of every setting that changes the calibrated thresholds (run-time lookup options excluded).
-
-    The compensation enters as what calibration applies (e.g. ["VMC"]), not as calib.compensation or the
-    run's comp, so settings that calibrate alike share one file.
-    """
-    from .calibration import calibration_compensation, compensation_labels
-
-    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma", "compensation", "beyond")}
-    sparsifier = spec.config["sparsifier"]
-    applied = calibration_compensation(_compensation(spec.config["comp"]), sparsifier["placement"],
-                                       spec.thresholds.get("compensation", "run"), spec.thresholds.get("tac", True))
-    identity = {"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
-                "dtype": spec.config["model"]["dtype"], "fingerprint": fingerprint, "k": sparsifier["k"],
-                "layer_k": sparsifier.get("layer_k"), "placement": sparsifier["placement"], "calib": calib,
-                "calibration_compensation": compensation_labels(applied),
-                "data": spec.config["data_dir"], "max_length": spec.config["model"]["max_length"]}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def thresholds_dir() -> Path:
-    return cache_dir("thresholds")
-
-
-def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
-                      max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None, **options):
-    """Thresholds calibrated on the first `num_samples` train documents of one of our tasks (None: all; the
-    `seed`-th block of `num_samples` documents after them for seed > 0, so seeds are disjoint draws), each
-    scored as its lm-eval request is (`num_fewshot` shots drawn by `fewshot_sampler`, cut to `max_length`, the
-    model's limit by default); `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...)."""
-    from .calibration import calibrate
-    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
-
-    requests = calibration_requests(tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot, limit=num_samples,
-                                    max_length=max_length or hflm_max_length(model, tokenizer), seed=seed,
-                                    fewshot_sampler=fewshot_sampler, draw=seed)
-    log.info("calibrating on %d sequences of %s (train split)", len(requests), task)
-    return calibrate(model, [[r] for r in requests], seed=seed, **options)
-
-
-def obtain_thresholds(spec: RunSpec, model, tokenizer):
-    """Load cached thresholds for this calibration key, or calibrate and cache them."""
-    from .calibration import Thresholds, model_fingerprint
-    from .calibration.thresholds import DamagedThresholds
-
-    calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
-    path = thresholds_dir() / spec.config["model"]["name"] / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
-    options = {"lookup": calib.get("lookup", "nearest"), "smooth_sigma": calib.get("smooth_sigma", 0.0)}
-    beyond = calib.get("beyond", "clamp")  # rows past the calibrated lengths (calibration/beyond.py): at run time
-    loading = {**options, "beyond": beyond}
-    found = _checkpoint_thresholds(spec, model, loading)  # a model folder that carries its own (save_pretrained)
-    if found is not None:
-        return found
-    if path.is_file():
-        try:
-            thresholds = Thresholds.load(path, model, **loading)
-            log.info("thresholds: reusing %s", path)
-            return thresholds, str(path)
-        except DamagedThresholds as err:  # e.g. a job killed mid-write by an older toptheta: recalibrate
-            aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
-            os.replace(path, aside)
-            log.warning("thresholds: %s is damaged (%s); moved aside to %s, calibrating again", path, err, aside.name)
-    t0 = time.time()
-    thresholds = calibrate_on_task(
-        model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
-        num_samples=calib.get("num_samples"), max_length=spec.config["model"].get("max_length"),
-        seed=calib.get("seed", 0), fewshot_sampler=calib.get("fewshot_sampler"), k=sparsifier["k"], placement=sparsifier["placement"],
-        layer_k=sparsifier.get("layer_k"), statistic=calib.get("statistic", "order"),
-        sigma_add=calib.get("sigma_add", 0.1), granularity=calib.get("granularity", "layer-head-n"),
-        tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0),
-        compensations=_compensation(spec.config["comp"]), compensation=calib.get("compensation", "run"),
-        generate_tokens=int(calib.get("decode_tokens") or 0),
-        metadata={"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
-                  "calibration_task": calib["task"], "calibration_split": "train",
-                  "calibration_documents": calib.get("num_samples"), "num_fewshot": calib.get("num_fewshot")},
-        **options,
-    )
-    thresholds.save(path)
-    log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
-    if beyond != "clamp":  # the file holds what was calibrated; the rule is how it is read
-        thresholds = Thresholds.load(path, model, **loading)
-    return thresholds, str(path)
-
-
-def _checkpoint_thresholds(spec: RunSpec, model, options: dict):
-    """(thresholds, file) a model folder (model.source) carries for exactly this run's settings, else None."""
-    from .calibration import calibration_compensation, compensation_labels
-    from .calibration.checkpoint import matching, run_settings
-
-    source = os.path.expanduser(str(spec.config["model"]["source"]))
-    if not os.path.isdir(source):
-        return None
-    sparsifier, calib = spec.config["sparsifier"], spec.thresholds
-    applied = calibration_compensation(_compensation(spec.config["comp"]), sparsifier["placement"],
-                                       calib.get("compensation", "run"), calib.get("tac", True))
-    wanted = run_settings(sparsifier, calib, compensation_labels(applied), model.config.get_text_config().num_hidden_layers)
-    return matching(source, wanted, model, **options)
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
@@ -382,15 +214,6 @@ def _count_generated(results: dict, tokenizer) -> dict:
     return results
 
 
-def _thresholds_claim(spec: RunSpec, model):
-    """The claim on calibrating this thresholds key: parallel jobs calibrate it once, the others wait and reuse."""
-    from .calibration import model_fingerprint
-    from .results.claims import claim
-
-    key = thresholds_key(spec, model_fingerprint(model))
-    return claim(thresholds_dir() / spec.config["model"]["name"] / f"{key}.lock", f"thresholds {key}")
-
-
 def job_invocation() -> dict:
     """How this job was started (command line, Hydra overrides, sweep), saved in each run directory."""
     import socket
@@ -432,10 +255,10 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     planned, (spec, target) = spec, resolve_target(spec, model, tokenizer)  # matched sparsity: k resolved here
     thresholds, thresholds_ref = (None, None)
     if spec.thresholds is not None:
-        with _thresholds_claim(spec, model):
+        with thresholds_claim(spec, model):
             thresholds, thresholds_ref = obtain_thresholds(spec, model, tokenizer)
     sparsifier = build_sparsifier(spec.config["sparsifier"], thresholds)
-    comp = _compensation(spec.config["comp"], thresholds)
+    comp = compensation_objects(spec.config["comp"], thresholds)
     log.info("evaluating %s: %r + %s", spec.label, sparsifier, comp or "no compensation")
     t0 = time.time()
     # An interrupted run resumes from the parts it saved (passkey: each length); a popularity recording follows
@@ -468,80 +291,6 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
         shutil.rmtree(checkpoint, ignore_errors=True)  # the run is stored: its parts are no longer needed
     logger.log_run(spec, rows, stats, thresholds_ref)
     return rows
-
-
-def kept_in_sparsified_layers(stats, sparsifier: dict) -> float | None:
-    """The kept attention fraction over the layers sparsifier.k governs (those not in layer_k); None for dense."""
-    if sparsifier["name"] == "dense":
-        return None
-    free = [layer for layer in range(stats.num_layers) if layer not in (sparsifier.get("layer_k") or {})]
-    valid = float(stats.prefill_valid[free].sum()) if free else 0.0
-    return float(stats.prefill_kept[free].sum()) / valid if valid else None
-
-
-MEASURE_SEQUENCES = 32  # calibration rows Top-θ's kept fraction is measured on, per k tried
-
-
-def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | None]:
-    """For a run with ``sparsifier.target_kept``: (a copy of ``spec`` with the k that keeps that fraction of the
-    attention elements on its calibration rows, the record of the choice); other runs: (``spec``, None).
-
-    Top-k's fraction follows from the rows' lengths; Top-θ's is measured with the thresholds of each k tried
-    (calibrated and cached as any run's); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
-    fraction (calibration/target_param.py). Fails with the fix when the target is out of reach."""
-    import copy
-
-    import torch
-
-    from . import sparsify
-    from .calibration.target_kept import resolve_k
-    from .calibration.target_param import PARAMETERS, fit_parameter
-    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
-
-    target = spec.config["sparsifier"].get("target_kept")
-    if target is None:
-        return spec, None
-    rows = spec.config["target"]
-    sequences = calibration_requests(
-        tokenizer, rows["task"], data_dir=spec.config["data_dir_path"], num_fewshot=rows["num_fewshot"],
-        limit=rows["num_samples"], max_length=spec.config["model"].get("max_length") or hflm_max_length(model, tokenizer),
-        seed=rows.get("seed", 0), fewshot_sampler=rows.get("fewshot_sampler"), draw=rows.get("seed", 0))
-    layer_k = spec.config["sparsifier"].get("layer_k") or {}
-    num_layers = model.config.get_text_config().num_hidden_layers
-
-    def with_value(k, key: str = "k") -> RunSpec:  # the spec with sparsifier.<key> (k, p or lam) resolved
-        resolved = copy.copy(spec)
-        resolved.config = copy.deepcopy(spec.config)
-        resolved.config["sparsifier"][key] = k
-        return resolved
-
-    def measure(k, key: str = "k") -> float:
-        candidate = with_value(k, key)
-        thresholds = None
-        if candidate.thresholds is not None:
-            with _thresholds_claim(candidate, model):
-                thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
-        sparsifier = build_sparsifier(candidate.config["sparsifier"], thresholds)
-        with torch.no_grad(), sparsify(model, sparsifier, _compensation(candidate.config["comp"], thresholds)) as stats:
-            for ids in sequences[:MEASURE_SEQUENCES]:
-                model(input_ids=torch.tensor([ids], device=model.device))
-        log.info("target_kept=%g: %s=%g keeps %.4f on %d calibration rows", target, key, k,
-                 stats.kept_attention_fraction, min(len(sequences), MEASURE_SEQUENCES))
-        return stats.kept_attention_fraction
-
-    name = spec.config["sparsifier"]["name"]
-    if name in PARAMETERS:  # a baseline: its own parameter (p, λ) is bisected, k keeps only rows whole
-        key = PARAMETERS[name].key
-        value, kept, tried = fit_parameter(target, PARAMETERS[name], lambda v: measure(v, key))
-        log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
-                 rows["task"])
-        return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,
-                                        "tried": tried, "calibration_sequences": len(sequences)}
-    k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
-                               measure if spec.thresholds is not None else None)
-    log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows["task"])
-    return with_value(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
-                           "calibration_sequences": len(sequences)}
 
 
 STOP_FILE = "STOP"

@@ -101,7 +101,7 @@ class TopThetaLM(SharedContextHFLM):
                  data_dir: str | None = "auto", dtype: str = "float32", device: str | None = None,
                  device_map: str | None = None, revision: str | None = None, chunk_size: int | None = None,
                  **hflm_kwargs):
-        from .. import pipeline
+        from .. import builders, pipeline
         from ..models import load_model
         from .tasks import resolve_data_dir
 
@@ -118,7 +118,7 @@ class TopThetaLM(SharedContextHFLM):
                            "layer_k": parse_layer_k(layer_k) if sparsifier != "dense" else {},
                            "placement": placement}
         self.sparse_cfg["placement"] = pipeline.resolve_placement(self.sparse_cfg, self.comp)
-        pipeline._check_combination(sparsifier, self.sparse_cfg["placement"], self.comp)
+        builders.check_combination(sparsifier, self.sparse_cfg["placement"], self.comp)
         self.data_dir = resolve_data_dir(data_dir)
         self.calib = {**CALIB_DEFAULTS, "task": calib_task, "num_samples": calib_samples,
                       "num_fewshot": calib_fewshot, "granularity": granularity, "sigma_add": float(sigma_add)}
@@ -137,7 +137,7 @@ class TopThetaLM(SharedContextHFLM):
         from ..attention.backend import check_supported
 
         check_supported(model)  # sinks, or attention that bypasses the interface: refused before any request
-        pipeline.check_sparsifies(self.sparse_cfg, info.num_layers, self.max_length, info.name)
+        builders.check_sparsifies(self.sparse_cfg, info.num_layers, self.max_length, info.name)
         self.thresholds, self.thresholds_path = None, None
         if thresholds is not None:
             from ..calibration import Thresholds
@@ -200,16 +200,16 @@ class TopThetaLM(SharedContextHFLM):
         return out
 
     def _build(self, tasks: list[str]):
-        from .. import pipeline
+        from .. import builders
 
         if self.needs_thresholds and self.thresholds is None:
             self.thresholds, self.thresholds_path = self._calibrate(tasks)
-        sparsifier = pipeline.build_sparsifier(self.sparse_cfg, self.thresholds)
-        return sparsifier, pipeline._compensation(self.comp, self.thresholds)
+        sparsifier = builders.build_sparsifier(self.sparse_cfg, self.thresholds)
+        return sparsifier, builders.compensation_objects(self.comp, self.thresholds)
 
     def _calibrate(self, tasks: list[str]):
-        """Cached thresholds for these settings, calibrated now if no job has yet (pipeline.obtain_thresholds)."""
-        from .. import pipeline
+        """Cached thresholds for these settings, calibrated now if no job has yet (thresholds_cache.obtain_thresholds)."""
+        from .. import pipeline, thresholds_cache
 
         calib = self.calib = {**self.calib, "task": self.calib["task"] or self._calibration_task(tasks)}
         model_cfg = {"name": self.info.name, "source": self.info.source, "revision": self.info.revision,
@@ -220,8 +220,8 @@ class TopThetaLM(SharedContextHFLM):
                                 thresholds=calib)
         log.info("toptheta: thresholds for k=%s, placement=%s from %s's train split", self.sparse_cfg["k"],
                  self.sparse_cfg["placement"], calib["task"])
-        with torch.no_grad(), pipeline._thresholds_claim(spec, self._model):
-            return pipeline.obtain_thresholds(spec, self._model, self.tokenizer)
+        with torch.no_grad(), thresholds_cache.thresholds_claim(spec, self._model):
+            return thresholds_cache.obtain_thresholds(spec, self._model, self.tokenizer)
 
     def _calibration_task(self, tasks: list[str]) -> str:
         """The evaluated task when it is the only one and its train split is available, else arc_challenge."""

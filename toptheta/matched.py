@@ -1,0 +1,91 @@
+"""Matched sparsity (``sparsifier.target_kept``): the k, p or λ at which a run keeps a target fraction of the
+attention elements, resolved on its calibration rows before it evaluates (see calibration/target_kept.py and
+calibration/target_param.py for the searches), and the kept fraction of the layers that setting governs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .builders import build_sparsifier, compensation_objects
+from .thresholds_cache import obtain_thresholds, thresholds_claim
+
+if TYPE_CHECKING:
+    from .pipeline import RunSpec
+
+log = logging.getLogger("toptheta")
+
+
+def kept_in_sparsified_layers(stats, sparsifier: dict) -> float | None:
+    """The kept attention fraction over the layers sparsifier.k governs (those not in layer_k); None for dense."""
+    if sparsifier["name"] == "dense":
+        return None
+    free = [layer for layer in range(stats.num_layers) if layer not in (sparsifier.get("layer_k") or {})]
+    valid = float(stats.prefill_valid[free].sum()) if free else 0.0
+    return float(stats.prefill_kept[free].sum()) / valid if valid else None
+
+
+MEASURE_SEQUENCES = 32  # calibration rows Top-θ's kept fraction is measured on, per k tried
+
+
+def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | None]:
+    """For a run with ``sparsifier.target_kept``: (a copy of ``spec`` with the k that keeps that fraction of the
+    attention elements on its calibration rows, the record of the choice); other runs: (``spec``, None).
+
+    Top-k's fraction follows from the rows' lengths; Top-θ's is measured with the thresholds of each k tried
+    (calibrated and cached as any run's); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
+    fraction (calibration/target_param.py). Fails with the fix when the target is out of reach."""
+    import copy
+
+    import torch
+
+    from . import sparsify
+    from .calibration.target_kept import resolve_k
+    from .calibration.target_param import PARAMETERS, fit_parameter
+    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
+
+    target = spec.config["sparsifier"].get("target_kept")
+    if target is None:
+        return spec, None
+    rows = spec.config["target"]
+    sequences = calibration_requests(
+        tokenizer, rows["task"], data_dir=spec.config["data_dir_path"], num_fewshot=rows["num_fewshot"],
+        limit=rows["num_samples"], max_length=spec.config["model"].get("max_length") or hflm_max_length(model, tokenizer),
+        seed=rows.get("seed", 0), fewshot_sampler=rows.get("fewshot_sampler"), draw=rows.get("seed", 0))
+    layer_k = spec.config["sparsifier"].get("layer_k") or {}
+    num_layers = model.config.get_text_config().num_hidden_layers
+
+    def with_value(k, key: str = "k") -> RunSpec:  # the spec with sparsifier.<key> (k, p or lam) resolved
+        resolved = copy.copy(spec)
+        resolved.config = copy.deepcopy(spec.config)
+        resolved.config["sparsifier"][key] = k
+        return resolved
+
+    def measure(k, key: str = "k") -> float:
+        candidate = with_value(k, key)
+        thresholds = None
+        if candidate.thresholds is not None:
+            with thresholds_claim(candidate, model):
+                thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
+        sparsifier = build_sparsifier(candidate.config["sparsifier"], thresholds)
+        with torch.no_grad(), sparsify(model, sparsifier, compensation_objects(candidate.config["comp"], thresholds)) as stats:
+            for ids in sequences[:MEASURE_SEQUENCES]:
+                model(input_ids=torch.tensor([ids], device=model.device))
+        log.info("target_kept=%g: %s=%g keeps %.4f on %d calibration rows", target, key, k,
+                 stats.kept_attention_fraction, min(len(sequences), MEASURE_SEQUENCES))
+        return stats.kept_attention_fraction
+
+    name = spec.config["sparsifier"]["name"]
+    if name in PARAMETERS:  # a baseline: its own parameter (p, λ) is bisected, k keeps only rows whole
+        key = PARAMETERS[name].key
+        value, kept, tried = fit_parameter(target, PARAMETERS[name], lambda v: measure(v, key))
+        log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
+                 rows["task"])
+        return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,
+                                        "tried": tried, "calibration_sequences": len(sequences)}
+    k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
+                               measure if spec.thresholds is not None else None)
+    log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows["task"])
+    return with_value(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
+                           "calibration_sequences": len(sequences)}

@@ -1,0 +1,133 @@
+"""Thresholds calibrated once per key and cached: the key, the cache folder, the claim parallel jobs share, and the
+calibration on one of our tasks.
+
+A run's thresholds come from a model folder that carries them (``Thresholds.save_pretrained``), else from the cache
+(``$TOPTHETA_CACHE/thresholds/<model>/<key>.safetensors``), else from a calibration that is cached for the next run
+with the same key (a damaged cache file is moved aside and calibrated again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .builders import compensation_objects
+from .cachedir import cache_dir
+
+if TYPE_CHECKING:
+    from .pipeline import RunSpec
+
+log = logging.getLogger("toptheta")
+
+
+def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
+    """Hash of every setting that changes the calibrated thresholds (run-time lookup options excluded).
+
+    The compensation enters as what calibration applies (e.g. ["VMC"]), not as calib.compensation or the
+    run's comp, so settings that calibrate alike share one file.
+    """
+    from .calibration import calibration_compensation, compensation_labels
+
+    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma", "compensation", "beyond")}
+    sparsifier = spec.config["sparsifier"]
+    applied = calibration_compensation(compensation_objects(spec.config["comp"]), sparsifier["placement"],
+                                       spec.thresholds.get("compensation", "run"), spec.thresholds.get("tac", True))
+    identity = {"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
+                "dtype": spec.config["model"]["dtype"], "fingerprint": fingerprint, "k": sparsifier["k"],
+                "layer_k": sparsifier.get("layer_k"), "placement": sparsifier["placement"], "calib": calib,
+                "calibration_compensation": compensation_labels(applied),
+                "data": spec.config["data_dir"], "max_length": spec.config["model"]["max_length"]}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def thresholds_dir() -> Path:
+    return cache_dir("thresholds")
+
+
+def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
+                      max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None, **options):
+    """Thresholds calibrated on the first `num_samples` train documents of one of our tasks (None: all; the
+    `seed`-th block of `num_samples` documents after them for seed > 0, so seeds are disjoint draws), each
+    scored as its lm-eval request is (`num_fewshot` shots drawn by `fewshot_sampler`, cut to `max_length`, the
+    model's limit by default); `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...)."""
+    from .calibration import calibrate
+    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
+
+    requests = calibration_requests(tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot, limit=num_samples,
+                                    max_length=max_length or hflm_max_length(model, tokenizer), seed=seed,
+                                    fewshot_sampler=fewshot_sampler, draw=seed)
+    log.info("calibrating on %d sequences of %s (train split)", len(requests), task)
+    return calibrate(model, [[r] for r in requests], seed=seed, **options)
+
+
+def obtain_thresholds(spec: RunSpec, model, tokenizer):
+    """Load cached thresholds for this calibration key, or calibrate and cache them."""
+    from .calibration import Thresholds, model_fingerprint
+    from .calibration.thresholds import DamagedThresholds
+
+    calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
+    path = thresholds_dir() / spec.config["model"]["name"] / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
+    options = {"lookup": calib.get("lookup", "nearest"), "smooth_sigma": calib.get("smooth_sigma", 0.0)}
+    beyond = calib.get("beyond", "clamp")  # rows past the calibrated lengths (calibration/beyond.py): at run time
+    loading = {**options, "beyond": beyond}
+    found = checkpoint_thresholds(spec, model, loading)  # a model folder that carries its own (save_pretrained)
+    if found is not None:
+        return found
+    if path.is_file():
+        try:
+            thresholds = Thresholds.load(path, model, **loading)
+            log.info("thresholds: reusing %s", path)
+            return thresholds, str(path)
+        except DamagedThresholds as err:  # e.g. a job killed mid-write by an older toptheta: recalibrate
+            aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+            os.replace(path, aside)
+            log.warning("thresholds: %s is damaged (%s); moved aside to %s, calibrating again", path, err, aside.name)
+    t0 = time.time()
+    thresholds = calibrate_on_task(
+        model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
+        num_samples=calib.get("num_samples"), max_length=spec.config["model"].get("max_length"),
+        seed=calib.get("seed", 0), fewshot_sampler=calib.get("fewshot_sampler"), k=sparsifier["k"], placement=sparsifier["placement"],
+        layer_k=sparsifier.get("layer_k"), statistic=calib.get("statistic", "order"),
+        sigma_add=calib.get("sigma_add", 0.1), granularity=calib.get("granularity", "layer-head-n"),
+        tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0),
+        compensations=compensation_objects(spec.config["comp"]), compensation=calib.get("compensation", "run"),
+        generate_tokens=int(calib.get("decode_tokens") or 0),
+        metadata={"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
+                  "calibration_task": calib["task"], "calibration_split": "train",
+                  "calibration_documents": calib.get("num_samples"), "num_fewshot": calib.get("num_fewshot")},
+        **options,
+    )
+    thresholds.save(path)
+    log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
+    if beyond != "clamp":  # the file holds what was calibrated; the rule is how it is read
+        thresholds = Thresholds.load(path, model, **loading)
+    return thresholds, str(path)
+
+
+def checkpoint_thresholds(spec: RunSpec, model, options: dict):
+    """(thresholds, file) a model folder (model.source) carries for exactly this run's settings, else None."""
+    from .calibration import calibration_compensation, compensation_labels
+    from .calibration.checkpoint import matching, run_settings
+
+    source = os.path.expanduser(str(spec.config["model"]["source"]))
+    if not os.path.isdir(source):
+        return None
+    sparsifier, calib = spec.config["sparsifier"], spec.thresholds
+    applied = calibration_compensation(compensation_objects(spec.config["comp"]), sparsifier["placement"],
+                                       calib.get("compensation", "run"), calib.get("tac", True))
+    wanted = run_settings(sparsifier, calib, compensation_labels(applied), model.config.get_text_config().num_hidden_layers)
+    return matching(source, wanted, model, **options)
+
+
+def thresholds_claim(spec: RunSpec, model):
+    """The claim on calibrating this thresholds key: parallel jobs calibrate it once, the others wait and reuse."""
+    from .calibration import model_fingerprint
+    from .results.claims import claim
+
+    key = thresholds_key(spec, model_fingerprint(model))
+    return claim(thresholds_dir() / spec.config["model"]["name"] / f"{key}.lock", f"thresholds {key}")
