@@ -42,12 +42,14 @@ OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", 
 X_LABELS = {"kept_attention_fraction": "kept attention elements (fraction)",
             "kept_vrow_fraction": "kept V rows (fraction)"}
 NUMERIC = ("k", "num_fewshot", "limit", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction",
-           "sigma_add", "calib_documents", "clamped_rows", "empty_row_count", "generated_tokens")
+           "sigma_add", "calib_documents", "clamped_rows", "empty_row_count", "generated_tokens", "target_kept",
+           "calib_seed", "kept_attention_fraction_sparsified")
 TABLE_COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "kept_attention_fraction",
                  "kept_vrow_fraction", "value", "stderr", "value_pm_stderr", "attention_reduction",
                  "vrow_reduction", "sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task",
                  "calib_documents", "calib_statistic", "sigma_add", "tac", "calib_compensation", "empty_rows",
-                 "empty_row_count", "clamped_rows", "generated_tokens", "run_id"]
+                 "empty_row_count", "clamped_rows", "generated_tokens", "target_kept", "calib_seed",
+                 "fewshot_sampler", "kept_attention_fraction_sparsified", "run_id"]
 EQUIVALENT_SERIES = {"Top-k post (+VMC)": "Top-k post (+VMC) ≡ pre (+SDC +VMC)",
                      "Top-k post": "Top-k post ≡ pre (+SDC)"}  # the same computation (method.md §3.2)
 
