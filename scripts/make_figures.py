@@ -33,10 +33,13 @@ import matplotlib
 
 matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 
-from toptheta.results import ablations, figures, storage, threshold_plots, verdicts  # noqa: E402
+from toptheta.results import ablations, figures, informative, reduction, storage, threshold_plots, verdicts  # noqa: E402,E501
 from toptheta.results.render import FIGURE_FORMATS, latex, markdown, save_figure, write_text  # noqa: E402
 from toptheta.results.store import load_summary  # noqa: E402
 
+# Floats in csv files to 10 significant digits: a sum's last bit depends on the order numpy adds in (SIMD width,
+# alignment), so 0.0008 and 0.0008000000000000001 must print alike for a rerun to rewrite the same bytes.
+CSV_FLOAT = "%.10g"
 X_SHORT = {"kept_attention_fraction": "kept_attn", "kept_vrow_fraction": "kept_vrow"}
 
 
@@ -50,6 +53,15 @@ def group_slug(group: dict) -> str:
     shots = f"{group['num_fewshot']}shot" if group["num_fewshot"] is not None else None
     limit = f"limit{group['limit']}" if group["limit"] is not None else "full"
     return slug(group["model"], group["task"], shots, limit, group["metric"])
+
+
+def _rounded(table):
+    """Floats held in object columns (mixed with text or None) rounded as CSV_FLOAT rounds float columns."""
+    table = table.copy()
+    for col in table.columns:
+        if table[col].dtype == object:
+            table[col] = [float(CSV_FLOAT % v) if isinstance(v, float) else v for v in table[col]]
+    return table
 
 
 class Outputs:
@@ -71,7 +83,7 @@ class Outputs:
     def table(self, name: str, table, title: str, notes: str = "") -> None:
         """`name`.csv, `name`.md (with the command) and `name`.tex (a booktabs tabular)."""
         paths = {ext: self.out / f"{name}.{ext}" for ext in ("csv", "md", "tex")}
-        write_text(paths["csv"], table.to_csv(index=False))
+        write_text(paths["csv"], _rounded(table).to_csv(index=False, float_format=CSV_FLOAT))
         write_text(paths["md"], self._header(title) + f"Data: `{paths['csv'].name}`.\n\n{notes}" + markdown(table))
         write_text(paths["tex"], f"% Produced by {self.command}; do not edit by hand.\n" + latex(table, title))
         self._record(paths["csv"], title)
@@ -166,7 +178,14 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
     settings = verdicts.settings_table(found)
     if len(settings):
         outputs.table("verdict_settings", settings, "Each claim in each setting",
-                      " ".join(verdicts.per_setting.__doc__.split("\n\n", 1)[1].split()) + "\n\n")
+                      " ".join(verdicts.per_setting.__doc__.split("\n\n", 1)[1].split()) + " informative = False: a "
+                      "setting the pooled verdicts exclude (`informative_settings.md`), decided on its own.\n\n")
+    outputs.table("informative_settings", informative.settings_table(summary, results),
+                  "Which settings the pooled verdicts use", f"Rule: {informative.RULE}.\n\n")
+    if found[5].table is not None:
+        outputs.table("claim6_reduction", found[5].table,
+                      "Claim 6: the largest reduction at which each method is non-inferior to dense",
+                      " ".join(reduction.__doc__.split()) + "\n\n" + verdicts.STATISTICS_NOTE + "\n\n")
 
 
 def write_thresholds(outputs: Outputs, results: Path) -> None:

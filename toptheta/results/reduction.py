@@ -109,7 +109,7 @@ def setting_verdicts(table: pd.DataFrame) -> list[dict]:
         return out
     for setting, rows in table[table["series"].str.startswith("Top-θ")].groupby("setting", sort=True):
         best = rows.sort_values("reduction", ascending=False, na_position="last", kind="stable").iloc[0]
-        if (rows["reaches_3x"] == True).any():  # noqa: E712 (object column: None for rows without a run)
+        if any(_flag(x) for x in rows["reaches_3x"]):
             verdict = "holds"
         elif not rows["_tested_3x"].any():
             verdict = "untested"
@@ -120,9 +120,14 @@ def setting_verdicts(table: pd.DataFrame) -> list[dict]:
         reduction = best["reduction"]
         out.append({"group": setting, "run_group": best["group"], "verdict": verdict, "series": best["series"],
                     "reduction": None if pd.isna(reduction) else float(reduction),
-                    "reaches_10x": bool(best["reaches_10x"] is True), "kept": best["kept"], "runs": int(rows["runs"].sum()), "diff": best["diff"], "ci_low": best["ci_low"],
+                    "reaches_10x": _flag(best["reaches_10x"]), "kept": best["kept"], "runs": int(rows["runs"].sum()), "diff": best["diff"], "ci_low": best["ci_low"],
                     "ci_high": best["ci_high"], "mc_low": best["mc_low"]})
     return out
+
+
+def _flag(value) -> bool:
+    """A table cell as a bool: None or NaN (no run) is False."""
+    return value is not None and not pd.isna(value) and bool(value)
 
 
 def claim_verdict(claim: tuple[str, str], table: pd.DataFrame, left_out: Sequence[str] = ()) -> verdicts.Verdict:

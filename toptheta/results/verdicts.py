@@ -69,6 +69,7 @@ class Verdict:
     mc_low: float | None = None  # the Monte Carlo error of each bound (precision.py)
     mc_high: float | None = None
     resamples: int | None = None
+    table: pd.DataFrame | None = None  # claim 6: its reduction table (reduction.py), informative settings only
 
     def as_row(self) -> dict[str, Any]:
         ci = "" if self.ci_low is None else f"[{self.ci_low:+.3f}, {self.ci_high:+.3f}]"
@@ -259,7 +260,9 @@ def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> li
         v.uninformative = per_setting(v.kind, pairs) if pairs else []
     superseded = _superseded_runs(rows)
     left_out = sorted(set(rows.loc[rows["run_id"].isin(superseded) & chosen, "group"]))
-    six = reduction.claim_verdict(CLAIMS[5], reduction.reduction_table(rows[chosen], results_dir, superseded), left_out)
+    table = reduction.reduction_table(rows[chosen], results_dir, superseded)
+    six = reduction.claim_verdict(CLAIMS[5], table, left_out)
+    six.table = reduction.public(table)
     six.uninformative = reduction.setting_verdicts(reduction.reduction_table(rows[~chosen], results_dir, superseded))
     return [*found, six]
 
@@ -392,8 +395,22 @@ def pairs_table(results: Sequence[Verdict]) -> pd.DataFrame:
 
 
 def settings_table(results: Sequence[Verdict]) -> pd.DataFrame:
-    """Every claim in every setting (per_setting), one row each."""
-    return pd.DataFrame([{"claim": v.claim.split(".")[0], **s} for v in results for s in v.settings])
+    """Every claim in every setting (per_setting), one row each; `informative` says whether the setting is pooled
+    (uninformative settings are decided on their own and reported apart)."""
+    rows = [{"claim": v.claim.split(".")[0], "informative": flag, **s} for flag in (True, False) for v in results
+            for s in (v.settings if flag else v.uninformative)]
+    return pd.DataFrame(rows)
+
+
+STATISTICS_NOTE = (
+    "Intervals: a percentile bootstrap that resamples each task's questions once for all pairs on it and, where a "
+    "configuration was calibrated with several seeds (`calib_seed`), its seeds with replacement too (a two-stage "
+    "bootstrap: the interval holds the calibration draw's variance; chosen over deciding on the least favourable "
+    "seed, which would make the verdict depend on how many seeds were run). Each bound is given with its Monte "
+    "Carlo error (the spread of the resampled effects around its rank); where a bound lies within "
+    f"{precision.DECISIVE:g} Monte Carlo errors of its decision boundary, the bootstrap is rerun with "
+    f"{precision.GROWTH}× the resamples (up to {precision.MAX_RESAMPLES:,}) until that error is at most "
+    f"{precision.PRECISION:g}.")
 
 
 def disagreements(results: Sequence[Verdict], margin: float = MARGIN) -> list[str]:
