@@ -33,7 +33,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 
-from toptheta.results import ablations, figures, informative, reduction, storage, threshold_plots, verdicts  # noqa: E402,E501
+from toptheta.results import (ablations, figures, informative, reduction, storage, threshold_plots,  # noqa: E402
+                               tradeoff_panels, verdicts)
 from toptheta.results.render import FIGURE_FORMATS, latex, markdown, save_figure, write_text  # noqa: E402
 from toptheta.results.store import load_summary  # noqa: E402
 
@@ -119,20 +120,24 @@ def _runs_note(table) -> str:
     return f"Runs ({len(runs)}): " + ", ".join(f"`{r}`" for r in runs) + "\n" if runs else ""
 
 
+PANELS_NOTE = ("Small multiples of at most four series, sharing both axes. Each bar is the paired 95 % interval of "
+               "the run's difference to dense on the same questions (calibration seeds resampled too), drawn around "
+               "its accuracy; hollow points: no per-question outputs, the interval from two stderrs. Dashed: dense; "
+               "dotted: dense − 0.01, the non-inferiority margin. Labels: k.\n\n")
 EQUIVALENCE_NOTE = ("Top-k post (+VMC) is the same computation as Top-k pre (+SDC +VMC) (identical kept set, "
                     "β = the dropped mass; method.md §3.2): it is run once and labelled as both.\n\n")
 
 
-def write_tradeoffs(outputs: Outputs, summary) -> None:
+def write_tradeoffs(outputs: Outputs, summary, results: Path) -> None:
     for group in figures.tradeoff_groups(summary):
         name, title = group_slug(group), figures.group_title(**group)
         table = figures.tradeoff_table(summary, **group)
         outputs.table(f"tradeoff-{name}", table, f"Top-θ and Top-k: accuracy vs kept fraction, {title}",
                       EQUIVALENCE_NOTE)
         for x in figures.x_columns(table):
-            fig = figures.tradeoff_figure(summary, x=x, **group)
+            fig = tradeoff_panels.tradeoff_panels_figure(summary, x=x, results_dir=results, **group)
             outputs.figure(f"tradeoff-{name}-{X_SHORT[x]}", fig, f"{title} against {figures.X_LABELS[x]}",
-                           f"Numbers: `tradeoff-{name}.csv`.\n\n" + EQUIVALENCE_NOTE + _runs_note(table))
+                           f"Numbers: `tradeoff-{name}.csv`.\n\n" + PANELS_NOTE + EQUIVALENCE_NOTE + _runs_note(table))
 
 
 def write_ablations(outputs: Outputs, summary, results: Path) -> None:
@@ -243,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "Run experiments first, e.g. `python run.py`, or point --results at a results store.")
         return 0
     outputs = Outputs(out, command, results / "summary.csv")
-    write_tradeoffs(outputs, summary)
+    write_tradeoffs(outputs, summary, results)
     write_ablations(outputs, summary, results)
     write_passkey(outputs, summary, results)
     write_per_layer(outputs, results)
