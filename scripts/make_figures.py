@@ -226,7 +226,9 @@ def write_vrow_popularity(outputs: Outputs, results: Path) -> None:
                       f"V-row popularity in a GQA group during decoding: {model}")
     for item in records:
         rec = item["record"]
-        title = f"{item['model']} · {item['task']} · {item['label']} · layer {rec['layer']}, KV group {rec['group']}"
+        problem = f" · problem {item['problem']} (the run's first generation)" if item.get("problem") else ""
+        title = (f"{item['model']} · {item['task']}{problem} · {item['label']} · layer {rec['layer']}, "
+                 f"KV group {rec['group']}")
         label = item["label"].replace("θ", "theta").replace(", ", " ")
         name = slug("vrow_popularity", item["model"], label, f"layer{rec['layer']}", f"group{rec['group']}")
         outputs.figure(name, figures.vrow_popularity_figure(rec, title=title),

@@ -12,6 +12,7 @@ from the two stderrs (labelled so). The figures plot the metric against the kept
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from . import figures, paired
 SETTINGS = ("sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task", "calib_statistic",
             "sigma_add", "tac", "calib_documents", "calib_compensation", "empty_rows", "k")
 COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "setting", "value", "stderr",
-           "kept_attention_fraction", "kept_vrow_fraction", "empty_row_count", "diff", "ci_low", "ci_high",
+           "kept_attention_fraction", "kept_vrow_fraction", "empty_row_count", "clamped_rows", "diff", "ci_low", "ci_high",
            "p_mcnemar", "n_paired", "diff_method", "reference", "run_id"]
 
 
@@ -161,32 +162,46 @@ def ablation_groups(summary: pd.DataFrame, ablation: str) -> list[dict[str, Any]
 
 
 def ablation_figure(table: pd.DataFrame, ablation: str | Ablation, title: str) -> Figure:
-    """The metric against the kept attention fraction (log scale; calibration size: against the number of
-    documents), one curve per (series, setting), the dense baseline dashed."""
+    """The metric against the kept attention fraction (log scale), one curve per (series, setting), the dense baseline
+    dashed. Calibration size: against the number of documents, with two more panels, the kept attention fraction
+    and the rows past the calibrated length (clamped_rows), since the calibration set changes both."""
     ab = ABLATIONS[ablation] if isinstance(ablation, str) else ablation
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-    ax = fig.add_subplot()
-    x = "calib_documents" if ab.column == "calib_documents" else "kept_attention_fraction"
+    by_docs = ab.column == "calib_documents"
+    fig = Figure(figsize=(11.5 if by_docs else 6.4, 4.6), layout="constrained")
+    axes = fig.subplots(1, 3) if by_docs else [fig.add_subplot()]
+    ax = axes[0]
+    x = "calib_documents" if by_docs else "kept_attention_fraction"
     sparse = table[table["setting"] != "dense"]
-    groups = [("series", "k")] if x == "calib_documents" else [("series", "setting")]
-    colors = figures.series_colors([f"{a} · {b}" for a, b in sparse[list(groups[0])].astype(str).itertuples(index=False)])
-    for (a, b), rows in sparse.groupby(list(groups[0]), sort=False):
-        xs = rows["setting"].astype(float) if x == "calib_documents" else rows[x]
+    keys = ["series", "k"] if by_docs else ["series", "setting"]
+    colors = figures.series_colors([f"{a} · {b}" for a, b in sparse[keys].astype(str).itertuples(index=False)])
+    for (a, b), rows in sparse.groupby(keys, sort=False):
+        xs = rows["setting"].astype(float) if by_docs else rows[x]
         order = xs.argsort()
-        label = f"{a}, k={figures._num(b)}" if x == "calib_documents" else f"{a} · {ab.column}={b}"
+        label = f"{a}, k={figures._num(b)}" if by_docs else f"{a} · {ab.column}={b}"
+        color = colors[f"{a} · {b}"]
         ax.errorbar(xs.iloc[order], rows["value"].iloc[order], yerr=rows["stderr"].fillna(0.0).iloc[order], marker="o",
-                    ms=4, capsize=3, lw=1.2, color=colors[f"{a} · {b}"], label=label)
+                    ms=4, capsize=3, lw=1.2, color=color, label=label)
+        if by_docs:
+            for other, column in zip(axes[1:], ("kept_attention_fraction", "clamped_rows")):
+                ys = pd.to_numeric(rows[column], errors="coerce").iloc[order]
+                other.plot(xs.iloc[order], ys, marker="o", ms=4, lw=1.2, color=color)
     dense = table[table["setting"] == "dense"]
     if len(dense):
         ax.axhline(dense["value"].iloc[0], color="black", ls="--", lw=1.2, label="Baseline (dense)")
-    ax.set_xscale("log")
-    figures.label_log_axis(ax.xaxis)
-    ax.set_xlabel("calibration documents (log scale)" if x == "calib_documents" else
-                  figures.X_LABELS[x] + " (log scale)")
+    for each in axes:
+        each.set_xscale("log")
+        figures.label_log_axis(each.xaxis)
+        each.set_xlabel("calibration documents (log scale)" if by_docs else figures.X_LABELS[x] + " (log scale)")
+        each.grid(alpha=0.3, which="both")
     ax.set_ylabel(str(table["metric"].dropna().iloc[0]).split(",")[0] if table["metric"].notna().any() else "metric")
-    ax.set_title(f"{ab.title}: {title}", fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=6, loc="best")
+    if by_docs:
+        axes[1].set_ylabel(figures.X_LABELS["kept_attention_fraction"])
+        axes[2].set_ylabel("rows past the calibrated length (clamped_rows)")
+        axes[1].set_title("kept fraction", fontsize=8)
+        axes[2].set_title("rows past calibration", fontsize=8)
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=6.5, loc="outside lower center", ncols=2 if by_docs else 1,
+               frameon=False)
+    fig.suptitle("\n".join(textwrap.wrap(f"{ab.title}: {title}", width=130 if by_docs else 75)), fontsize=8.5)
     return fig
 
 

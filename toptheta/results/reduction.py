@@ -26,7 +26,7 @@ from . import figures, precision, verdicts
 HOLDS_AT = 3.0
 PAPER_AT = 10.0
 COLUMNS = ["setting", "series", "measure", "runs", "non_inferior_runs", "reduction", "kept", "k", "target_kept",
-           "seeds", "diff", "ci_low", "ci_high", "mc_low", "resamples", "reaches_3x", "reaches_10x",
+           "seeds", "diff", "ci_low", "ci_high", "mc_low", "mc_high", "resamples", "reaches_3x", "reaches_10x",
            "largest_tested_reduction", "group", "run_id"]
 
 
@@ -70,13 +70,13 @@ def reduction_table(rows: pd.DataFrame, results_dir: str | Path | None, supersed
                 reduction = 1.0 / float(run[x])
                 row.update(reduction=reduction, kept=float(run[x]), k=figures._num(run["k"]),
                            target_kept=figures._num(run.get("target_kept")), seeds=int(run.get("seeds", 1)),
-                           diff=i.effect, ci_low=i.low, ci_high=i.high, mc_low=i.mc_low, resamples=i.resamples,
-                           reaches_3x=reduction >= HOLDS_AT, reaches_10x=reduction >= PAPER_AT, group=run["group"],
+                           diff=i.effect, ci_low=i.low, ci_high=i.high, mc_low=i.mc_low, mc_high=i.mc_high,
+                           resamples=i.resamples, reaches_3x=reduction >= HOLDS_AT, reaches_10x=reduction >= PAPER_AT, group=run["group"],
                            run_id=",".join(verdicts._run_ids(run)))
             else:  # the weakest claim we can state: the closest call among the runs keeping the least
                 run, i = max(tested, key=lambda t: t[1].low)
                 row.update(kept=float(run[x]), k=figures._num(run["k"]), diff=i.effect, ci_low=i.low, ci_high=i.high,
-                           mc_low=i.mc_low, resamples=i.resamples, seeds=int(run.get("seeds", 1)),
+                           mc_low=i.mc_low, mc_high=i.mc_high, resamples=i.resamples, seeds=int(run.get("seeds", 1)),
                            reaches_3x=False, reaches_10x=False, group=run["group"],
                            run_id=",".join(verdicts._run_ids(run)))
             row["_fails"] = all(i.high < -verdicts.MARGIN for run, i in tested if 1.0 / float(run[x]) >= HOLDS_AT)
@@ -120,9 +120,14 @@ def setting_verdicts(table: pd.DataFrame) -> list[dict]:
         reduction = best["reduction"]
         out.append({"group": setting, "run_group": best["group"], "verdict": verdict, "series": best["series"],
                     "reduction": None if pd.isna(reduction) else float(reduction),
-                    "reaches_10x": _flag(best["reaches_10x"]), "kept": best["kept"], "runs": int(rows["runs"].sum()), "diff": best["diff"], "ci_low": best["ci_low"],
-                    "ci_high": best["ci_high"], "mc_low": best["mc_low"]})
+                    "reaches_10x": _flag(best["reaches_10x"]), "kept": best["kept"], "runs": int(rows["runs"].sum()), "pairs": int(rows["runs"].sum()),
+                    "effect": best["diff"], "diff": best["diff"], "ci_low": best["ci_low"], "ci_high": best["ci_high"],
+                    "mc_low": best["mc_low"], "mc_high": best["mc_high"], "resamples": best["resamples"]})
     return out
+
+
+def _count(value) -> int | None:
+    return None if value is None or pd.isna(value) else int(value)
 
 
 def _flag(value) -> bool:
@@ -145,7 +150,8 @@ def claim_verdict(claim: tuple[str, str], table: pd.DataFrame, left_out: Sequenc
     weakest = min((s for s in settings if s["ci_low"] is not None and not pd.isna(s["ci_low"])),
                   key=lambda s: s["ci_low"], default=None)
     if weakest is not None:
-        v.effect, v.ci_low, v.ci_high, v.mc_low = weakest["diff"], weakest["ci_low"], weakest["ci_high"], weakest["mc_low"]
+        v.effect, v.ci_low, v.ci_high = weakest["diff"], weakest["ci_low"], weakest["ci_high"]
+        v.mc_low, v.mc_high, v.resamples = weakest["mc_low"], weakest["mc_high"], _count(weakest["resamples"])
     tally = ", ".join(f"{verdict_of.count(x)} {x}" for x in ("holds", "fails", "undecided", "untested") if x in verdict_of)
     tenfold = [s["group"] for s in settings if s["reaches_10x"]]
     v.note = (f"settings: {tally}; holds in a setting where Top-θ is non-inferior (95 % lower bound > −0.01) at "
