@@ -174,3 +174,74 @@ def load_summary_empty():
     from toptheta.results.store import SUMMARY_COLUMNS
 
     return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+
+
+def _make_figures():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "make_figures.py"
+    spec = importlib.util.spec_from_file_location("make_figures_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_two_builds_are_byte_identical(store, tmp_path):
+    """Every table and figure (png, pdf included) of two builds a second apart has the same bytes: no dates, no
+    versions, sums rounded; the new tables are among them."""
+    import shutil
+    import time
+
+    script = _make_figures()
+    out = tmp_path / "figures"
+    assert script.main(["--results", str(store), "--out", str(out)]) == 0
+    a = {p.name: p.read_bytes() for p in out.iterdir()}
+    shutil.rmtree(out)  # a fresh build, not a rerun over the first one's files
+    time.sleep(1.1)  # a date stamped to the second would differ
+    assert script.main(["--results", str(store), "--out", str(out)]) == 0
+    b = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert a.keys() == b.keys() and {"claim6_reduction.csv", "informative_settings.csv", "verdict_settings.csv"} <= a.keys()
+    assert any(n.endswith(".png") for n in a) and any(n.endswith(".pdf") for n in a)
+    assert [n for n in a if a[n] != b[n]] == []
+    assert b"CreationDate" not in a["tradeoff-tiny-arc_easy-0shot-limit400-acc_norm-kept_attn.pdf"]
+
+
+def test_csv_floats_print_alike_whatever_the_last_bit(tmp_path):
+    import pandas as pd
+
+    script = _make_figures()
+    outputs = script.Outputs(tmp_path, "cmd", tmp_path)
+    table = pd.DataFrame({"x": [0.0008000000000000001, 0.0008], "o": [0.1 + 0.2, "text"]})
+    outputs.table("t", table, "T")
+    assert (tmp_path / "t.csv").read_text() == "x,o\n0.0008,0.3\n0.0008,text\n"
+
+
+def test_the_panel_figure_draws_paired_bars_four_series_a_panel(tmp_path):
+    """Six sparse series make two panels of three; each bar is the paired interval (narrower than ±2 stderr here,
+    where runs agree with dense on most questions)."""
+    from toptheta.results import tradeoff_panels
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(5)
+    dense = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0)
+    for i, (sparsifier, placement, comp) in enumerate((("toptheta", "post", "vmc"), ("toptheta", "pre", "sdc+vmc"),
+                                                       ("topk", "post", "vmc"), ("topk", "post", "none"),
+                                                       ("topk", "pre", "none"), ("toptheta", "post", "none"))):
+        for k, kept in ((4, 0.2), (8, 0.4)):
+            _add(store, "arc_easy", sparsifier, placement, k, comp, _flip(dense, 2 + i, 0.0), kept)
+    summary = load_summary(tmp_path)
+    group = dict(model="tiny", task="arc_easy", metric="acc_norm,none", num_fewshot=0, limit=N)
+    table = tradeoff_panels.panel_table(summary, results_dir=tmp_path, **group)
+    sparse = table[table["series"] != "Baseline"]
+    assert len(sparse) == 12 and (sparse["method"] == "paired bootstrap").all()
+    assert ((sparse["ci_high"] - sparse["ci_low"]) < 2 * 1.96 * sparse["stderr"]).all()
+    fig = tradeoff_panels.tradeoff_panels_figure(summary, results_dir=tmp_path, **group)
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(visible) == 2 and all(ax.get_xscale() == "log" for ax in visible)
+    legends = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in visible]
+    assert [len(names) - 2 for names in legends] == [3, 3]  # dense and its margin in every legend
+    assert "limit 400" in fig.get_suptitle()
+    unpaired = tradeoff_panels.panel_table(summary, results_dir=None, **group)  # no samples: from two stderrs
+    assert (unpaired.loc[unpaired["series"] != "Baseline", "method"] == "independent stderrs").all()
