@@ -245,3 +245,15 @@ def test_the_panel_figure_draws_paired_bars_four_series_a_panel(tmp_path):
     assert "limit 400" in fig.get_suptitle()
     unpaired = tradeoff_panels.panel_table(summary, results_dir=None, **group)  # no samples: from two stderrs
     assert (unpaired.loc[unpaired["series"] != "Baseline", "method"] == "independent stderrs").all()
+
+
+def test_a_failing_claim_6_setting_is_named_among_the_disagreements(store, monkeypatch):
+    monkeypatch.setattr(informative, "MIN_ABOVE_CHANCE", -1.0)  # ARC-Challenge pooled: claim 6 fails there
+    lines = verdicts.disagreements(verdicts.verdicts(load_summary(store), store))
+    assert any(line.startswith("6. several-fold") and ": fails, measured -0.150" in line for line in lines)
+    # a claim-6 setting that fails while the pooled claim does not is named on its own
+    found = verdicts.verdicts(load_summary(store), store)
+    found[5].verdict = "undecided"
+    lines = verdicts.disagreements(found)
+    assert any(line.startswith("6. several-fold") and "arc_challenge" in line and "fails in this setting" in line
+               for line in lines)

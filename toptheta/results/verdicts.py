@@ -433,6 +433,11 @@ def disagreements(results: Sequence[Verdict], margin: float = MARGIN) -> list[st
         for s in v.settings:
             if s["verdict"] != "fails":
                 continue
+            if "weakest_pair" not in s:  # claim 6 (reduction.setting_verdicts): no Top-θ run at ≥ 3× stays close
+                lines.append(f"{v.claim}, {s['group']}: fails in this setting: every Top-θ run keeping ≤ 1/3 loses more "
+                             f"than {margin:g} (closest: {s['series']}, {s['diff']:+.3f} [{s['ci_low']:+.3f}, "
+                             f"{s['ci_high']:+.3f}]).")
+                continue
             m = len(v.settings)
             strength = (f"and still at {s['level_adjusted']:.4g} (Bonferroni over the claim's {m} settings): "
                         f"[{s['ci_low_adjusted']:+.3f}, {s['ci_high_adjusted']:+.3f}]"
