@@ -23,7 +23,8 @@ from matplotlib.figure import Figure
 from . import figures, paired
 
 SETTINGS = ("sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task", "calib_statistic",
-            "sigma_add", "tac", "calib_documents", "calib_compensation", "empty_rows", "k")
+            "sigma_add", "tac", "calib_documents", "calib_compensation", "empty_rows", "k", "target_kept", "calib_seed",
+            "fewshot_sampler")
 COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "setting", "value", "stderr",
            "kept_attention_fraction", "kept_vrow_fraction", "empty_row_count", "clamped_rows", "diff", "ci_low", "ci_high",
            "p_mcnemar", "n_paired", "diff_method", "reference", "run_id"]
