@@ -257,3 +257,22 @@ def test_a_failing_claim_6_setting_is_named_among_the_disagreements(store, monke
     lines = verdicts.disagreements(found)
     assert any(line.startswith("6. several-fold") and "arc_challenge" in line and "fails in this setting" in line
                for line in lines)
+
+
+def test_the_readme_section_states_the_rule_the_excluded_settings_and_the_reduction_table(store, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from toptheta.results import sweeps
+
+    spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sweeps, "run_owners", lambda names=None, models=None: sweeps.Owners())
+    text = script.section(store, "python scripts/verdicts.py")
+    assert informative.RULE in text
+    assert ("Excluded (1 of 2 settings): tiny · arc_challenge (0-shot, limit 400) · acc_norm (dense 0.260 is less "
+            "than 0.1 above chance 0.250)") in text
+    assert "| 6 | tiny · arc_challenge (0-shot) · acc_norm |" in text  # decided apart
+    assert "| tiny · arc_easy (0-shot) · acc_norm | Top-θ post (+VMC) | 2 | 1 | 10 |" in text
+    assert "two-stage bootstrap" in text and "Monte Carlo error" in text
