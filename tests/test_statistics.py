@@ -276,3 +276,30 @@ def test_the_readme_section_states_the_rule_the_excluded_settings_and_the_reduct
     assert "| 6 | tiny · arc_challenge (0-shot) · acc_norm |" in text  # decided apart
     assert "| tiny · arc_easy (0-shot) · acc_norm | Top-θ post (+VMC) | 2 | 1 | 10 |" in text
     assert "two-stage bootstrap" in text and "Monte Carlo error" in text
+
+
+def test_ablation_panels_save_the_same_bytes_twice(tmp_path):
+    """Compensation cells (Top-k post with and without VMC, ...) drawn as small multiples: two saves of two builds
+    of the figure are byte-identical, and no panel holds more than four curves."""
+    from toptheta.results import ablations, figures
+    from toptheta.results.render import save_figure
+
+    store = RunStore(tmp_path)
+    dense = (np.random.default_rng(6).random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0)
+    for sparsifier, placement, comp in (("topk", "post", "vmc"), ("topk", "post", "none"), ("toptheta", "post", "vmc"),
+                                        ("toptheta", "post", "none"), ("toptheta", "pre", "sdc+vmc"),
+                                        ("toptheta", "pre", "none"), ("toptheta", "pre", "sdc")):
+        for k, kept in ((4, 0.2), (8, 0.4)):
+            _add(store, "arc_easy", sparsifier, placement, k, comp, _flip(dense, k, 0.0), kept)
+    group = dict(model="tiny", task="arc_easy", metric="acc_norm,none", num_fewshot=0, limit=N)
+    table = ablations.ablation_table(load_summary(tmp_path), "compensation", results_dir=tmp_path, **group)
+    saved = []
+    for i in range(2):
+        fig = ablations.ablation_figure(table, "compensation", figures.group_title(**group))
+        curves = [len(ax.get_legend().get_texts()) - 1 for ax in fig.axes if ax.get_visible() and ax.get_legend()]
+        assert curves and max(curves) <= 4 and sum(curves) == 7
+        for fmt in ("png", "pdf"):
+            save_figure(fig, tmp_path / f"{i}.{fmt}", fmt)
+        saved.append(((tmp_path / f"{i}.png").read_bytes(), (tmp_path / f"{i}.pdf").read_bytes()))
+    assert saved[0] == saved[1]
