@@ -33,10 +33,14 @@ import matplotlib
 
 matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 
-from toptheta.results import ablations, figures, storage, threshold_plots, verdicts  # noqa: E402
+from toptheta.results import (ablations, figures, informative, reduction, storage, threshold_plots,  # noqa: E402
+                               tradeoff_panels, verdicts)
 from toptheta.results.render import FIGURE_FORMATS, latex, markdown, save_figure, write_text  # noqa: E402
 from toptheta.results.store import load_summary  # noqa: E402
 
+# Floats in csv files to 10 significant digits: a sum's last bit depends on the order numpy adds in (SIMD width,
+# alignment), so 0.0008 and 0.0008000000000000001 must print alike for a rerun to rewrite the same bytes.
+CSV_FLOAT = "%.10g"
 X_SHORT = {"kept_attention_fraction": "kept_attn", "kept_vrow_fraction": "kept_vrow"}
 
 
@@ -50,6 +54,15 @@ def group_slug(group: dict) -> str:
     shots = f"{group['num_fewshot']}shot" if group["num_fewshot"] is not None else None
     limit = f"limit{group['limit']}" if group["limit"] is not None else "full"
     return slug(group["model"], group["task"], shots, limit, group["metric"])
+
+
+def _rounded(table):
+    """Floats held in object columns (mixed with text or None) rounded as CSV_FLOAT rounds float columns."""
+    table = table.copy()
+    for col in table.columns:
+        if table[col].dtype == object:
+            table[col] = [float(CSV_FLOAT % v) if isinstance(v, float) else v for v in table[col]]
+    return table
 
 
 class Outputs:
@@ -71,7 +84,7 @@ class Outputs:
     def table(self, name: str, table, title: str, notes: str = "") -> None:
         """`name`.csv, `name`.md (with the command) and `name`.tex (a booktabs tabular)."""
         paths = {ext: self.out / f"{name}.{ext}" for ext in ("csv", "md", "tex")}
-        write_text(paths["csv"], table.to_csv(index=False))
+        write_text(paths["csv"], _rounded(table).to_csv(index=False, float_format=CSV_FLOAT))
         write_text(paths["md"], self._header(title) + f"Data: `{paths['csv'].name}`.\n\n{notes}" + markdown(table))
         write_text(paths["tex"], f"% Produced by {self.command}; do not edit by hand.\n" + latex(table, title))
         self._record(paths["csv"], title)
@@ -107,20 +120,24 @@ def _runs_note(table) -> str:
     return f"Runs ({len(runs)}): " + ", ".join(f"`{r}`" for r in runs) + "\n" if runs else ""
 
 
+PANELS_NOTE = ("Small multiples of at most four series, sharing both axes. Each bar is the paired 95 % interval of "
+               "the run's difference to dense on the same questions (calibration seeds resampled too), drawn around "
+               "its accuracy; hollow points: no per-question outputs, the interval from two stderrs. Dashed: dense; "
+               "dotted: dense − 0.01, the non-inferiority margin. Labels: k.\n\n")
 EQUIVALENCE_NOTE = ("Top-k post (+VMC) is the same computation as Top-k pre (+SDC +VMC) (identical kept set, "
                     "β = the dropped mass; method.md §3.2): it is run once and labelled as both.\n\n")
 
 
-def write_tradeoffs(outputs: Outputs, summary) -> None:
+def write_tradeoffs(outputs: Outputs, summary, results: Path) -> None:
     for group in figures.tradeoff_groups(summary):
         name, title = group_slug(group), figures.group_title(**group)
         table = figures.tradeoff_table(summary, **group)
         outputs.table(f"tradeoff-{name}", table, f"Top-θ and Top-k: accuracy vs kept fraction, {title}",
                       EQUIVALENCE_NOTE)
         for x in figures.x_columns(table):
-            fig = figures.tradeoff_figure(summary, x=x, **group)
+            fig = tradeoff_panels.tradeoff_panels_figure(summary, x=x, results_dir=results, **group)
             outputs.figure(f"tradeoff-{name}-{X_SHORT[x]}", fig, f"{title} against {figures.X_LABELS[x]}",
-                           f"Numbers: `tradeoff-{name}.csv`.\n\n" + EQUIVALENCE_NOTE + _runs_note(table))
+                           f"Numbers: `tradeoff-{name}.csv`.\n\n" + PANELS_NOTE + EQUIVALENCE_NOTE + _runs_note(table))
 
 
 def write_ablations(outputs: Outputs, summary, results: Path) -> None:
@@ -166,7 +183,14 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
     settings = verdicts.settings_table(found)
     if len(settings):
         outputs.table("verdict_settings", settings, "Each claim in each setting",
-                      " ".join(verdicts.per_setting.__doc__.split("\n\n", 1)[1].split()) + "\n\n")
+                      " ".join(verdicts.per_setting.__doc__.split("\n\n", 1)[1].split()) + " informative = False: a "
+                      "setting the pooled verdicts exclude (`informative_settings.md`), decided on its own.\n\n")
+    outputs.table("informative_settings", informative.settings_table(summary, results),
+                  "Which settings the pooled verdicts use", f"Rule: {informative.RULE}.\n\n")
+    if found[5].table is not None:
+        outputs.table("claim6_reduction", found[5].table,
+                      "Claim 6: the largest reduction at which each method is non-inferior to dense",
+                      " ".join(reduction.__doc__.split()) + "\n\n" + verdicts.STATISTICS_NOTE + "\n\n")
 
 
 def write_thresholds(outputs: Outputs, results: Path) -> None:
@@ -202,7 +226,9 @@ def write_vrow_popularity(outputs: Outputs, results: Path) -> None:
                       f"V-row popularity in a GQA group during decoding: {model}")
     for item in records:
         rec = item["record"]
-        title = f"{item['model']} · {item['task']} · {item['label']} · layer {rec['layer']}, KV group {rec['group']}"
+        problem = f" · problem {item['problem']} (the run's first generation)" if item.get("problem") else ""
+        title = (f"{item['model']} · {item['task']}{problem} · {item['label']} · layer {rec['layer']}, "
+                 f"KV group {rec['group']}")
         label = item["label"].replace("θ", "theta").replace(", ", " ")
         name = slug("vrow_popularity", item["model"], label, f"layer{rec['layer']}", f"group{rec['group']}")
         outputs.figure(name, figures.vrow_popularity_figure(rec, title=title),
@@ -224,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "Run experiments first, e.g. `python run.py`, or point --results at a results store.")
         return 0
     outputs = Outputs(out, command, results / "summary.csv")
-    write_tradeoffs(outputs, summary)
+    write_tradeoffs(outputs, summary, results)
     write_ablations(outputs, summary, results)
     write_passkey(outputs, summary, results)
     write_per_layer(outputs, results)

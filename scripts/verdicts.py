@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from toptheta.results import experiments, figures, sweeps, verdicts
+from toptheta.results import experiments, figures, informative, reduction, sweeps, verdicts
 from toptheta.results.render import markdown, write_text
 from toptheta.results.store import load_summary
 
@@ -48,8 +48,10 @@ def section(results: Path, command: str) -> str:
              f"superiority holds when the interval is above 0 and fails when it is below 0; non-inferiority (margin "
              f"{verdicts.MARGIN:g}) holds when it is above −{verdicts.MARGIN:g} and fails when it is below; "
              f"otherwise undecided at this sample size. The pairs behind each line: `figures/verdict_pairs.md`; each claim "
-             f"in each setting on its own: `figures/verdict_settings.md`.", "", markdown(table).rstrip(), "",
-             "### Where the small models disagree with the paper", ""]
+             f"in each setting on its own: `figures/verdict_settings.md`.", "", verdicts.STATISTICS_NOTE, "",
+             markdown(table).rstrip(), ""]
+    lines += informative_section(summary, results, found)
+    lines += ["### Where the small models disagree with the paper", ""]
     disagree = verdicts.disagreements(found)
     lines += [f"- {line}" for line in disagree] or [
         "No claim fails at the sample sizes stored so far; claims marked undecided need the sweeps of "
@@ -67,6 +69,33 @@ def section(results: Path, command: str) -> str:
                   markdown(glance).rstrip()]
     lines += ["", "### Which command made each file", ""] + provenance(results) + ["", END]
     return "\n".join(lines) + "\n"
+
+
+def informative_section(summary, results: Path, found: list[verdicts.Verdict]) -> list[str]:
+    """The informative-setting rule, the settings it excludes (with their own per-setting verdicts) and claim 6's
+    reduction table."""
+    settings = informative.settings_table(summary, results)
+    excluded = settings[~settings["informative"].astype(bool)]
+    lines = ["### Which settings the verdicts pool", "",
+             f"Pooled verdicts use informative settings only: {informative.RULE}. "
+             + (f"Excluded ({len(excluded)} of {len(settings)} settings): "
+                + "; ".join(f"{r.setting} ({r.reason})" for r in excluded.itertuples()) + "."
+                if len(excluded) else f"All {len(settings)} settings are informative."), ""]
+    apart = verdicts.settings_table(found)
+    apart = apart[~apart["informative"].astype(bool)] if len(apart) else apart
+    if len(apart):
+        shown = apart[[c for c in ("claim", "group", "pairs", "effect", "ci_low", "ci_high", "verdict") if c in apart]]
+        lines += ["The excluded settings, each claim decided on its own there (never pooled):", "",
+                  markdown(shown).rstrip(), ""]
+    table = found[5].table if len(found) > 5 else None
+    lines += ["### Claim 6: the largest reduction at which each method stays within one point", "",
+              reduction.__doc__.split("\n\n")[1].replace("\n", " ") + " " + reduction.__doc__.split("\n\n")[2]
+              .replace("\n", " "), ""]
+    if table is not None and len(table):
+        lines += [markdown(table.drop(columns=["measure", "group"])).rstrip(), ""]
+    else:
+        lines += ["No informative setting has sparse runs yet.", ""]
+    return lines
 
 
 def _command_in(line: str) -> str:

@@ -171,12 +171,12 @@ def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sampl
     assert claim6.verdict == "holds" and [p["group"] for p in claim6.pairs] == ["tiny · arc_easy (0-shot, limit 800) · acc_norm"]
     assert "their configuration measured on more questions: tiny · arc_easy (0-shot, limit 100) · acc_norm" in claim6.note
     assert claim6.note.startswith("settings: 1 holds;")
-    candidates = int(claim6.pairs[0]["method"].split("best of ")[1].split()[0])
+    candidates = claim6.pairs[0]["runs"]
     kept = verdicts._superseded_runs
     try:  # without the rule the 100-question Top-θ run would be one more candidate
         verdicts._superseded_runs = lambda rows: set()
         again = verdicts.verdicts(summary, tmp_path)[5]
-        assert int(again.pairs[0]["method"].split("best of ")[1].split()[0]) == candidates + 1
+        assert again.pairs[0]["runs"] == candidates + 1
     finally:
         verdicts._superseded_runs = kept
     assert topk_100 not in verdicts._superseded_runs(rows)
@@ -306,7 +306,7 @@ def test_verdicts_on_a_synthetic_store(tmp_path, monkeypatch):
     assert found["3"].effect == pytest.approx(0.0375) and found["3"].verdict == "holds"
     assert found["4"].verdict == "undecided" and not found["4"].pairs
     assert found["5"].verdict == "undecided" and found["5"].pairs[0]["method"] == "independent stderrs"
-    assert found["6"].verdict == "holds" and found["6"].pairs[0]["kept_attention_fraction"] <= 1 / 3
+    assert found["6"].verdict == "holds" and found["6"].pairs[0]["kept"] <= 1 / 3
 
     spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
     script = importlib.util.module_from_spec(spec)

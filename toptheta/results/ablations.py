@@ -12,6 +12,7 @@ from the two stderrs (labelled so). The figures plot the metric against the kept
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,10 @@ from matplotlib.figure import Figure
 from . import figures, paired
 
 SETTINGS = ("sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task", "calib_statistic",
-            "sigma_add", "tac", "calib_documents", "calib_compensation", "empty_rows", "k")
+            "sigma_add", "tac", "calib_documents", "calib_compensation", "empty_rows", "k", "target_kept", "calib_seed",
+            "fewshot_sampler")
 COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "setting", "value", "stderr",
-           "kept_attention_fraction", "kept_vrow_fraction", "empty_row_count", "diff", "ci_low", "ci_high",
+           "kept_attention_fraction", "kept_vrow_fraction", "empty_row_count", "clamped_rows", "diff", "ci_low", "ci_high",
            "p_mcnemar", "n_paired", "diff_method", "reference", "run_id"]
 
 
@@ -160,34 +162,84 @@ def ablation_groups(summary: pd.DataFrame, ablation: str) -> list[dict[str, Any]
     return [g for g in figures.tradeoff_groups(summary) if len(ablation_table(summary, ablation, **g))]
 
 
+PANEL_CURVES = 4
+
+
 def ablation_figure(table: pd.DataFrame, ablation: str | Ablation, title: str) -> Figure:
-    """The metric against the kept attention fraction (log scale; calibration size: against the number of
-    documents), one curve per (series, setting), the dense baseline dashed."""
+    """The metric against the kept attention fraction (log scale), one curve per (series, setting), at most
+    PANEL_CURVES a panel (a series' settings kept together where they fit), the dense baseline dashed in each.
+    Calibration size: against the number of documents, with two more panels, the kept attention fraction and the
+    rows past the calibrated length (clamped_rows), since the calibration set changes both."""
     ab = ABLATIONS[ablation] if isinstance(ablation, str) else ablation
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-    ax = fig.add_subplot()
-    x = "calib_documents" if ab.column == "calib_documents" else "kept_attention_fraction"
+    by_docs = ab.column == "calib_documents"
     sparse = table[table["setting"] != "dense"]
-    groups = [("series", "k")] if x == "calib_documents" else [("series", "setting")]
-    colors = figures.series_colors([f"{a} · {b}" for a, b in sparse[list(groups[0])].astype(str).itertuples(index=False)])
-    for (a, b), rows in sparse.groupby(list(groups[0]), sort=False):
-        xs = rows["setting"].astype(float) if x == "calib_documents" else rows[x]
-        order = xs.argsort()
-        label = f"{a}, k={figures._num(b)}" if x == "calib_documents" else f"{a} · {ab.column}={b}"
-        ax.errorbar(xs.iloc[order], rows["value"].iloc[order], yerr=rows["stderr"].fillna(0.0).iloc[order], marker="o",
-                    ms=4, capsize=3, lw=1.2, color=colors[f"{a} · {b}"], label=label)
+    keys = ["series", "k"] if by_docs else ["series", "setting"]
+    curves = list(sparse.groupby(keys, sort=False))
+    colors = figures.series_colors([f"{a} · {b}" for (a, b), _ in curves])
+    panels = [curves] if by_docs else _panels(curves)
+    ncols = 3 if by_docs else min(len(panels), 3)
+    nrows = 1 if by_docs else -(-len(panels) // ncols)
+    fig = Figure(figsize=(11.5 if by_docs else 3.9 * ncols + 0.6, 4.6 if by_docs else 3.4 * nrows + 1.2),
+                 layout="constrained")
+    grid = fig.subplots(nrows, ncols, squeeze=False, sharex=not by_docs, sharey=not by_docs).ravel()
+    axes = grid if by_docs else grid[:len(panels)]
+    for ax in grid[len(axes):]:
+        ax.set_visible(False)
+    x = "calib_documents" if by_docs else "kept_attention_fraction"
     dense = table[table["setting"] == "dense"]
-    if len(dense):
-        ax.axhline(dense["value"].iloc[0], color="black", ls="--", lw=1.2, label="Baseline (dense)")
-    ax.set_xscale("log")
-    figures.label_log_axis(ax.xaxis)
-    ax.set_xlabel("calibration documents (log scale)" if x == "calib_documents" else
-                  figures.X_LABELS[x] + " (log scale)")
-    ax.set_ylabel(str(table["metric"].dropna().iloc[0]).split(",")[0] if table["metric"].notna().any() else "metric")
-    ax.set_title(f"{ab.title}: {title}", fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=6, loc="best")
+    metric = str(table["metric"].dropna().iloc[0]).split(",")[0] if table["metric"].notna().any() else "metric"
+    for ax, members in zip(axes[:1] if by_docs else axes, panels):
+        for (a, b), rows in members:
+            xs = rows["setting"].astype(float) if by_docs else rows[x]
+            order = xs.argsort()
+            color = colors[f"{a} · {b}"]
+            ax.errorbar(xs.iloc[order], rows["value"].iloc[order], yerr=rows["stderr"].fillna(0.0).iloc[order],
+                        marker="o", ms=4, capsize=3, lw=1.2, color=color,
+                        label=f"{a}, k={figures._num(b)}" if by_docs else f"{a} · {ab.column}={b}")
+            if by_docs:
+                for other, column in zip(axes[1:], ("kept_attention_fraction", "clamped_rows")):
+                    ys = pd.to_numeric(rows[column], errors="coerce").iloc[order]
+                    other.plot(xs.iloc[order], ys, marker="o", ms=4, lw=1.2, color=color)
+        if len(dense):
+            ax.axhline(dense["value"].iloc[0], color="black", ls="--", lw=1.2, label="Baseline (dense)")
+        if not by_docs:
+            ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    for each in axes:
+        each.set_xscale("log")
+        figures.label_log_axis(each.xaxis)
+        each.grid(alpha=0.3, which="both")
+    if by_docs:
+        for each in axes:
+            each.set_xlabel("calibration documents (log scale)")
+        axes[0].set_ylabel(metric)
+        axes[1].set_ylabel(figures.X_LABELS["kept_attention_fraction"])
+        axes[2].set_ylabel("rows past the calibrated length (clamped_rows)")
+        axes[1].set_title("kept fraction", fontsize=8)
+        axes[2].set_title("rows past calibration", fontsize=8)
+        fig.legend(*axes[0].get_legend_handles_labels(), fontsize=6.5, loc="outside lower center", ncols=2,
+                   frameon=False)
+    else:
+        fig.supxlabel(figures.X_LABELS[x] + " (log scale)", fontsize=9)
+        fig.supylabel(metric + " (bars: ±1 stderr)", fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(f"{ab.title}: {title}", width=130 if by_docs else 40 * ncols + 30)),
+                 fontsize=8.5)
     return fig
+
+
+def _panels(curves: list) -> list[list]:
+    """Curves packed into panels of at most PANEL_CURVES, a series' curves together where they fit."""
+    by_series: dict = {}
+    for item in curves:
+        by_series.setdefault(item[0][0], []).append(item)
+    panels: list[list] = []
+    for members in by_series.values():
+        for start in range(0, len(members), PANEL_CURVES):
+            chunk = members[start:start + PANEL_CURVES]
+            if panels and len(panels[-1]) + len(chunk) <= PANEL_CURVES:
+                panels[-1] += chunk
+            else:
+                panels.append(list(chunk))
+    return panels or [[]]
 
 
 # ---------------------------------------------------------------- passkey: accuracy per context length

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,12 +43,14 @@ OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", 
 X_LABELS = {"kept_attention_fraction": "kept attention elements (fraction)",
             "kept_vrow_fraction": "kept V rows (fraction)"}
 NUMERIC = ("k", "num_fewshot", "limit", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction",
-           "sigma_add", "calib_documents", "clamped_rows", "empty_row_count", "generated_tokens")
+           "sigma_add", "calib_documents", "clamped_rows", "empty_row_count", "generated_tokens", "target_kept",
+           "calib_seed", "kept_attention_fraction_sparsified")
 TABLE_COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "kept_attention_fraction",
                  "kept_vrow_fraction", "value", "stderr", "value_pm_stderr", "attention_reduction",
                  "vrow_reduction", "sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task",
                  "calib_documents", "calib_statistic", "sigma_add", "tac", "calib_compensation", "empty_rows",
-                 "empty_row_count", "clamped_rows", "generated_tokens", "run_id"]
+                 "empty_row_count", "clamped_rows", "generated_tokens", "target_kept", "calib_seed",
+                 "fewshot_sampler", "kept_attention_fraction_sparsified", "run_id"]
 EQUIVALENT_SERIES = {"Top-k post (+VMC)": "Top-k post (+VMC) ≡ pre (+SDC +VMC)",
                      "Top-k post": "Top-k post ≡ pre (+SDC)"}  # the same computation (method.md §3.2)
 
@@ -577,8 +580,22 @@ def vrow_popularity_records(results_dir: str | os.PathLike[str]) -> list[dict[st
         record = json.loads(path.read_text(encoding="utf-8")).get("vrow_popularity") if path.is_file() else None
         if isinstance(record, dict) and record.get("counts"):
             records.append({"run_id": row.run_id, "model": row.model, "task": row.task_name,
-                            "label": run_label(row.path), "record": record})
+                            "label": run_label(row.path), "record": record, "problem": _first_problem(row.path)})
     return sorted(records, key=lambda r: (str(r["model"]), r["label"], r["record"]["layer"], r["run_id"]))
+
+
+def _first_problem(run_dir: str | os.PathLike[str]) -> str | None:
+    """The id of a run's first generation (its first sample: HumanEval's task_id, passkey's id), which a V-row
+    popularity recording follows; None without samples."""
+    from .store import read_samples, samples_path
+
+    path = samples_path(run_dir)
+    samples = read_samples(path) if path is not None else None
+    if isinstance(samples, Mapping):
+        samples = next(iter(samples.values()), None)
+    first = samples[0] if isinstance(samples, list) and samples and isinstance(samples[0], Mapping) else {}
+    problem = next((first[k] for k in ("task_id", "id", "doc_id") if k in first), None)
+    return None if problem is None else str(problem)
 
 
 def vrow_popularity_table(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
@@ -597,7 +614,8 @@ def vrow_popularity_table(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
             union.append(sum(1 for c in counts if c > 0))
             per_head.append(sum(counts) / heads)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        rows.append({"model": item["model"], "task": item["task"], "series": item["label"], "layer": rec["layer"],
+        rows.append({"model": item["model"], "task": item["task"], "problem": item.get("problem"),
+                     "series": item["label"], "layer": rec["layer"],
                      "group": rec["group"], "heads_per_group": heads, "decode_steps": len(keys),
                      "mean_keys": mean(keys), "mean_vrows_read": mean(union), "mean_vrows_per_head": mean(per_head),
                      "union_over_per_head": mean(union) / mean(per_head) if mean(per_head) else math.nan,
@@ -624,7 +642,8 @@ def vrow_popularity_figure(record: Mapping[str, Any], *, title: str | None = Non
     fig.colorbar(image, ax=ax, label="query heads keeping the V row")
     ax.set_xlabel("key position")
     ax.set_ylabel("decode step")
-    ax.set_title(title or f"layer {record['layer']}, KV group {record['group']}", fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title or f"layer {record['layer']}, KV group {record['group']}", width=95)),
+                 fontsize=8.5)
     return fig
 
 

@@ -183,16 +183,60 @@ class PairedOutcomes:
     """One pair's per-question differences a − b on the questions both runs scored.
 
     `universe` names the question set (the task): pairs on one universe share questions, so their
-    differences are correlated and must be resampled together (`pooled_bootstrap`).
+    differences are correlated and must be resampled together (`pooled_bootstrap`). A side measured with
+    several calibration seeds (one run per `calib_seed`) carries its per-seed outcomes, (S, n), in
+    `a_seeds` / `b_seeds`; `d` is then the difference of the seed means, and the bootstrap draws the seeds
+    with replacement as well as the questions (a two-stage bootstrap), so the interval holds the variance of
+    the calibration draw.
     """
 
     universe: str
     ids: tuple[Any, ...]
     d: np.ndarray
+    a_seeds: np.ndarray | None = None  # (S_a, n): a's outcomes, one row per calibration seed
+    b_seeds: np.ndarray | None = None  # (S_b, n)
 
     @property
     def diff(self) -> float:
         return float(self.d.mean())
+
+    @property
+    def seeded(self) -> bool:
+        return self.a_seeds is not None or self.b_seeds is not None
+
+    def sides(self) -> tuple[np.ndarray, np.ndarray]:
+        """(A, B): each side's outcomes per seed, (S, n); a side without seeds is one row."""
+        a, b = self.a_seeds, self.b_seeds
+        if a is None and b is None:
+            raise ValueError("sides() is for seeded pairs; an unseeded pair holds only its differences d")
+        if a is None:
+            a = (self.d + b.mean(0))[None, :]
+        if b is None:
+            b = (a.mean(0) - self.d)[None, :]
+        return a, b
+
+    @property
+    def binary(self) -> bool:
+        """Whether the outcomes are 0/1 (the rule-of-three floor applies)."""
+        if self.seeded:
+            return all(_binary(x) for x in self.sides())
+        return _binary(np.abs(self.d))
+
+
+def seeded_outcomes(universe: str, a_runs: Sequence[Mapping[Any, float]], b_runs: Sequence[Mapping[Any, float]]
+                    ) -> PairedOutcomes | None:
+    """A pair whose sides are measured by one or more runs each (one per calibration seed), on the questions every
+    run scored; None when they share none. With one run a side, the plain pair (no seed arrays)."""
+    runs = [*a_runs, *b_runs]
+    if not runs or not a_runs or not b_runs:
+        return None
+    common = [q for q in runs[0] if all(q in r for r in runs[1:])]
+    if not common:
+        return None
+    a = np.array([[r[q] for q in common] for r in a_runs], dtype=float)  # (S_a, n)
+    b = np.array([[r[q] for q in common] for r in b_runs], dtype=float)  # (S_b, n)
+    d = a.mean(0) - b.mean(0)
+    return PairedOutcomes(universe, tuple(common), d, a if len(a) > 1 else None, b if len(b) > 1 else None)
 
 
 def paired_outcomes(run_a: str | Path, run_b: str | Path, task: str, metric: str) -> PairedOutcomes | None:
@@ -223,84 +267,5 @@ def rule_of_three(level: float, n: int) -> float:
     return -math.log(1 - level) / n
 
 
-def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resamples: int = DEFAULT_RESAMPLES,
-                     level: float = 0.95, seed: int = DEFAULT_SEED) -> tuple[float, float, float]:
-    """The weighted mean difference over several pairs and its percentile interval, dependence included.
-
-    Pairs of a claim reuse questions (one dense run against every k; one task across models), so their
-    differences are not independent and an independent pool would be too narrow. Each resample
-    draws the questions of every universe once (how often each is drawn) and applies the same draw to all
-    pairs on that universe; a pair without per-question outcomes (`PairedDifference` from two stderrs)
-    contributes a normal draw around its difference. The pooled effect is the mean of the pair
-    differences weighted by their numbers of questions (a two-stderr pair counts as 0.25/se² questions,
-    the size that gives its stderr to a 0/1 score at one half), so a 6-prompt pair does not weigh as
-    much as a 500-question one, and a pair that happens to agree everywhere does not swamp the rest as
-    it would under inverse-variance weights.
-
-    With no discordant question at all the resampled interval shrinks to a point; for 0/1 scores the rule
-    of three (no event among n ⇒ rate < −ln(1 − level)/n, 3/n at 95 %) keeps at least that half-width, n the
-    largest 0/1 universe's size. Continuous scores (Rouge) get no floor: 3/n of a 10-document task would
-    swamp a Rouge difference of a few hundredths.
-    """
-    point, ((low, high),) = pooled_intervals(pairs, levels=(level,), resamples=resamples, seed=seed)
-    return point, low, high
-
-
-def pooled_intervals(pairs: Sequence[PairedOutcomes | PairedDifference], *, levels: Sequence[float],
-                     resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED
-                     ) -> tuple[float, list[tuple[float, float]]]:
-    """pooled_bootstrap's effect and its interval at each of `levels`, from one set of resamples."""
-    if not pairs:
-        raise ValueError("pooled_bootstrap needs at least one pair")
-    rng = np.random.default_rng(seed)
-    universes: dict[str, list[Any]] = {}
-    for p in pairs:
-        if isinstance(p, PairedOutcomes):
-            known = universes.setdefault(p.universe, [])
-            seen = set(known)
-            known.extend(q for q in p.ids if q not in seen and not seen.add(q))
-    index = {u: {q: i for i, q in enumerate(ids)} for u, ids in universes.items()}
-    weights = np.array([len(p.ids) if isinstance(p, PairedOutcomes) else 0.25 / max(_se_of(p), 1e-6) ** 2
-                        for p in pairs])
-    weights = weights / weights.sum()
-    point = float(weights @ np.array([p.diff for p in pairs]))
-    # A pair on all of its universe's questions is a weighted mean over the drawn questions, so all such pairs of
-    # a universe add up to one product with Σ weight·d; a pair on some of them needs its own.
-    whole = {u: np.zeros(len(ids)) for u, ids in universes.items()}
-    some = []
-    for p, weight in zip(pairs, weights):
-        if not isinstance(p, PairedOutcomes):
-            continue
-        pos = np.array([index[p.universe][q] for q in p.ids])
-        if len(pos) == len(universes[p.universe]):
-            whole[p.universe][pos] += weight * p.d
-        else:
-            some.append((p, pos, weight))
-    unpaired = [(p, weight) for p, weight in zip(pairs, weights) if not isinstance(p, PairedOutcomes)]
-    means = np.empty(resamples)
-    for start in range(0, resamples, 1000):
-        size = min(1000, resamples - start)
-        total = np.zeros(size)
-        for u, ids in universes.items():
-            n = len(ids)
-            drawn = rng.integers(0, n, size=(size, n)) + n * np.arange(size)[:, None]
-            counts = np.bincount(drawn.ravel(), minlength=size * n).reshape(size, n).astype(float)
-            total += counts @ whole[u] / n
-            for p, pos, weight in (x for x in some if x[0].universe == u):
-                w = counts[:, pos]
-                den = w.sum(1)
-                total += weight * np.where(den > 0, (w @ p.d) / np.maximum(den, 1), p.diff)
-        for p, weight in unpaired:
-            total += weight * rng.normal(p.diff, _se_of(p), size=size)
-        means[start:start + size] = total
-    binary = [len(ids) for u, ids in universes.items()
-              if all(_binary(np.abs(p.d)) for p in pairs if isinstance(p, PairedOutcomes) and p.universe == u)]
-    intervals = []
-    for level in levels:
-        alpha = (1.0 - level) / 2
-        low, high = float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
-        if binary:  # 0/1 scores only: a continuous score (Rouge) gives the bootstrap its spread by itself
-            half = rule_of_three(level, max(binary))
-            low, high = min(low, point - half), max(high, point + half)
-        intervals.append((low, high))
-    return point, intervals
+# The pooled (claim-level) bootstrap lives in pooled.py; these names stay importable from here.
+from .pooled import pooled_bootstrap, pooled_draws, pooled_intervals  # noqa: E402,F401

@@ -1,0 +1,305 @@
+"""The statistics behind the verdicts (issue 28): informative settings, claim 6's reduction table, calibration seeds
+in the intervals, and the Monte Carlo error of bootstrap bounds. Fixed tiny stores written in code, no models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toptheta.results import informative, paired, pooled, precision, reduction, verdicts
+from toptheta.results.store import RunStore, load_summary, summary_rows
+
+N = 400
+
+
+def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=None, choices=4):
+    """One run of `task` on len(outcomes) questions with per-question samples (lm-eval's layout, `choices` answer
+    options per question), as run.py stores it."""
+    limit = len(outcomes)
+    calib = None
+    if sparsifier == "toptheta":
+        calib = {"task": task, "granularity": "layer-head-n"} | ({"seed": seed} if seed is not None else {})
+    config = {"model": {"name": "tiny"}, "task": {"name": task, "lm_eval_task": task, "limit": limit},
+              "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
+                             "layer_k": {"0": 512} if sparsifier != "dense" else {}},
+              "comp": {"sdc": "exact" if "sdc" in comp else None, "sdc_scale": 1.0, "vmc": "vmc" in comp},
+              "calib": calib}
+    run_id = store.run_id_for(config)
+    value = float(outcomes.mean())
+    results = {"results": {task: {"acc_norm,none": value,
+                                  "acc_norm_stderr,none": float(outcomes.std(ddof=1) / np.sqrt(limit))}},
+               "n-shot": {task: 0}, "config": {"limit": limit},
+               "samples": {task: [{"doc_id": i, "acc_norm": float(x), "arguments": [["q", f" a{c}"] for c in range(choices)]}
+                                  for i, x in enumerate(outcomes)]}}
+    stats = {"kept_attention_fraction": kept}
+    store.write_run(run_id, config=config, lm_eval_results=results, stats=stats, thresholds_ref=None)
+    store.append_summary(summary_rows(run_id, config, results, stats, commit="c", timestamp="t"))
+    return run_id
+
+
+def _flip(x, count, to):
+    """x with its first `count` questions answered `1 - to` set to `to`."""
+    y = x.copy()
+    y[np.nonzero(y == 1 - to)[0][:count]] = to
+    return y
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """ARC-Easy (informative, dense 0.6): Top-θ post + VMC at 10× agreeing with dense but for one question, at 20×
+    40 points... 10 % worse; ARC-Challenge at chance (dense 0.26, 4 choices): Top-θ at 10× 15 % worse there."""
+    root = tmp_path_factory.mktemp("stats_store")
+    store = RunStore(root)
+    rng = np.random.default_rng(3)
+    easy = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", easy, 1.0)
+    _add(store, "arc_easy", "toptheta", "post", 8, "vmc", _flip(easy, 1, 0.0), 0.1)
+    _add(store, "arc_easy", "toptheta", "post", 4, "vmc", _flip(easy, 40, 0.0), 0.05)
+    _add(store, "arc_easy", "topk", "post", 8, "vmc", easy.copy(), 0.1)
+    hard = np.zeros(N)
+    hard[: int(0.26 * N)] = 1.0
+    _add(store, "arc_challenge", "dense", None, None, "none", hard, 1.0)
+    _add(store, "arc_challenge", "toptheta", "post", 8, "vmc", _flip(hard, 60, 0.0), 0.1)
+    return root
+
+
+def test_a_setting_at_chance_is_excluded_and_the_rule_is_stated(store):
+    settings = informative.settings_table(load_summary(store), store).set_index("setting")
+    easy, hard = "tiny · arc_easy (0-shot, limit 400) · acc_norm", "tiny · arc_challenge (0-shot, limit 400) · acc_norm"
+    assert bool(settings.loc[easy, "informative"]) and not bool(settings.loc[hard, "informative"])
+    assert settings.loc[hard, "chance"] == 0.25 and settings.loc[hard, "chance_source"] == "choices in the samples"
+    assert "above chance" in settings.loc[hard, "reason"]
+    # chance comes from the choices each question lists: 3 options make it 1/3 (the task table would say 0.25)
+    assert informative.chance_level("arc_challenge", "acc_norm,none")[0] == 0.25
+    assert informative.assess(0.97, 0.25, "acc_norm,none") == (False, "dense 0.970 is at its ceiling (0.95)")
+    assert informative.assess(0.97, 0.0, "rouge_score,none")[0]  # a continuous score has no ceiling below 1
+    assert informative.assess(0.34, 0.25, "acc,none")[0] is False and informative.assess(0.36, 0.25, "acc,none")[0]
+
+
+def test_the_reduction_table_reports_a_non_inferior_run_at_10x(store):
+    found = verdicts.verdicts(load_summary(store), store)
+    table = found[5].table
+    assert list(table["setting"]) == ["tiny · arc_easy (0-shot) · acc_norm"] * 2  # ARC-Challenge left out (at chance)
+    theta = table[table["series"] == "Top-θ post (+VMC)"].iloc[0]
+    assert theta["reduction"] == pytest.approx(10.0) and theta["reaches_10x"] and theta["reaches_3x"]
+    assert theta["runs"] == 2 and theta["non_inferior_runs"] == 1  # the 20× run lost 10 points: not non-inferior
+    assert theta["largest_tested_reduction"] == pytest.approx(20.0) and theta["ci_low"] > -0.01
+    assert found[5].verdict == "holds" and "10× reached in: tiny · arc_easy (0-shot) · acc_norm" in found[5].note
+    # the setting at chance is reported apart: there Top-θ fails (15 points lost at 10×), never pooled
+    assert [(s["group"], s["verdict"]) for s in found[5].uninformative] == [
+        ("tiny · arc_challenge (0-shot) · acc_norm", "fails")]
+    # claims 1-5 pool the informative settings only; the excluded ones are listed apart per setting
+    table = verdicts.settings_table(found)
+    assert set(table.loc[~table["informative"].astype(bool), "group"]) == {
+        "tiny · arc_challenge (0-shot) · acc_norm"}
+
+
+def test_without_the_rule_the_setting_at_chance_would_decide_claim_6(store, monkeypatch):
+    monkeypatch.setattr(informative, "MIN_ABOVE_CHANCE", -1.0)  # every setting informative
+    six = verdicts.verdicts(load_summary(store), store)[5]
+    assert six.verdict == "fails" and not six.uninformative
+
+
+def test_seeds_that_disagree_widen_the_interval(tmp_path):
+    """Top-θ calibrated with three seeds: one agrees with Top-k, one is 8 points worse, one 8 points better. The seed
+    means tie with Top-k on every question set, so resampling questions alone sees almost nothing; resampling the
+    seeds as well shows the calibration draw's spread."""
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(4)
+    dense = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0)
+    _add(store, "arc_easy", "topk", "post", 8, "vmc", dense.copy(), 0.3)
+    for seed, outcomes in ((0, dense.copy()), (1, _flip(dense, 32, 0.0)), (2, _flip(dense, 32, 1.0))):
+        _add(store, "arc_easy", "toptheta", "post", 8, "vmc", outcomes, 0.3, seed=seed)
+    summary = load_summary(tmp_path)
+    rows = verdicts.store_rows(summary)
+    theta = rows[rows["sparsifier"] == "toptheta"]
+    assert len(theta) == 1 and theta["seeds"].item() == 3 and theta["calib_seed"].item() == "0,1,2"
+    claim1 = verdicts.verdicts(summary, tmp_path)[0]
+    (pair,) = claim1.pairs
+    assert pair["method"] == "paired bootstrap over questions and 3 × 1 calibration seeds"
+    a_runs = [paired.read_outcomes(tmp_path / "runs" / r, "arc_easy", "acc_norm,none") for r in theta["run_ids"].item()]
+    b_run = paired.read_outcomes(tmp_path / "runs" / rows.loc[rows["sparsifier"] == "topk", "run_id"].item(), "arc_easy",
+                                 "acc_norm,none")
+    seeded = paired.seeded_outcomes("arc_easy", a_runs, [b_run])
+    plain = paired.PairedOutcomes("arc_easy", seeded.ids, seeded.d)  # the seed means, questions resampled only
+    _, low_s, high_s = paired.pooled_bootstrap([seeded])
+    _, low_p, high_p = paired.pooled_bootstrap([plain])
+    assert seeded.diff == plain.diff == pytest.approx(0.0)
+    assert high_s - low_s > 2 * (high_p - low_p)
+    assert (pair["ci_low"], pair["ci_high"]) == pytest.approx((low_s, high_s))
+    # one seed alone (the plain pair of two runs) is a pair without seed arrays
+    assert not paired.seeded_outcomes("arc_easy", a_runs[:1], [b_run]).seeded
+
+
+def test_the_monte_carlo_error_matches_the_spread_of_reruns():
+    """mc_error estimates how far a bound moves when the bootstrap is rerun with another seed."""
+    rng = np.random.default_rng(7)
+    d = (rng.random(300) < 0.15).astype(float) - (rng.random(300) < 0.1).astype(float)
+    pair = paired.PairedOutcomes("t", tuple(range(300)), d)
+    lows = [pooled.pooled_draws([pair], resamples=2000, seed=s).interval(0.95)[0] for s in range(30)]
+    estimates = [pooled.pooled_draws([pair], resamples=2000, seed=s).mc_errors(0.95)[0] for s in range(5)]
+    assert 0.5 < np.mean(estimates) / np.std(lows) < 2.0
+
+
+def test_a_bound_near_the_boundary_is_resampled_until_precise():
+    """A non-inferiority bound that sits on −0.01 at 10,000 resamples: precise() reruns with more until its Monte
+    Carlo error is at most 0.001; a bound far from the boundary is left at 10,000."""
+    rng = np.random.default_rng(11)
+    n = 120
+    d = (rng.random(n) < 0.1).astype(float) - (rng.random(n) < 0.1).astype(float)
+    pair = paired.PairedOutcomes("t", tuple(range(n)), d)
+    low = pooled.pooled_draws([pair]).interval(0.995)[0]
+    (near,) = precision.precise([pair], levels=(0.995,), boundary=low)
+    assert near.resamples > paired.DEFAULT_RESAMPLES and near.mc_low <= precision.PRECISION
+    first = pooled.pooled_draws([pair]).mc_errors(0.995)[0]
+    assert first > precision.PRECISION  # at 10,000 resamples the tail is too thin for 0.001
+    (far,) = precision.precise([pair], levels=(0.995,), boundary=low - 1.0)
+    assert far.resamples == paired.DEFAULT_RESAMPLES
+
+
+def test_verdict_rows_report_the_monte_carlo_error(store):
+    row = verdicts.verdict_table(verdicts.verdicts(load_summary(store), store)).iloc[0]
+    low, high = (float(x) for x in row["MC error of the bounds"].split(", "))
+    assert 0 <= low < 0.01 and 0 <= high < 0.01 and int(row["resamples"].replace(",", "")) >= paired.DEFAULT_RESAMPLES
+
+
+def test_reduction_table_of_no_rows_is_empty():
+    assert reduction.reduction_table(verdicts.store_rows(load_summary_empty()), None, set()).empty
+
+
+def load_summary_empty():
+    import pandas as pd
+
+    from toptheta.results.store import SUMMARY_COLUMNS
+
+    return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+
+
+def _make_figures():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "make_figures.py"
+    spec = importlib.util.spec_from_file_location("make_figures_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_two_builds_are_byte_identical(store, tmp_path):
+    """Every table and figure (png, pdf included) of two builds a second apart has the same bytes: no dates, no
+    versions, sums rounded; the new tables are among them."""
+    import shutil
+    import time
+
+    script = _make_figures()
+    out = tmp_path / "figures"
+    assert script.main(["--results", str(store), "--out", str(out)]) == 0
+    a = {p.name: p.read_bytes() for p in out.iterdir()}
+    shutil.rmtree(out)  # a fresh build, not a rerun over the first one's files
+    time.sleep(1.1)  # a date stamped to the second would differ
+    assert script.main(["--results", str(store), "--out", str(out)]) == 0
+    b = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert a.keys() == b.keys() and {"claim6_reduction.csv", "informative_settings.csv", "verdict_settings.csv"} <= a.keys()
+    assert any(n.endswith(".png") for n in a) and any(n.endswith(".pdf") for n in a)
+    assert [n for n in a if a[n] != b[n]] == []
+    assert b"CreationDate" not in a["tradeoff-tiny-arc_easy-0shot-limit400-acc_norm-kept_attn.pdf"]
+
+
+def test_csv_floats_print_alike_whatever_the_last_bit(tmp_path):
+    import pandas as pd
+
+    script = _make_figures()
+    outputs = script.Outputs(tmp_path, "cmd", tmp_path)
+    table = pd.DataFrame({"x": [0.0008000000000000001, 0.0008], "o": [0.1 + 0.2, "text"]})
+    outputs.table("t", table, "T")
+    assert (tmp_path / "t.csv").read_text() == "x,o\n0.0008,0.3\n0.0008,text\n"
+
+
+def test_the_panel_figure_draws_paired_bars_four_series_a_panel(tmp_path):
+    """Six sparse series make two panels of three; each bar is the paired interval (narrower than ±2 stderr here,
+    where runs agree with dense on most questions)."""
+    from toptheta.results import tradeoff_panels
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(5)
+    dense = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0)
+    for i, (sparsifier, placement, comp) in enumerate((("toptheta", "post", "vmc"), ("toptheta", "pre", "sdc+vmc"),
+                                                       ("topk", "post", "vmc"), ("topk", "post", "none"),
+                                                       ("topk", "pre", "none"), ("toptheta", "post", "none"))):
+        for k, kept in ((4, 0.2), (8, 0.4)):
+            _add(store, "arc_easy", sparsifier, placement, k, comp, _flip(dense, 2 + i, 0.0), kept)
+    summary = load_summary(tmp_path)
+    group = dict(model="tiny", task="arc_easy", metric="acc_norm,none", num_fewshot=0, limit=N)
+    table = tradeoff_panels.panel_table(summary, results_dir=tmp_path, **group)
+    sparse = table[table["series"] != "Baseline"]
+    assert len(sparse) == 12 and (sparse["method"] == "paired bootstrap").all()
+    assert ((sparse["ci_high"] - sparse["ci_low"]) < 2 * 1.96 * sparse["stderr"]).all()
+    fig = tradeoff_panels.tradeoff_panels_figure(summary, results_dir=tmp_path, **group)
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(visible) == 2 and all(ax.get_xscale() == "log" for ax in visible)
+    legends = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in visible]
+    assert [len(names) - 2 for names in legends] == [3, 3]  # dense and its margin in every legend
+    assert "limit 400" in fig.get_suptitle()
+    unpaired = tradeoff_panels.panel_table(summary, results_dir=None, **group)  # no samples: from two stderrs
+    assert (unpaired.loc[unpaired["series"] != "Baseline", "method"] == "independent stderrs").all()
+
+
+def test_a_failing_claim_6_setting_is_named_among_the_disagreements(store, monkeypatch):
+    monkeypatch.setattr(informative, "MIN_ABOVE_CHANCE", -1.0)  # ARC-Challenge pooled: claim 6 fails there
+    lines = verdicts.disagreements(verdicts.verdicts(load_summary(store), store))
+    assert any(line.startswith("6. several-fold") and ": fails, measured -0.150" in line for line in lines)
+    # a claim-6 setting that fails while the pooled claim does not is named on its own
+    found = verdicts.verdicts(load_summary(store), store)
+    found[5].verdict = "undecided"
+    lines = verdicts.disagreements(found)
+    assert any(line.startswith("6. several-fold") and "arc_challenge" in line and "fails in this setting" in line
+               for line in lines)
+
+
+def test_the_readme_section_states_the_rule_the_excluded_settings_and_the_reduction_table(store, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from toptheta.results import sweeps
+
+    spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sweeps, "run_owners", lambda names=None, models=None: sweeps.Owners())
+    text = script.section(store, "python scripts/verdicts.py")
+    assert informative.RULE in text
+    assert ("Excluded (1 of 2 settings): tiny · arc_challenge (0-shot, limit 400) · acc_norm (dense 0.260 is less "
+            "than 0.1 above chance 0.250)") in text
+    assert "| 6 | tiny · arc_challenge (0-shot) · acc_norm |" in text  # decided apart
+    assert "| tiny · arc_easy (0-shot) · acc_norm | Top-θ post (+VMC) | 2 | 1 | 10 |" in text
+    assert "two-stage bootstrap" in text and "Monte Carlo error" in text
+
+
+def test_ablation_panels_save_the_same_bytes_twice(tmp_path):
+    """Compensation cells (Top-k post with and without VMC, ...) drawn as small multiples: two saves of two builds
+    of the figure are byte-identical, and no panel holds more than four curves."""
+    from toptheta.results import ablations, figures
+    from toptheta.results.render import save_figure
+
+    store = RunStore(tmp_path)
+    dense = (np.random.default_rng(6).random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0)
+    for sparsifier, placement, comp in (("topk", "post", "vmc"), ("topk", "post", "none"), ("toptheta", "post", "vmc"),
+                                        ("toptheta", "post", "none"), ("toptheta", "pre", "sdc+vmc"),
+                                        ("toptheta", "pre", "none"), ("toptheta", "pre", "sdc")):
+        for k, kept in ((4, 0.2), (8, 0.4)):
+            _add(store, "arc_easy", sparsifier, placement, k, comp, _flip(dense, k, 0.0), kept)
+    group = dict(model="tiny", task="arc_easy", metric="acc_norm,none", num_fewshot=0, limit=N)
+    table = ablations.ablation_table(load_summary(tmp_path), "compensation", results_dir=tmp_path, **group)
+    saved = []
+    for i in range(2):
+        fig = ablations.ablation_figure(table, "compensation", figures.group_title(**group))
+        curves = [len(ax.get_legend().get_texts()) - 1 for ax in fig.axes if ax.get_visible() and ax.get_legend()]
+        assert curves and max(curves) <= 4 and sum(curves) == 7
+        for fmt in ("png", "pdf"):
+            save_figure(fig, tmp_path / f"{i}.{fmt}", fmt)
+        saved.append(((tmp_path / f"{i}.png").read_bytes(), (tmp_path / f"{i}.pdf").read_bytes()))
+    assert saved[0] == saved[1]
