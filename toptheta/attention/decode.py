@@ -48,7 +48,7 @@ class _VSum:
 
     upto: int
     total: torch.Tensor  # (B, Hkv, Dv) float64
-    count: torch.Tensor  # (B,) valid keys in [0, upto)
+    count: torch.Tensor | None  # (B,) valid keys in [0, upto); None: every key (a decode row without a mask)
     last: torch.Tensor  # (B, Hkv, Dv) V row at position upto − 1, to notice an edited cache
 
 
@@ -84,7 +84,6 @@ def attention(
     sdc = next((c for c in compensations if isinstance(c, SDC)), None)
     vmc = any(isinstance(c, VMC) for c in compensations)
     pre = sparsifier.placement == "pre"
-    out = query.new_zeros(B, 1, H, Dv)
 
     if valid is None:  # the query is the last key: every key is valid
         ks, ke = 0, K
@@ -95,7 +94,7 @@ def attention(
         valid_row = valid.expand(B, 1, 1, K)[:, 0, 0]  # (B, K)
         cols = valid_row.any(0).nonzero()
         if cols.numel() == 0:  # only queries on padding: output 0, nothing counted (as the plain kernel)
-            return out
+            return query.new_zeros(B, 1, H, Dv)
         ks, ke = int(cols[0]), int(cols[-1]) + 1
         vm = valid.expand(B, 1, 1, K)[..., ks:ke]  # (B, 1, 1, Kc)
         n = vm.sum(-1)  # (B, 1, 1)
@@ -106,6 +105,7 @@ def attention(
         if done is not None:
             return done
 
+    out = query.new_zeros(B, 1, H, Dv)
     q = (query.float() * scaling).reshape(R, G, D)  # the G heads of a KV head as G rows of one bmm
     s = _logits(q, key[:, :, ks:ke]).view(B, H, 1, Kc)  # (B, H, 1, Kc) float32
     if softcap:
@@ -272,15 +272,20 @@ def _running_mean(layer: int, value: torch.Tensor, valid_row: torch.Tensor | Non
     if state is None:  # first step after a prefill, or the cache was cropped or edited: sum it all once
         lo, total = 0, value.new_zeros(B, Hkv, Dv, dtype=torch.float64)
     else:
-        lo, total = state.upto, state.total.clone()
+        lo, total = state.upto, state.total  # the old state is replaced below: its sum can be added to in place
+    if valid_row is None and lo == ke - 1:  # one new row, every key valid: the loop's sum, in two fewer ops
+        total += value[:, :, lo]  # (float32 to float64 is exact; a sum over one row is that row)
+        lo = ke
     for a in range(lo, ke, BLOCK_KEYS):  # normally one new row
         b = min(ke, a + BLOCK_KEYS)
         rows = value[:, :, a:b].double()  # (B, Hkv, b − a, Dv)
         if valid_row is not None:
             rows = rows * valid_row[:, None, a:b, None]
         total += rows.sum(2)
-    count = valid_row[:, :ke].sum(-1) if valid_row is not None else torch.full((B,), ke, device=value.device)
+    count = valid_row[:, :ke].sum(-1) if valid_row is not None else None
     _VSUMS[slot] = _VSum(ke, total, count, value[:, :, ke - 1].clone())
+    if valid_row is None:  # n is ke in every sequence: the same division by a Python number
+        return (total / max(ke, 1)).float().unsqueeze(2)
     return (total / n.view(B, 1, 1).clamp_min(1)).float().unsqueeze(2)
 
 
@@ -289,9 +294,10 @@ def _still_valid(state: _VSum, value: torch.Tensor, valid_row: torch.Tensor | No
     if not 0 < state.upto <= ke or state.total.device != value.device:
         return False
     if valid_row is None:
-        count_ok = bool((state.count == state.upto).all())
+        count_ok = state.count is None or bool((state.count == state.upto).all())
     else:
-        count_ok = torch.equal(valid_row[:, :state.upto].sum(-1), state.count)
+        counts = valid_row[:, :state.upto].sum(-1)
+        count_ok = bool((counts == state.upto).all()) if state.count is None else torch.equal(counts, state.count)
     return count_ok and torch.equal(value[:, :, state.upto - 1], state.last)
 
 
