@@ -97,9 +97,8 @@ class TargetKCollector(Collector):
             if lo > hi:
                 return False
         margin = 2 * (hi - lo) + 0.2 * max(abs(lo), abs(hi)) + 1e-3  # never a zero-width grid
-        self.start[layer] = lo - margin
-        self.step[layer] = (hi - lo + 2 * margin) / (self.grid_size - 1)
-        self._grid[layer] = (float(self.start[layer]), float(self.step[layer]))
+        self._grid[layer] = (lo - margin, (hi - lo + 2 * margin) / (self.grid_size - 1))  # float64, as the tensors
+        self.start[layer], self.step[layer] = self._grid[layer]
         return True
 
     def add(self, layer: int, rows: SampledRows, keys: torch.Tensor) -> None:
