@@ -53,12 +53,13 @@ class Stepper:
 
     def __init__(self, model, cache, length: int):
         self.model, self.cache, self.length = model, cache, length
+        self.keyword = cache_keyword(model)  # (inspect.signature: once, not in every timed step)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         pos = torch.tensor([[self.length]])
         with torch.no_grad():
             out = self.model(input_ids=token.view(1, 1), position_ids=pos, use_cache=True, logits_to_keep=1,
-                             **{cache_keyword(self.model): self.cache})
+                             **{self.keyword: self.cache})
         self.length += 1
         return out.logits[:, -1]
 
