@@ -39,6 +39,9 @@ Short prompts (64 and 256 tokens) show the per-call overhead; rows there are all
 Usage:  python scripts/bench_attention.py                       (full run, ~10 min on 2 idle cores)
         python scripts/bench_attention.py --quick               (64, 256 and 2048 tokens, few repeats: a check)
         python scripts/bench_attention.py --sizes 512 2048 --out results/bench/attention_small
+        python scripts/bench_attention.py --device cuda   (FlashAttention against our Triton prefill kernels, LLaMA-3-8B
+                                                 shapes, bf16, 4k/16k/32k: scripts/bench_gpu.py, results/bench/gpu_attention;
+                                                 --device cpu-interpret: a dry run in Triton's interpreter, tiny shapes)
 """
 
 from __future__ import annotations

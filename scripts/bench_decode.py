@@ -28,6 +28,13 @@ decode on and off; tokens/s = new tokens / (time of generate(N + 1 tokens) − t
 Usage:  python scripts/bench_decode.py                  (all shapes, ~10 min on 2 idle cores)
         python scripts/bench_decode.py --quick          (4k and 16k, fewer repeats: a minute or two)
         python scripts/bench_decode.py --e2e            (adds the generate benchmark, several minutes more)
+        python scripts/bench_decode.py --step [--profile] (whole decode steps of a one-layer SmolLM2-shaped model at
+                                                 16k cached keys, sdpa against Top-θ post + VMC: about a minute;
+                                                 results/bench/decode_step.{json,md})
+        python scripts/bench_decode.py --device cuda    (sdpa's FlashAttention against our Triton decode kernel,
+                                                 LLaMA-3-8B shapes, bf16, 16k and 64k keys: scripts/bench_gpu.py;
+                                                 results/bench/gpu_decode.{json,md}; --device cpu-interpret: a dry run
+                                                 on CPU in Triton's interpreter, tiny shapes)
 Outputs: results/bench/decode.{json,md} (the command on the first line of each).
 """
 
