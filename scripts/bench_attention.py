@@ -39,6 +39,9 @@ Short prompts (64 and 256 tokens) show the per-call overhead; rows there are all
 Usage:  python scripts/bench_attention.py                       (full run, ~10 min on 2 idle cores)
         python scripts/bench_attention.py --quick               (64, 256 and 2048 tokens, few repeats: a check)
         python scripts/bench_attention.py --sizes 512 2048 --out results/bench/attention_small
+        python scripts/bench_attention.py --device cuda   (FlashAttention against our Triton prefill kernels, LLaMA-3-8B
+                                                 shapes, bf16, 4k/16k/32k: scripts/bench_gpu.py, results/bench/gpu_attention;
+                                                 --device cpu-interpret: a dry run in Triton's interpreter, tiny shapes)
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if "cpu-interpret" in sys.argv:  # before anything imports triton: its kernels then run in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
@@ -338,7 +343,12 @@ def parse_repeats(spec: str | None) -> dict[int, int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 512, 2048, 8192, 32768])
+    p.add_argument("--sizes", type=int, nargs="+", default=None,
+                   help="prefill lengths (default 64 … 32768 on the CPU; 4096 16384 32768 with --device cuda)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "cpu-interpret"],
+                   help="cuda: FlashAttention against our Triton kernels, LLaMA-3-8B shapes, bf16 (scripts/bench_gpu.py); "
+                        "cpu-interpret: the same code on CPU in Triton's interpreter, tiny shapes (a dry run)")
+    p.add_argument("--fractions", type=float, nargs="+", default=[1 / 3, 1 / 10], help="kept fractions (--device cuda)")
     p.add_argument("--quick", action="store_true", help="sizes 64, 256, 2048; 3 repeats; no profiler (a check)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--repeats", default=None, help="per-size repeats, e.g. '512:5,2048:5,8192:3,32768:1'")
@@ -359,6 +369,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/bench/attention", help="output stem: writes STEM.json and STEM.md")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        sys.path.insert(0, str(ROOT / "scripts"))
+        import bench_gpu
+        from toptheta.results import bench_report
+
+        out = args.out if args.out != "results/bench/attention" else "results/bench/gpu_attention"
+        repeats = int(args.repeats) if args.repeats and args.repeats.isdigit() else 5
+        bench_gpu.run("prefill", args.device, args.sizes, args.fractions, repeats, out,
+                      bench_report.command_line("bench_attention.py", argv), seed=args.seed)
+        return 0
+    args.sizes = args.sizes or [64, 256, 512, 2048, 8192, 32768]
     if args.quick:
         args.sizes = [n for n in args.sizes if n <= 2048] or [64]
         args.repeats = ",".join(f"{n}:3" for n in args.sizes)

@@ -28,6 +28,13 @@ decode on and off; tokens/s = new tokens / (time of generate(N + 1 tokens) − t
 Usage:  python scripts/bench_decode.py                  (all shapes, ~10 min on 2 idle cores)
         python scripts/bench_decode.py --quick          (4k and 16k, fewer repeats: a minute or two)
         python scripts/bench_decode.py --e2e            (adds the generate benchmark, several minutes more)
+        python scripts/bench_decode.py --step [--profile] (whole decode steps of a one-layer SmolLM2-shaped model at
+                                                 16k cached keys, sdpa against Top-θ post + VMC: about a minute;
+                                                 results/bench/decode_step.{json,md})
+        python scripts/bench_decode.py --device cuda    (sdpa's FlashAttention against our Triton decode kernel,
+                                                 LLaMA-3-8B shapes, bf16, 16k and 64k keys: scripts/bench_gpu.py;
+                                                 results/bench/gpu_decode.{json,md}; --device cpu-interpret: a dry run
+                                                 on CPU in Triton's interpreter, tiny shapes)
 Outputs: results/bench/decode.{json,md} (the command on the first line of each).
 """
 
@@ -43,7 +50,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if "cpu-interpret" in sys.argv:  # before anything imports triton: its kernels then run in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_gpu, bench_decode_step
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
@@ -255,10 +265,56 @@ def write_report(args, command: str, rows: list[dict], e2e: list[dict], meta: di
     bench_report.write(args.out, command, meta, {"attention": rows, "generate": e2e}, lines)
 
 
+def step_report(args, command: str) -> int:
+    """--step: whole decode steps, sdpa against Top-θ post + VMC (bench_decode_step.py); writes OUT.{json,md}."""
+    import bench_decode_step
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    out = args.out if args.out != "results/bench/decode" else "results/bench/decode_step"
+    meta = bench_report.machine(model="one-layer SmolLM2-135M-shaped Llama, vocabulary 1024", dtype="float32", batch=1)
+    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), load {meta['load_start']}", flush=True)
+    result = bench_decode_step.run_step(args.step_len, args.step_fraction, args.step_steps, seed=args.seed)
+    profile = bench_decode_step.profile_step(args.step_len, args.step_fraction, seed=args.seed) if args.profile else None
+    bench_report.finish(meta)
+    s, o = result["methods"]["sdpa"], result["methods"]["ours_post_vmc"]
+    print(f"step at {args.step_len} keys: sdpa {s['time_s'] * 1e3:.3f} ms, ours {o['time_s'] * 1e3:.3f} ms median: "
+          f"{result['speedup']:.2f}x faster (min: {result['speedup_min']:.2f}x, CPU time: {result['speedup_cpu']:.2f}x); V rows kept "
+          f"{result['vrow_fraction']:.3f}", flush=True)
+    lines = ["# Whole decode steps: sdpa against Top-θ post + VMC", "",
+             f"{bench_report.describe(meta)} A one-layer Llama with SmolLM2-135M's attention and MLP shapes (9 heads, 3 KV "
+             "heads, head_dim 64, hidden 576, MLP 1536; vocabulary 1024), float32, two copies of it each with a "
+             f"`growing_cache` filled by the same sdpa prefill of {args.step_len} random tokens, then "
+             f"{result['steps']} timed decode steps of the same tokens, alternating step by step (after 3 warm-up steps).",
+             "", "| method | median ms | min ms | CPU ms (median) | speed ×sdpa (median) | speed ×sdpa (min) | "
+             "speed ×sdpa (CPU time) | V rows kept | backend |", "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+             f"| sdpa | {s['time_s'] * 1e3:.3f} | {s['time_min_s'] * 1e3:.3f} | {s['cpu_s'] * 1e3:.3f} | 1.00 | 1.00 | 1.00 | "
+             "1.000 | sdpa |",
+             f"| ours_post_vmc | {o['time_s'] * 1e3:.3f} | {o['time_min_s'] * 1e3:.3f} | {o['cpu_s'] * 1e3:.3f} | "
+             f"{result['speedup']:.2f} | {result['speedup_min']:.2f} | {result['speedup_cpu']:.2f} | "
+             f"{result['vrow_fraction']:.3f} | {', '.join(result['backend_calls'])} |",
+             "", "Target (issue 29): ≥ 1.3× faster than sdpa per model step at 16k cached keys and 1/10 of the V rows.",
+             f"Largest |logit difference| to sdpa over the steps (Top-θ drops mass, VMC puts back its mean): "
+             f"{result['logits_max_abs_diff']:.3g}."]
+    if profile:
+        lines += ["", "## cProfile of our decode steps (own time)", "", "```", *profile.strip().splitlines()[:40], "```"]
+    bench_report.write(out, command, meta, {"step": result, "profile": profile}, lines)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="KV lengths (default 4096 16384 65536 on the CPU; 16384 65536 with --device cuda)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "cpu-interpret"],
+                   help="cuda: sdpa's FlashAttention against our Triton decode kernel, LLaMA-3-8B shapes, bf16 "
+                        "(scripts/bench_gpu.py); cpu-interpret: the same code on CPU in Triton's interpreter, tiny shapes")
+    p.add_argument("--step", action="store_true", help="time whole decode steps of a one-layer SmolLM2-shaped model, "
+                   "sdpa against Top-θ post + VMC, same growing cache (scripts/bench_decode_step.py)")
+    p.add_argument("--step-len", type=int, default=16384, help="cached keys for --step")
+    p.add_argument("--step-fraction", type=float, default=0.1, help="kept V-row fraction aimed at by --step")
+    p.add_argument("--step-steps", type=int, default=40, help="timed decode steps for --step")
+    p.add_argument("--profile", action="store_true", help="with --step: also a cProfile table of our steps")
     p.add_argument("--fractions", type=float, nargs="+", default=[1 / 3, 1 / 10])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--repeats", type=int, default=7)
@@ -273,12 +329,21 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/bench/decode", help="output stem: writes STEM.json and STEM.md")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    command = bench_report.command_line("bench_decode.py", argv)
+    if args.device != "cpu":
+        import bench_gpu
+
+        out = args.out if args.out != "results/bench/decode" else "results/bench/gpu_decode"
+        bench_gpu.run("decode", args.device, args.lengths, args.fractions, args.repeats, out, command, seed=args.seed)
+        return 0
+    if args.step:
+        return step_report(args, command)
+    args.lengths = args.lengths or [4096, 16384, 65536]
     if args.quick:
         args.lengths = [n for n in args.lengths if n <= 16384] or [4096]
         args.repeats = min(args.repeats, 3)
     if "sdpa" not in args.methods:
         p.error("--methods must include sdpa: every ratio is to sdpa")
-    command = bench_report.command_line("bench_decode.py", argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     meta = bench_report.machine(shapes={s: dict(zip(("heads", "kv_heads", "head_dim"), SHAPES[s])) for s in args.shapes},
                                 dtype="float32", batch=1)

@@ -109,6 +109,7 @@ class SparsityStats:
         """
         if not self.enabled:
             return
+        # (``t[layer].add_(x)``, not ``t[layer] += x``: the latter also copies the row back onto itself)
         layer, keep = rows.layer, rows.keep
         B, H, Q, K = rows.logits.shape
         device = rows.n.device
@@ -118,11 +119,11 @@ class SparsityStats:
         valid_elems = here(rows.n.sum().double())
         kept = rows.counts().sum((0, 2)).double()  # (H,)
         if rows.phase == "prefill":
-            c["prefill_kept"][layer] += here(kept)
-            c["prefill_valid"][layer] += valid_elems
+            c["prefill_kept"][layer].add_(here(kept))
+            c["prefill_valid"][layer].add_(valid_elems)
         else:
-            c["decode_kept"][layer] += here(kept)
-            c["decode_valid"][layer] += valid_elems
+            c["decode_kept"][layer].add_(here(kept))
+            c["decode_valid"][layer].add_(valid_elems)
             Hkv = self.num_kv_heads
             if rows.vrow_counts is not None:  # a kernel that reported the union counts itself
                 vrows = rows.vrow_counts.sum(0).double()
@@ -130,18 +131,18 @@ class SparsityStats:
                 vrows = valid_elems.expand(Hkv)
             else:
                 vrows = keep.reshape(B, Hkv, H // Hkv, Q, K).any(2).sum((0, 2, 3)).double()  # (Hkv,)
-            c["vrow_kept"][layer] += here(vrows)
-            c["vrow_valid"][layer] += valid_elems
-            c["decode_steps"][layer] += 1
+            c["vrow_kept"][layer].add_(here(vrows))
+            c["vrow_valid"][layer].add_(valid_elems)
+            c["decode_steps"][layer].add_(1)
         live = rows.n > 0  # (B, 1, Q)
-        c["rows"][layer] += here(live.sum().double())
+        c["rows"][layer].add_(here(live.sum().double()))
         if keep is not None or rows.kept_mass is not None:
             # The kernel reports each row's kept dense mass; rows without a valid key drop nothing.
             kept_mass = rows.kept_mass if rows.kept_mass is not None else (rows.probs * keep).sum(-1, keepdim=True)
             dropped = (1.0 - kept_mass.squeeze(-1)).clamp_min(0.0).masked_fill(~live, 0.0)  # (B, H, Q)
-            c["dropped_mass"][layer] += here(dropped.sum((0, 2)).double())
+            c["dropped_mass"][layer].add_(here(dropped.sum((0, 2)).double()))
         if rows.empty is not None:
-            c["empty_rows"][layer] += here(rows.empty.sum((0, 2)).double())
+            c["empty_rows"][layer].add_(here(rows.empty.sum((0, 2)).double()))
         clamped = rows.clamped_rows
         if isinstance(clamped, torch.Tensor) and not host:
             c["clamped"] += clamped.to(device)

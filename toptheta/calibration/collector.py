@@ -13,7 +13,15 @@ rows of every layer. The collector
 
 Each layer's sums live on the device of that layer's rows (a model split over GPUs by
 ``device_map="auto"`` keeps every layer's statistics beside it) and meet on the CPU only in
-``reduce``. Which rows to use is decided on the CPU from their lengths, one small (B, Q) copy per call.
+``reduce``. On the CPU, which rows to use is decided on the host from their lengths (free there), and only
+the sampled rows are scored. On any other device (or with ``device_path=True``) nothing inside a layer call
+reads a tensor on the host: the choice stays a device mask, every row of the chunk is scored and the rows not
+chosen add exactly 0, the row counters are device tensors, and the tables are sized from the chunk's key window
+(a bound on n known from shapes); ``reduce`` reads everything once. Both paths give the same thresholds: the same
+rows add the same values in the same order (a +0.0 changes no float64 sum), and the output tables have the
+width the host path would give them. One difference: with ``sample_frac < 1`` the device path draws a chunk's
+random numbers whenever its window is longer than k, the host path only when some row of it is eligible; the
+draws (and so the samples) are the same wherever these agree, e.g. for unpadded sequences without ``max_n``.
 
 The key is the row length n (:class:`OrderStatCollector`) or a bucket of row lengths
 (``target_k.TargetKCollector``). Prefill row i and the decode step with KV length i + 1 share key
@@ -61,6 +69,19 @@ class SampledRows:
         self.logits = take(rows.logits)  # (R, H, Q', K)
         self.keep = take(rows.keep) if topk_keep and rows.keep is not None else None  # (R, H, Q', K)
         self._top: torch.Tensor | None = None
+        self._chosen: torch.Tensor | None = None  # (R·Q', 1) bool: the rows that count (device path), None: all
+
+    @classmethod
+    def whole(cls, rows: RowBlock, pick: torch.Tensor, n: torch.Tensor, k: int, topk_keep: bool = False) -> "SampledRows":
+        """Every row of the chunk (R = B, Q' = Q), with ``pick`` (B, Q) marking those that count: ``per_row``
+        gives 0 for the others. Nothing is read on the host (the collector's device path)."""
+        self = cls.__new__(cls)
+        self.k, self._rows, self._take = k, rows, lambda t: t  # noqa: E731
+        self.n, self.logits = n, rows.logits  # (B, Q), (B, H, Q, K)
+        self.keep = rows.keep if topk_keep and rows.keep is not None else None
+        self._top = None
+        self._chosen = pick.reshape(-1, 1)
+        return self
 
     @functools.cached_property
     def exp_scores(self) -> torch.Tensor:
@@ -82,10 +103,19 @@ class SampledRows:
         """The kernel's dense probabilities of the sampled rows (R, H, Q', K): the very values inference compares."""
         return self._take(self._rows.probs)
 
-    @staticmethod
-    def per_row(t: torch.Tensor) -> torch.Tensor:
-        """(R, H, Q', ...) -> (R·Q', H, ...), rows in the order of ``n.flatten()``."""
-        return t.transpose(1, 2).flatten(0, 1)
+    def per_row(self, t: torch.Tensor) -> torch.Tensor:
+        """(R, H, Q', ...) -> (R·Q', H, ...), rows in the order of ``n.flatten()``; 0 for rows that do not count."""
+        return self.chosen(t.transpose(1, 2).flatten(0, 1))
+
+    def row_mask(self) -> torch.Tensor | None:
+        """(R, 1, Q') bool: the rows that count (``whole``), or None: every row."""
+        return None if self._chosen is None else self._chosen.view(self.n.shape[0], 1, -1)
+
+    def chosen(self, t: torch.Tensor) -> torch.Tensor:
+        """t (R·Q', H, ...) with 0 where a row does not count (``whole``); t itself otherwise."""
+        if self._chosen is None:
+            return t
+        return torch.where(self._chosen.view(-1, *[1] * (t.dim() - 1)), t, t.new_zeros(()))
 
     @property
     def top_indices(self) -> torch.Tensor:
@@ -128,10 +158,13 @@ class Collector:
         max_n: longest row length to calibrate (longer rows are skipped); None = grow as needed.
         topk_keep: the forward runs exact top-k with these k (TAC), so each chunk's keep-mask is
             the top-k set and the collector may read it instead of sorting again.
+        device_path: decide on the device, reading nothing on the host inside a layer call (module docstring);
+            None (default): on every device but the CPU.
     """
 
     def __init__(self, k: list[int], num_heads: int, placement: str, *, sample_frac: float = 1.0, seed: int = 0,
-                 phases: tuple[str, ...] = PHASES, max_n: int | None = None, topk_keep: bool = False):
+                 phases: tuple[str, ...] = PHASES, max_n: int | None = None, topk_keep: bool = False,
+                 device_path: bool | None = None):
         if not 0.0 < sample_frac <= 1.0:
             raise ValueError(f"sample_frac must be in (0, 1], got {sample_frac}")
         bad = set(phases) - set(PHASES)
@@ -143,11 +176,14 @@ class Collector:
         self.placement = check_placement(placement)
         self.sample_frac, self.phases, self.max_n = float(sample_frac), tuple(phases), max_n
         self.topk_keep = bool(topk_keep)
+        self.device_path = device_path
         self.generator = torch.Generator().manual_seed(int(seed))
         L = len(self.k)
-        self.rows_eligible = torch.zeros(L, dtype=torch.float64)  # per layer, before sampling
-        self.rows_sampled = torch.zeros(L, dtype=torch.float64)
-        self.max_n_seen = 0
+        self._rows_eligible = torch.zeros(L, dtype=torch.float64)  # per layer, before sampling
+        self._rows_sampled = torch.zeros(L, dtype=torch.float64)
+        self._max_n_seen = 0
+        self._max_key: int | None = None  # key of max_n (_ensure)
+        self._on_device: dict[int, torch.Tensor] = {}  # layer -> (eligible, sampled, max n) device sums (_collect)
         # name -> one (H, keys, *extra) float64 tensor per layer, on that layer's device (None until it has rows)
         self.sums: dict[str, list[torch.Tensor | None]] = {}
         self._extra: dict[str, tuple[int, ...]] = {"count": (), **({"sdc": ()} if self.placement == "pre" else {})}
@@ -165,10 +201,40 @@ class Collector:
         """Thresholds (L, H', K') from sums already pooled to the granularity; NaN where count = 0."""
         raise NotImplementedError
 
+    # --- row counters (the device path's are folded in when read) ------------------------------------
+    def _collect(self) -> None:
+        on_device, self._on_device = self._on_device, {}
+        for layer, counts in on_device.items():
+            eligible, sampled, top = counts.cpu().tolist()
+            self._rows_eligible[layer] += eligible
+            self._rows_sampled[layer] += sampled
+            self._max_n_seen = max(self._max_n_seen, int(top))
+
+    @property
+    def rows_eligible(self) -> torch.Tensor:
+        """(L,) float64: rows with k < n (≤ max_n) seen per layer, before sampling."""
+        self._collect()
+        return self._rows_eligible
+
+    @property
+    def rows_sampled(self) -> torch.Tensor:
+        """(L,) float64: rows used per layer."""
+        self._collect()
+        return self._rows_sampled
+
+    @property
+    def max_n_seen(self) -> int:
+        """Longest sampled row."""
+        self._collect()
+        return self._max_n_seen
+
     # --- the observer ---------------------------------------------------------------------------
     def __call__(self, rows: RowBlock) -> None:
         if rows.phase not in self.phases:
             return
+        device_path = self.device_path if self.device_path is not None else rows.n.device.type != "cpu"
+        if device_path:
+            return self._observe_on_device(rows)
         layer, k = rows.layer, self.k[rows.layer]
         n = rows.n[:, 0].cpu()  # (B, Q)
         pick = n > k
@@ -177,14 +243,14 @@ class Collector:
         eligible = int(pick.sum())
         if eligible == 0:
             return
-        self.rows_eligible[layer] += eligible
+        self._rows_eligible[layer] += eligible
         if self.sample_frac < 1.0:  # drawn on the CPU generator: the same draws on any device
             pick &= torch.rand(n.shape, generator=self.generator) < self.sample_frac
             if not bool(pick.any()):
                 return
         sampled = SampledRows(rows, pick, n, k, self.topk_keep)
-        self.rows_sampled[layer] += sampled.n.numel()
-        self.max_n_seen = max(self.max_n_seen, int(sampled.n.max()))
+        self._rows_sampled[layer] += sampled.n.numel()
+        self._max_n_seen = max(self._max_n_seen, int(sampled.n.max()))
         keys = self.key_of(sampled.n.flatten())  # (S,) on the CPU, in the order of SampledRows.per_row
         device = rows.logits.device
         self._ensure(layer, int(keys.max()) + 1, device)
@@ -192,6 +258,37 @@ class Collector:
         if "sdc" in self.sums:
             self.scatter("sdc", layer, keys, sampled.per_row(sampled.dropped_mass()))
         self.add(layer, sampled, keys)
+
+    def _observe_on_device(self, rows: RowBlock) -> None:
+        """``__call__`` without a host read: every row of the chunk scored, the unchosen ones adding 0."""
+        layer, k = rows.layer, self.k[rows.layer]
+        B, H, Q, K = rows.logits.shape
+        if K <= k:  # n ≤ K (the chunk's key window) ≤ k: no row is eligible
+            return
+        n = rows.n[:, 0]  # (B, Q) on the device
+        eligible = n > k
+        if self.max_n is not None:
+            eligible &= n <= self.max_n
+        pick = eligible
+        if self.sample_frac < 1.0:  # drawn on the CPU generator, as the host path (module docstring)
+            pick = eligible & (torch.rand(n.shape, generator=self.generator) < self.sample_frac).to(n.device)
+        sampled = SampledRows.whole(rows, pick, n, k, self.topk_keep)
+        counts = torch.stack([eligible.sum(), pick.sum(), torch.where(pick, n, 0).max()]).double()
+        if layer in self._on_device:  # Σ eligible, Σ sampled, max n
+            old = self._on_device[layer]
+            counts = torch.cat([old[:2] + counts[:2], torch.maximum(old[2:], counts[2:])])
+        self._on_device[layer] = counts
+        keys = self.key_of(n.flatten())  # (B·Q,) on the device, in the order of SampledRows.per_row
+        device = rows.logits.device
+        self._ensure(layer, self.key_bound(K) + 1, device)
+        self.scatter("count", layer, keys, sampled.chosen(torch.ones(B * Q, H, device=device)))
+        if "sdc" in self.sums:
+            self.scatter("sdc", layer, keys, sampled.per_row(sampled.dropped_mass()))
+        self.add(layer, sampled, keys)
+
+    def key_bound(self, n: int) -> int:
+        """The key of row length ``n`` as a Python int, from shapes alone (key_of is non-decreasing in n)."""
+        return n
 
     def flat_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Position of (head h, key of row s) in the flattened (H, keys) table of a layer: (S, H), on its device."""
@@ -209,7 +306,9 @@ class Collector:
     def _ensure(self, layer: int, num_keys: int, device) -> None:
         """Allocate or widen a layer's key axis on ``device``; with ``max_n`` it is allocated once at full size."""
         if self.max_n is not None:
-            num_keys = max(num_keys, int(self.key_of(torch.tensor([self.max_n]))[0]) + 1)
+            if self._max_key is None:  # once per collector
+                self._max_key = int(self.key_of(torch.tensor([self.max_n]))[0])
+            num_keys = max(num_keys, self._max_key + 1)
         if not self.sums:
             self.sums = {name: [None] * len(self.k) for name in self._extra}
         current = self.sums["count"][layer]
@@ -233,16 +332,21 @@ class Collector:
                 for name, per_layer in self.sums.items()}
 
     def stacked(self) -> dict[str, torch.Tensor]:
-        """Every layer's sums on the CPU, zero-padded to the widest key axis: name -> (L, H, keys, *extra)."""
-        width = max((t.shape[1] for t in self.sums.get("count", []) if t is not None), default=0)
-        if width == 0:
+        """Every layer's sums on the CPU, zero-padded to the widest key axis: name -> (L, H, keys, *extra).
+
+        The width is the key of the longest row sampled (of ``max_n`` when set) + 1, as the host path sizes its
+        tables; the device path's tables, sized from the key windows, are cut to it (the keys beyond hold 0)."""
+        if not any(t is not None for t in self.sums.get("count", [])) or self.rows_sampled.sum() == 0:
             raise ValueError("the collector saw no row longer than k; calibrate on longer sequences or a smaller k")
+        longest = self.max_n if self.max_n is not None else self.max_n_seen
+        width = int(self.key_of(torch.tensor([longest]))[0]) + 1
         out = {}
         for name, extra in self._extra.items():
             full = torch.zeros(len(self.k), self.num_heads, width, *extra, dtype=torch.float64)
             for layer, t in enumerate(self.sums[name]):
                 if t is not None:
-                    full[layer, :, :t.shape[1]] = t.cpu()
+                    part = t[:, :width].cpu()
+                    full[layer, :, :part.shape[1]] = part
             out[name] = full
         return out
 

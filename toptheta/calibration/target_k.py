@@ -64,6 +64,8 @@ class TargetKCollector(Collector):
             self.step = torch.full((L,), float("nan"), dtype=torch.float64)
         self._extra["hist"] = (grid_size + 1,)  # slot i: c in (c_{i−1}, c_i]; slot 0 = at or below c_0
         self.grid_clamped = 0
+        # (start, step) of each fitted grid as Python numbers: read once, not in every layer call
+        self._grid = {l: (float(self.start[l]), float(self.step[l])) for l in range(L) if self.placement == "post"}
 
     def key_of(self, n: torch.Tensor) -> torch.Tensor:
         """Bucket of each row length: n below ``exact_n``, then ``per_octave`` per doubling."""
@@ -71,33 +73,55 @@ class TargetKCollector(Collector):
         geometric = self.exact_n + torch.floor(octaves * self.per_octave + 1e-9).long()
         return torch.where(n < self.exact_n, n.long(), geometric)
 
+    def key_bound(self, n: int) -> int:
+        """An upper bound on ``key_of`` of lengths ≤ n, from shapes alone (the key of n, or one more where the float
+        rounding of log2 could differ: a table one key wider holds 0 there, and ``stacked`` cuts it off)."""
+        if n < self.exact_n:
+            return n
+        return self.exact_n + math.floor(math.log2(n / self.exact_n) * self.per_octave + 1e-9) + 1
+
     def edges(self, layer: int) -> torch.Tensor:
         """The G candidate thresholds of a layer, in score units (probability or logit)."""
         c = self.start[layer] + self.step[layer] * torch.arange(self.grid_size, dtype=torch.float64)
         return c.exp() if self.placement == "post" else c
 
-    def _fit_grid(self, layer: int, rows: SampledRows) -> None:
+    def _fit_grid(self, layer: int, rows: SampledRows) -> bool:
+        """Fit a pre-softmax layer's grid to these rows' τ (the layer's one host read); False: no row counts."""
         tau = rows.tau("pre")  # (R, H, Q') the logits θ must separate
-        lo, hi = float(tau.min()), float(tau.max())
+        chosen = rows.row_mask()  # (R, 1, Q') or None: every row counts
+        if chosen is None:
+            lo, hi = float(tau.min()), float(tau.max())
+        else:
+            lo, hi = torch.stack([torch.where(chosen, tau, float("inf")).min(),
+                                  torch.where(chosen, tau, float("-inf")).max()]).tolist()
+            if lo > hi:
+                return False
         margin = 2 * (hi - lo) + 0.2 * max(abs(lo), abs(hi)) + 1e-3  # never a zero-width grid
-        self.start[layer] = lo - margin
-        self.step[layer] = (hi - lo + 2 * margin) / (self.grid_size - 1)
+        self._grid[layer] = (lo - margin, (hi - lo + 2 * margin) / (self.grid_size - 1))  # float64, as the tensors
+        self.start[layer], self.step[layer] = self._grid[layer]
+        return True
 
     def add(self, layer: int, rows: SampledRows, keys: torch.Tensor) -> None:
-        if math.isnan(self.start[layer]):
-            self._fit_grid(layer, rows)
+        if layer not in self._grid and not self._fit_grid(layer, rows):
+            return
+        start, step = self._grid[layer]
         if self.placement == "post":  # log p = s − m − log Σ e, without a log per element
             shift = rows.row_max + rows.row_sum.clamp_min(torch.finfo(torch.float32).tiny).log()  # (R, H, Q', 1)
-            u = rows.logits - (shift + float(self.start[layer]))
+            u = rows.logits - (shift + start)
         else:  # invalid keys hold −inf and fall in slot 0
-            u = rows.logits - float(self.start[layer])
-        bins = u.div_(float(self.step[layer])).ceil_().clamp_(0, self.grid_size).long()  # (R, H, Q', K)
+            u = rows.logits - start
+        bins = u.div_(step).ceil_().clamp_(0, self.grid_size).long()  # (R, H, Q', K)
         R, H, Q = rows.logits.shape[:3]
         slots = self.grid_size + 1
         row_index = self.flat_index(layer, keys).view(R, Q, H).transpose(1, 2)  # (R, H, Q') position in (H, keys)
-        flat = bins.add_(row_index[..., None] * slots).flatten()  # slot in the flattened (H, keys, slots)
+        flat = bins.add_(row_index[..., None] * slots)  # slot in the flattened (H, keys, slots)
         table = self.sums["hist"][layer].view(-1)
-        table += torch.bincount(flat, minlength=table.numel()).to(table.dtype)
+        chosen = rows.row_mask()
+        if chosen is None:
+            table += torch.bincount(flat.flatten(), minlength=table.numel()).to(table.dtype)
+        else:  # rows that do not count go to one extra slot past the table, dropped
+            flat = torch.where(chosen[..., None], flat, table.numel()).flatten()
+            table += torch.bincount(flat, minlength=table.numel() + 1)[:table.numel()].to(table.dtype)
 
     def finalise(self, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         # One layer at a time: the cumulative counts are as large as the histograms themselves.

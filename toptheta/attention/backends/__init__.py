@@ -46,6 +46,7 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
+_ORDER: list[Backend] = []  # _REGISTRY by decreasing priority, rebuilt when it changes (asked on every call)
 _DISCOVERED = False
 _LOGGED: set[str] = set()  # backends announced without a statistics object
 
@@ -53,17 +54,21 @@ _LOGGED: set[str] = set()  # backends announced without a statistics object
 def register(backend: Backend) -> Backend:
     """Add (or replace, by name) a backend; returns it."""
     _REGISTRY[backend.name] = backend
+    _ORDER.clear()
     return backend
 
 
 def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
+    _ORDER.clear()
 
 
 def backends() -> list[Backend]:
     """Every registered backend, highest priority first."""
     _discover()
-    return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
+    if not _ORDER:
+        _ORDER.extend(sorted(_REGISTRY.values(), key=lambda b: -b.priority))
+    return list(_ORDER)
 
 
 def get(name: str) -> Backend:
@@ -91,7 +96,9 @@ def choose(call: AttentionCall) -> Backend:
                                f"{call.placement or ''} {call.phase}, {call.query.dtype} on {call.device}, B={B} H={H} "
                                f"Hkv={Hkv} Q={Q} K={K}): {reason}. Unset TOPTHETA_BACKEND to let the registry choose")
         return backend
-    for backend in backends():
+    if not _DISCOVERED or not _ORDER:
+        backends()
+    for backend in _ORDER:
         if backend.refuse(call) is None:
             return backend
     raise RuntimeError("no attention backend serves this call (the plain backend should serve every call)")

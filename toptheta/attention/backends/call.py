@@ -116,6 +116,8 @@ def row_thresholds(sparsifier: TopTheta, layer: int, n: torch.Tensor, H: int, me
     """See :meth:`AttentionCall.thetas`; n (B, 1, Q). ``memo_k``: K of a causal call (its lengths are fixed by
     (B, Q, K)): on short prompts the lookup and its small tensor ops cost as much as the attention itself."""
     B, _, Q = n.shape
+    if memo_k is not None and Q == 1:  # a causal decode row: every sequence's row has memo_k valid keys
+        return _uniform_row_thresholds(sparsifier, layer, memo_k, B, H, n.device)
     key = (layer, B, Q, memo_k, n.device, H)
     memo = _THETAS.setdefault(sparsifier, {}) if memo_k is not None else {}
     if key not in memo:
@@ -130,6 +132,32 @@ def row_thresholds(sparsifier: TopTheta, layer: int, n: torch.Tensor, H: int, me
 
 
 _THETAS: "weakref.WeakKeyDictionary[TopTheta, dict]" = weakref.WeakKeyDictionary()
+_BLOCK = 256  # row lengths per block of _uniform_row_thresholds' tables
+
+
+def _uniform_row_thresholds(sparsifier: TopTheta, layer: int, length: int, B: int, H: int, device):
+    """:func:`row_thresholds` for B rows of ``length`` valid keys each (a decode step without padding), read from a
+    per-layer table of every length (blocks of _BLOCK lengths, built on first use by :func:`row_thresholds` itself,
+    so the numbers are its own): a step costs a view, not the dozen small ops of a lookup (each decode step has a
+    new length, so the memo above never hits there)."""
+    thresholds = sparsifier.thresholds
+    last = thresholds.table("values", device).shape[-1] - 1
+    top = max(last, sparsifier.k_for(layer)) + 1  # every length from here on gets the same θ
+    i = min(length, top)
+    blocks = _DECODE_THETAS.setdefault(sparsifier, {})
+    key = (layer, H, device, i // _BLOCK)
+    if key not in blocks:
+        n = torch.arange(i - i % _BLOCK, i - i % _BLOCK + _BLOCK, device=device).view(1, 1, _BLOCK)
+        theta, raw, _ = row_thresholds(sparsifier, layer, n, H)  # (1, H, _BLOCK) each
+        blocks[key] = (theta[0].t().contiguous(), raw[0].t().contiguous())  # (_BLOCK, H): a length's θ contiguous
+    theta, raw = (t[i % _BLOCK].view(1, H, 1) for t in blocks[key])
+    if B > 1:
+        theta, raw = theta.expand(B, H, 1).contiguous(), raw.expand(B, H, 1).contiguous()
+    clamped = B if last > 0 and length > thresholds._max_n else 0  # as Thresholds.lookup counts them
+    return theta, raw, clamped
+
+
+_DECODE_THETAS: "weakref.WeakKeyDictionary[TopTheta, dict]" = weakref.WeakKeyDictionary()
 
 
 def forced_backend() -> str | None:
