@@ -5,7 +5,6 @@ stores them, with a fixed parameter or one fitted to sparsifier.target_kept."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 
@@ -15,6 +14,7 @@ import torch
 import toptheta
 from test_attention import qkv, tiny
 from test_config import cfg
+from test_target_kept import sparse_rows
 from toptheta import pipeline
 from toptheta.attention import backends
 from toptheta.attention.backends.call import AttentionCall
@@ -285,17 +285,11 @@ def test_fit_parameter_refuses_an_unreachable_target():
 
 # ---- through the pipeline --------------------------------------------------------------------------------------
 
-def _run(tmp_path, *overrides):
-    c = cfg("model=tiny-llama", "task=smoke", "task.num_fewshot=2", "task.limit=4", "calib.num_samples=6",
-            f"results_dir={tmp_path}", "log_samples=false", *overrides)
-    pipeline.run(c)
-    with open(tmp_path / "summary.csv", newline="") as fh:
-        return [row for row in csv.DictReader(fh) if row["sparsifier"] != "dense"]
 
 
 @pytest.mark.parametrize("sparsifier,key,value", [("topp", "p", "0.8"), ("skipsoftmax", "lam", "0.5")])
 def test_a_pipeline_run_of_each_baseline_is_stored(tmp_path, sparsifier, key, value):
-    rows = _run(tmp_path, f"sparsifier={sparsifier}", f"sparsifier.{key}={value}", "comp=vmc",
+    rows = sparse_rows(tmp_path, f"sparsifier={sparsifier}", f"sparsifier.{key}={value}", "comp=vmc",
                 "sparsifier.placement=post", "sparsifier.layer_k=null")
     assert rows and {r["sparsifier"] for r in rows} == {sparsifier} and {r[key] for r in rows} == {value}
     assert all(0 < float(r["kept_attention_fraction"]) < 1 for r in rows)
@@ -306,7 +300,7 @@ def test_a_pipeline_run_of_each_baseline_is_stored(tmp_path, sparsifier, key, va
 
 @pytest.mark.parametrize("sparsifier,key", [("topp", "p"), ("skipsoftmax", "lam")])
 def test_target_kept_fits_the_baselines_parameter(tmp_path, sparsifier, key):
-    rows = _run(tmp_path, f"sparsifier={sparsifier}", "comp=vmc", "sparsifier.placement=post",
+    rows = sparse_rows(tmp_path, f"sparsifier={sparsifier}", "comp=vmc", "sparsifier.placement=post",
                 "sparsifier.target_kept=0.3", "sparsifier.layer_k=null", "task.fewshot_sampler=first_n")
     assert rows and all(abs(float(r["kept_attention_fraction"]) / 0.3 - 1) <= 0.1 for r in rows)
     stats = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())

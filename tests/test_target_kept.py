@@ -49,7 +49,8 @@ def test_resolve_k_corrects_for_a_method_that_keeps_more():
     assert k < target_kept.topk_k_for(lengths, 0.1, None, 4)
 
 
-def _run(tmp_path, *overrides):
+def sparse_rows(tmp_path, *overrides):
+    """A tiny-llama run on smoke (2-shot, 4 questions) with ``overrides``; its sparse summary rows."""
     c = cfg("model=tiny-llama", "task=smoke", "task.num_fewshot=2", "task.limit=4", "calib.num_samples=6",
             f"results_dir={tmp_path}", "log_samples=false", *overrides)
     pipeline.run(c)
@@ -60,7 +61,7 @@ def _run(tmp_path, *overrides):
 @pytest.mark.parametrize("sparsifier", [("sparsifier=topk", "comp=vmc", "sparsifier.placement=post"),
                                         ("sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post")])
 def test_target_kept_run_lands_within_ten_percent(tmp_path, sparsifier):
-    rows = _run(tmp_path, *sparsifier, "sparsifier.target_kept=0.3", "sparsifier.layer_k=null",
+    rows = sparse_rows(tmp_path, *sparsifier, "sparsifier.target_kept=0.3", "sparsifier.layer_k=null",
                 "task.fewshot_sampler=first_n")
     assert rows and all(abs(float(r["kept_attention_fraction"]) / 0.3 - 1) <= 0.1 for r in rows)
     assert {r["target_kept"] for r in rows} == {"0.3"} and all(int(r["k"]) >= 1 for r in rows)
@@ -74,7 +75,7 @@ def test_unreachable_target_is_refused_before_evaluating(tmp_path, monkeypatch):
     evaluated = []
     monkeypatch.setattr(pipeline, "evaluate", lambda *a, **kw: evaluated.append(1))
     with pytest.raises(target_kept.Unreachable, match="cannot be reached"):
-        _run(tmp_path, "sparsifier=topk", "comp=vmc", "sparsifier.placement=post", "sparsifier.target_kept=0.05",
+        sparse_rows(tmp_path, "sparsifier=topk", "comp=vmc", "sparsifier.placement=post", "sparsifier.target_kept=0.05",
              "sparsifier.layer_k={0:512}", "baseline=false")
     assert not evaluated
 
