@@ -187,37 +187,26 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
     if task.get("limit"):
         records = records[: int(task["limit"])]
     samples, task_stats, resumed = [], {}, {}
+
+    def run_length(length: int, group: list[dict], bar) -> tuple:
+        t0, done = time.time(), []
+        with stats.section() if stats is not None else contextlib.nullcontext() as part:
+            outputs = generate_all(model, tokenizer, [r["prompt"] for r in group],
+                                   max_new_tokens=PASSKEY_NEW_TOKENS, chat_template=chat_template,
+                                   decode_batch=int(task.get("decode_batch") or 1),
+                                   share_prefix=bool(task.get("share_prefix")), progress=bar)
+            for record, out in zip(group, outputs):
+                done.append({"id": record["id"], "target_tokens": length, "length_tokens": out["prompt_tokens"],
+                             "depth": record["depth"], "generation": out["text"],
+                             "correct": bool(score_passkey(out["text"], record["answer"]))})
+        return part, {"samples": done, "seconds": round(time.time() - t0, 2)}
+
     lengths = sorted({r["target_tokens"] for r in records})
-    with tqdm(total=len(records), desc="passkey", unit="prompt") as bar:
-        for length in lengths:
-            group = [r for r in records if r["target_tokens"] == length]
-            saved = _read_section(checkpoint, length, group, stats)
-            if saved is not None:
-                part, done = saved
-                if part is not None:
-                    stats.add(part)
-                resumed[f"passkey_{length}"] = done["seconds"]
-                log.info("passkey %d: %d prompts read back from %s", length, len(group), checkpoint)
-                bar.update(len(group))
-            else:
-                if checkpoint is not None and stop is not None and stop():
-                    raise Paused(f"stopped before passkey length {length}; the lengths before it are saved in "
-                                 f"{checkpoint}")
-                t0, done = time.time(), []
-                with stats.section() if stats is not None else contextlib.nullcontext() as part:
-                    outputs = generate_all(model, tokenizer, [r["prompt"] for r in group],
-                                           max_new_tokens=PASSKEY_NEW_TOKENS, chat_template=chat_template,
-                                           decode_batch=int(task.get("decode_batch") or 1),
-                                           share_prefix=bool(task.get("share_prefix")), progress=bar)
-                    for record, out in zip(group, outputs):
-                        done.append({"id": record["id"], "target_tokens": length, "length_tokens": out["prompt_tokens"],
-                                     "depth": record["depth"], "generation": out["text"],
-                                     "correct": bool(score_passkey(out["text"], record["answer"]))})
-                done = {"samples": done, "seconds": round(time.time() - t0, 2)}
-                _write_section(checkpoint, length, group, done, part)
-            samples += done["samples"]
-            if part is not None:
-                task_stats[f"passkey_{length}"] = part.summary()
+    for length, part, done in by_length(records, "passkey", run_length, checkpoint=checkpoint, stats=stats,
+                                        stop=stop, resumed=resumed):
+        samples += done["samples"]
+        if part is not None:
+            task_stats[f"passkey_{length}"] = part.summary()
     out = _result("passkey", "accuracy", [float(s["correct"]) for s in samples], samples)  # fractions, as in the store
     for length in lengths:
         sub = [float(s["correct"]) for s in samples if s["target_tokens"] == length]
@@ -227,6 +216,32 @@ def run_passkey(task: dict, model, tokenizer, *, chat_template: bool, stats=None
     if resumed:
         out["resumed"] = resumed
     return out
+
+
+def by_length(records: list[dict], name: str, run_length, *, checkpoint, stats, stop, resumed: dict):
+    """Each length of a long-context task, in increasing order: ``(length, part, done)``, the length's statistics
+    section and its ``{"samples", "seconds", ...}``, read back from ``checkpoint`` when saved there for the same
+    prompts (its counters added to ``stats``, ``resumed["<name>_<length>"]`` set), else made by
+    ``run_length(length, records of that length, progress bar)`` and saved. ``stop``, asked before each length left
+    to generate, raises ``Paused`` there when it returns true (with a checkpoint: the lengths done stay saved)."""
+    with tqdm(total=len(records), desc=name, unit="prompt") as bar:
+        for length in sorted({r["target_tokens"] for r in records}):
+            group = [r for r in records if r["target_tokens"] == length]
+            saved = _read_section(checkpoint, length, group, stats, name=name)
+            if saved is not None:
+                part, done = saved
+                if part is not None:
+                    stats.add(part)
+                resumed[f"{name}_{length}"] = done["seconds"]
+                log.info("%s %d: %d prompts read back from %s", name, length, len(group), checkpoint)
+                bar.update(len(group))
+            else:
+                if checkpoint is not None and stop is not None and stop():
+                    raise Paused(f"stopped before {name} length {length}; the lengths before it are saved in "
+                                 f"{checkpoint}")
+                part, done = run_length(length, group, bar)
+                _write_section(checkpoint, length, group, done, part, name=name)
+            yield length, part, done
 
 
 class Paused(Exception):

@@ -14,10 +14,8 @@ import logging
 import time
 from typing import Callable
 
-from tqdm.auto import tqdm
-
 from ..attention.stats import SparsityStats
-from .generation import Paused, _read_section, _result, _write_section, generate_all
+from .generation import _result, by_length, generate_all
 from .ruler import RulerSettings, build_ruler_records, score_ruler
 
 log = logging.getLogger("toptheta")
@@ -86,34 +84,22 @@ def run_ruler(task: dict, model, tokenizer, *, chat_template: bool, stats=None, 
     records = ruler_records(task, tokenizer)
     samples, task_stats, resumed, by_subtask = [], {}, {}, {}
     lengths = sorted({r["target_tokens"] for r in records})
-    with tqdm(total=len(records), desc="ruler", unit="prompt") as bar:
-        for length in lengths:
-            group = [r for r in records if r["target_tokens"] == length]
-            saved = _read_section(checkpoint, length, group, stats, name="ruler")
-            if saved is not None:
-                part, done = saved
-                if part is not None:
-                    stats.add(part)
-                resumed[f"ruler_{length}"] = done["seconds"]
-                log.info("ruler %d: %d prompts read back from %s", length, len(group), checkpoint)
-                bar.update(len(group))
+
+    def run_length(length: int, group: list[dict], bar) -> tuple:
+        return _run_length(model, tokenizer, group, task, chat_template=chat_template, stats=stats, bar=bar)
+
+    for length, part, done in by_length(records, "ruler", run_length, checkpoint=checkpoint, stats=stats, stop=stop,
+                                        resumed=resumed):
+        samples += done["samples"]
+        if part is not None:
+            task_stats[f"ruler_{length}"] = part.summary()
+        for subtask, counters in done["subtask_stats"].items():
+            sub = SparsityStats.from_json(counters)
+            task_stats[f"ruler_{length}_{subtask}"] = sub.summary()
+            if subtask in by_subtask:
+                by_subtask[subtask].add(sub)
             else:
-                if checkpoint is not None and stop is not None and stop():
-                    raise Paused(f"stopped before ruler length {length}; the lengths before it are saved in "
-                                 f"{checkpoint}")
-                part, done = _run_length(model, tokenizer, group, task, chat_template=chat_template, stats=stats,
-                                         bar=bar)
-                _write_section(checkpoint, length, group, done, part, name="ruler")
-            samples += done["samples"]
-            if part is not None:
-                task_stats[f"ruler_{length}"] = part.summary()
-            for subtask, counters in done["subtask_stats"].items():
-                sub = SparsityStats.from_json(counters)
-                task_stats[f"ruler_{length}_{subtask}"] = sub.summary()
-                if subtask in by_subtask:
-                    by_subtask[subtask].add(sub)
-                else:
-                    by_subtask[subtask] = sub
+                by_subtask[subtask] = sub
     task_stats.update({f"ruler_{subtask}": pooled.summary() for subtask, pooled in by_subtask.items()})
     out = _result("ruler", "score", [s["score"] for s in samples], samples)
     subtasks = list(dict.fromkeys(s["subtask"] for s in samples))
