@@ -158,3 +158,31 @@ def test_console_script_runs_the_smoke_task_on_tiny_llama(tmp_path):
     results = json.loads(result.read_text())
     assert "acc_norm,none" in results["results"]["smoke"]
     assert 0 < results["config"]["toptheta"]["stats"]["smoke"]["kept_attention_fraction"] < 0.9
+
+
+def test_toptheta_eval_warns_once_per_task_about_nearly_dense_runs_and_rows_past_calibration(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """run.py's warnings (guards.py) in toptheta-eval too: a sparse task that kept every element, rows longer than
+    any calibrated row; each once, however often lm-eval asks for the report."""
+    import logging
+
+    import lm_eval
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="toptheta"):
+        dense_like = lm_eval.simple_evaluate(model="toptheta", model_args=TOPK.replace("k=8", "k=512"),
+                                             tasks=["smoke"], limit=2, task_manager=_smoke_manager())
+    assert dense_like["config"]["toptheta"]["stats"]["smoke"]["kept_attention_fraction"] == 1.0
+    assert caplog.text.count("toptheta-eval smoke kept every attention element") == 1
+
+    from toptheta.evaluation.lm_eval_model import TopThetaLM
+
+    caplog.clear()
+    lm = TopThetaLM(pretrained="tiny-llama", k=2, layer_k="none", placement="post", comp="vmc", calib_samples=1)
+    with caplog.at_level(logging.WARNING, logger="toptheta"):
+        results = lm_eval.simple_evaluate(model=lm, tasks=["smoke"], limit=4, task_manager=_smoke_manager())
+        lm.get_model_info()  # asked again: no second warning
+    clamped = results["config"]["toptheta"]["stats"]["smoke"]["clamped_rows"]
+    assert clamped > 0  # one short calibration document: the evaluated rows run past it
+    message = f"toptheta-eval smoke: {clamped} attention rows were longer than the longest calibrated row"
+    assert caplog.text.count(message) == 1

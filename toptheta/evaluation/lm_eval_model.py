@@ -155,6 +155,7 @@ class TopThetaLM(SharedContextHFLM):
             if found is not None:
                 self.thresholds, self.thresholds_path = found
         self.task_stats: dict[str, Any] = {}
+        self._warned: set[str] = set()  # tasks whose unintended-run warnings were given (guards.warn_unintended)
 
     def _k_per_layer(self, num_layers: int) -> list[int]:
         return [self.sparse_cfg["layer_k"].get(layer, self.sparse_cfg["k"]) for layer in range(num_layers)]
@@ -255,5 +256,18 @@ class TopThetaLM(SharedContextHFLM):
             "stats": {task: {**s.summary(), "per_layer": s.per_layer()} for task, s in self.task_stats.items()},
         }
 
+    def warn_unintended(self) -> None:
+        """run.py's warnings (guards.py), once per task: a sparse task that kept nearly every attention element,
+        and rows longer than any calibrated row."""
+        from ..guards import warn_unintended
+
+        for task, stats in self.task_stats.items():
+            if task not in self._warned:
+                self._warned.add(task)
+                warn_unintended(f"toptheta-eval {task}", self.sparse_cfg, self.calib if self.needs_thresholds else None,
+                                stats, self.thresholds)
+
     def get_model_info(self) -> dict:
+        """lm-eval asks for this once, after the evaluation: the report, and the warnings its statistics call for."""
+        self.warn_unintended()
         return {**super().get_model_info(), "toptheta": self.toptheta_report()}
