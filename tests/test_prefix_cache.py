@@ -190,3 +190,37 @@ def test_calibration_draws_share_no_document(tokenizer):
     with pytest.raises(ValueError, match="whole number of calibration documents"):
         adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=3, limit=0.5, max_length=None,
                                      fewshot_sampler="first_n", draw=1)
+
+
+def test_cover_shots_calibrates_the_same_documents_at_more_shots_so_longer_rows_are_calibrated(tokenizer, monkeypatch):
+    """calib.cover_shots: the calibration documents again at num_fewshot + cover_shots shots; the first
+    num_fewshot + cover_shots documents are the exemplars of both passes, so no calibration document is one."""
+    from toptheta import thresholds_cache
+    from toptheta.models import build_tiny_model
+
+    def questions(seqs):
+        return {tokenizer.decode(s).rsplit("Question:", 1)[1].split("\n")[0] for s in seqs}
+
+    model = build_tiny_model()
+    build = dict(data_dir=None, num_fewshot=2, num_samples=3, max_length=None, fewshot_sampler="first_n")
+    seen = []
+    with monkeypatch.context() as patch:
+        patch.setattr("toptheta.calibration.calibrate", lambda model, batches, **k: seen.append([b[0] for b in batches]))
+        thresholds_cache.calibrate_on_task(model, tokenizer, "smoke", **build)
+        thresholds_cache.calibrate_on_task(model, tokenizer, "smoke", cover_shots=2, **build)
+    plain, covered = seen
+    at_two = adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=2, limit=3, max_length=None,
+                                          fewshot_sampler="first_n", reserve=2)
+    at_four = adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=4, limit=3, max_length=None,
+                                           fewshot_sampler="first_n")
+    assert covered == at_two + at_four
+    assert questions(at_two) == questions(at_four) != questions(plain)  # the same documents in both passes
+    first_four = questions(adapter.calibration_requests(tokenizer, "smoke", data_dir=None, num_fewshot=0, limit=4,
+                                                        max_length=None))
+    assert len(first_four) == 4 and not first_four & questions(covered)  # the exemplars of either pass
+    assert max(map(len, at_four)) > max(map(len, plain))
+
+    longest = {cover: thresholds_cache.calibrate_on_task(model, tokenizer, "smoke", cover_shots=cover, k=2,
+                                                         placement="post", layer_k={}, **build).max_n
+               for cover in (0, 2)}
+    assert longest == {0: max(map(len, plain)), 2: max(map(len, covered))}  # rows up to the longest are calibrated

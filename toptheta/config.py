@@ -130,6 +130,10 @@ class CalibConfig:
     # Rows longer than any calibrated row: clamp (θ of the longest) or fit (a law of θ against n per layer and head,
     # calibration/beyond.py). A run-time lookup option; clamp stays out of the run id.
     beyond: Beyond = Beyond["clamp"]
+    # Rows as long as the evaluated ones: the calibration documents also calibrate at num_fewshot + cover_shots shots
+    # (thresholds_cache.calibrate_on_task), so 25-shot questions longer than any 25-shot calibration document still
+    # meet calibrated lengths. 0 (the default) stays out of the run id.
+    cover_shots: int = 0
 
 
 @dataclass
@@ -246,7 +250,7 @@ def check(cfg: Any) -> None:
         need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
              "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
     need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")
-    for key, minimum in (("num_samples", 1), ("num_fewshot", 0)):
+    for key, minimum in (("num_samples", 1), ("num_fewshot", 0), ("cover_shots", 0)):
         value = get(calib, key)
         need(value is None or is_int(value, minimum), f"calib.{key}", value, f"null or an integer >= {minimum}")
     # θ = mean + sigma_add · std of each row's (k+1)-th largest score: beyond ±3 std it lies outside nearly every

@@ -50,17 +50,30 @@ def thresholds_dir() -> Path:
 
 
 def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
-                      max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None, **options):
+                      max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None,
+                      cover_shots: int = 0, **options):
     """Thresholds calibrated on the first `num_samples` train documents of one of our tasks (None: all; the
     `seed`-th block of `num_samples` documents after them for seed > 0, so seeds are disjoint draws), each
     scored as its lm-eval request is (`num_fewshot` shots drawn by `fewshot_sampler`, cut to `max_length`, the
-    model's limit by default); `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...)."""
+    model's limit by default); `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...).
+
+    `cover_shots` > 0 calibrates the same documents a second time at `num_fewshot + cover_shots` shots, so the
+    calibrated row lengths reach past the longest evaluated request (with fixed exemplars the longest test question
+    is longer than any train question after the same exemplars); first_n exemplars then are the first
+    `num_fewshot + cover_shots` train documents for both passes, which no calibration document is."""
     from .calibration import calibrate
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
 
-    requests = calibration_requests(tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot, limit=num_samples,
-                                    max_length=max_length or hflm_max_length(model, tokenizer), seed=seed,
-                                    fewshot_sampler=fewshot_sampler, draw=seed)
+    shots = num_fewshot or 0
+    reserve = cover_shots if fewshot_sampler == "first_n" else 0
+    build = dict(data_dir=data_dir, limit=num_samples, max_length=max_length or hflm_max_length(model, tokenizer),
+                 seed=seed, fewshot_sampler=fewshot_sampler, draw=seed)
+    requests = calibration_requests(tokenizer, task, num_fewshot=num_fewshot, reserve=reserve, **build)
+    if cover_shots:
+        longer = calibration_requests(tokenizer, task, num_fewshot=shots + cover_shots, **build)
+        log.info("calibrating also at %d shots (calib.cover_shots=%d): rows up to %d keys, against %d at %d shots",
+                 shots + cover_shots, cover_shots, max(map(len, longer)), max(map(len, requests)), shots)
+        requests += longer
     log.info("calibrating on %d sequences of %s (train split)", len(requests), task)
     return calibrate(model, [[r] for r in requests], seed=seed, **options)
 
@@ -91,7 +104,8 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     thresholds = calibrate_on_task(
         model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
         num_samples=calib.get("num_samples"), max_length=spec.config["model"].get("max_length"),
-        seed=calib.get("seed", 0), fewshot_sampler=calib.get("fewshot_sampler"), k=sparsifier["k"], placement=sparsifier["placement"],
+        seed=calib.get("seed", 0), fewshot_sampler=calib.get("fewshot_sampler"),
+        cover_shots=int(calib.get("cover_shots") or 0), k=sparsifier["k"], placement=sparsifier["placement"],
         layer_k=sparsifier.get("layer_k"), statistic=calib.get("statistic", "order"),
         sigma_add=calib.get("sigma_add", 0.1), granularity=calib.get("granularity", "layer-head-n"),
         tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0),
@@ -99,7 +113,8 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
         generate_tokens=int(calib.get("decode_tokens") or 0),
         metadata={"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
                   "calibration_task": calib["task"], "calibration_split": "train",
-                  "calibration_documents": calib.get("num_samples"), "num_fewshot": calib.get("num_fewshot")},
+                  "calibration_documents": calib.get("num_samples"), "num_fewshot": calib.get("num_fewshot"),
+                  **({"cover_shots": calib["cover_shots"]} if calib.get("cover_shots") else {})},
         **options,
     )
     thresholds.save(path)

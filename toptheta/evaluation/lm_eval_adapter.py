@@ -419,6 +419,7 @@ def calibration_requests(
     seed: int = 1234,
     fewshot_sampler: str | None = None,
     draw: int = 0,
+    reserve: int = 0,
 ) -> list[list[int]]:
     """The token id sequences HFLM would feed the model for `task`'s calibration (train) split.
 
@@ -442,10 +443,13 @@ def calibration_requests(
     `draw` d > 0 takes the d-th block of `limit` documents after those instead (documents d·limit to
     (d + 1)·limit − 1 of the remaining ones): calibration draws that share no document (``calib.seed``), so the
     variance of a calibration can be measured. It needs an integer `limit`, and a split long enough.
+
+    `reserve` more leading documents are left out of the calibration documents with first_n (the exemplars of a
+    calibration at more shots, ``calib.cover_shots``), so both calibrate the same documents.
     """
     _check_run_args(num_fewshot, limit, 1, max_length)
     _check_sampler(fewshot_sampler)
-    skip = (num_fewshot or 0) if fewshot_sampler == "first_n" else 0
+    skip = (num_fewshot or 0) + reserve if fewshot_sampler == "first_n" else 0
     if draw:
         if not isinstance(limit, int) or limit < 1 or draw < 0:
             raise ValueError(f"calibration draw {draw} needs a whole number of calibration documents (calib.num_samples"
