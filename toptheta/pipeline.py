@@ -103,10 +103,9 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
                      else task.get("num_fewshot")}
         if task.get("fewshot_sampler") not in (None, "default"):  # calibration rows built as the evaluated ones
             calib_cfg["fewshot_sampler"] = task["fewshot_sampler"]
-        if calib_cfg.get("beyond") == "clamp":  # the rule before calib.beyond existed: run ids stay as they were
-            calib_cfg.pop("beyond")
-        if not calib_cfg.get("cover_shots"):  # likewise calib.cover_shots=0
-            calib_cfg.pop("cover_shots", None)
+        for key, before in (("beyond", "clamp"), ("cover_shots", 0)):  # options at what they did before they existed:
+            if calib_cfg.get(key, before) == before:                     # run ids stay as they were
+                calib_cfg.pop(key, None)
     label = sparsifier["name"] if sparsifier["name"] == "dense" else f"{sparsifier['name']}-{placement}"
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}
     for key in ("empty_rows", "p", "lam"):  # only Top-θ / the baselines have these: other run ids stay as they were
