@@ -150,3 +150,27 @@ def test_toptheta_eval_uses_the_thresholds_of_its_pretrained_folder(tmp_path, mo
     assert lm.thresholds_path.startswith(str(folder)) and "from the model folder" in caplog.text
     other = TopThetaLM(pretrained=str(folder), k=5, layer_k="none", placement="post", comp="vmc")
     assert other.thresholds is None  # other settings: calibrated at the first request, as without a folder
+
+
+def test_cover_shots_and_sampler_are_settings_and_older_sets_read_as_zero_and_default(tmp_path):
+    """A set saved before calib.cover_shots / fewshot_sampler existed (its metadata lacks them) serves runs at 0
+    and the default sampler only; a set calibrated with cover_shots=4 on first_n exemplars serves only such runs."""
+    from toptheta.calibration.checkpoint import run_settings
+
+    folder, model, _ = _calibrate_folder(tmp_path)
+    _calibrate(model, k=4).save_pretrained(folder)  # no cover_shots, no sampler in its metadata
+    longer = _calibrate(model, k=6)
+    longer.metadata.update(cover_shots=4, fewshot_sampler="first_n")
+    longer.save_pretrained(folder)
+    sparsifier = {"k": 4, "placement": "post", "layer_k": {}}
+
+    def found(k, **calib):
+        want = run_settings({**sparsifier, "k": k}, {"statistic": "order", **calib}, [], 2)
+        return {key: want[key] for key in ("k_per_layer", "placement", "cover_shots", "fewshot_sampler")}
+
+    assert matching(folder, found(4), model) is not None
+    assert matching(folder, found(4, cover_shots=4), model) is None
+    assert matching(folder, found(4, fewshot_sampler="first_n"), model) is None
+    assert matching(folder, found(6), model) is None
+    hit = matching(folder, found(6, cover_shots=4, fewshot_sampler="first_n"), model)
+    assert hit is not None and hit[0].k == [6, 6]

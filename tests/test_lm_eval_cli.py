@@ -45,6 +45,9 @@ def test_import_toptheta_registers_the_model_without_importing_it():
         ({"placement": "pre", "comp": "vmc"}, "VMC"),
         ({"placement": "middle"}, "pre, post or auto"),
         ({"decode_batch": 0}, "decode_batch must be None \\(batch_size\\) or an int >= 1, got 0"),
+        ({"calib_sampler": "last_n"}, "calib_sampler='last_n': use first_n"),
+        ({"calib_cover_shots": -1}, "calib_cover_shots=-1: give 0 or a positive number"),
+        ({"beyond": "extrapolate"}, "beyond='extrapolate': use clamp .* or fit"),
     ],
 )
 def test_bad_model_args_fail_before_the_model_loads(monkeypatch, args, message):

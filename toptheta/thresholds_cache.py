@@ -114,7 +114,8 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
         metadata={"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
                   "calibration_task": calib["task"], "calibration_split": "train",
                   "calibration_documents": calib.get("num_samples"), "num_fewshot": calib.get("num_fewshot"),
-                  **({"cover_shots": calib["cover_shots"]} if calib.get("cover_shots") else {})},
+                  **({"cover_shots": calib["cover_shots"]} if calib.get("cover_shots") else {}),
+                  **({"fewshot_sampler": calib["fewshot_sampler"]} if calib.get("fewshot_sampler") else {})},
         **options,
     )
     thresholds.save(path)

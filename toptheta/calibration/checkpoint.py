@@ -31,7 +31,11 @@ INDEX = "toptheta.json"
 FORMAT_VERSION = 1
 # Metadata keys (toptheta.calibrate's provenance and the pipeline's) that determine a set of thresholds.
 SETTINGS = ("k_per_layer", "placement", "statistic", "granularity", "sigma_add", "tac", "calibration_compensation",
-            "calibration_task", "calibration_documents", "num_fewshot", "sample_frac", "seed", "generate_tokens")
+            "calibration_task", "calibration_documents", "num_fewshot", "sample_frac", "seed", "generate_tokens",
+            "cover_shots", "fewshot_sampler")
+# What a set saved before a setting existed was calibrated with: its metadata does not record it, and runs at this
+# value must still find it (and runs at any other value must not).
+ABSENT = {"cover_shots": 0, "fewshot_sampler": None}
 
 
 def settings_of(thresholds: Thresholds) -> dict:
@@ -52,17 +56,20 @@ def run_settings(sparsifier: dict, calib: dict, calibration_compensation: list[s
             "tac": bool(calib.get("tac", True)), "calibration_compensation": list(calibration_compensation),
             "calibration_task": calib.get("task"), "calibration_documents": calib.get("num_samples"),
             "num_fewshot": calib.get("num_fewshot"), "sample_frac": float(calib.get("sample_frac", 1.0)),
-            "seed": int(calib.get("seed", 0)), "generate_tokens": int(calib.get("decode_tokens") or 0)}
+            "seed": int(calib.get("seed", 0)), "generate_tokens": int(calib.get("decode_tokens") or 0),
+            "cover_shots": int(calib.get("cover_shots") or 0), "fewshot_sampler": calib.get("fewshot_sampler")}
 
 
 def differences(have: dict, want: dict) -> dict:
-    """{key: (have, want)} for the keys of ``want`` that ``have`` records differently (missing counts as None)."""
+    """{key: (have, want)} for the keys of ``want`` that ``have`` records differently (missing counts as the value
+    of a set saved before the key existed, ``ABSENT``, else None)."""
     def same(a, b) -> bool:
         if isinstance(a, float) or isinstance(b, float):
             return a is not None and b is not None and abs(float(a) - float(b)) <= 1e-12
         return a == b
 
-    return {key: (have.get(key), value) for key, value in want.items() if not same(have.get(key), value)}
+    return {key: (have.get(key, ABSENT.get(key)), value) for key, value in want.items()
+            if not same(have.get(key, ABSENT.get(key)), value)}
 
 
 def save_pretrained(thresholds: Thresholds, directory: str | os.PathLike) -> Path:

@@ -25,7 +25,11 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
                     ``run.py`` does; parallel jobs calibrate once)
 ``calib_task``      the calibration task (its train split); default: the evaluated task when our catalogue has
                     its train split, else ``arc_challenge``. Also ``calib_samples`` (120), ``calib_fewshot``,
-                    ``granularity`` (``layer-head-n``), ``sigma_add`` (0.1)
+                    ``calib_sampler`` (``first_n`` when the task's exemplars are fixed, as run.py's
+                    ``task.fewshot_sampler``), ``calib_cover_shots`` (0; N also calibrates at calib_fewshot + N
+                    shots, so rows reach past the longest question), ``granularity`` (``layer-head-n``),
+                    ``sigma_add`` (0.1)
+``beyond``          rows longer than any calibrated one: ``clamp`` (default, the longest row's θ) or ``fit``
 ``data_dir``        ``auto`` (shipped data / $TOPTHETA_DATA_DIR), ``hub`` or a folder: calibration data, and the
                     data of the offline tasks ``toptheta-eval`` runs
 ``dtype``, ``device``, ``device_map``, ``revision``, ``chunk_size``: loading and attention chunking (``device=cuda``
@@ -54,6 +58,8 @@ log = logging.getLogger(__name__)
 SPARSIFIERS = ("dense", "topk", "toptheta")
 COMP_PARTS = ("sdc", "vmc")
 PLACEMENTS = ("auto", "pre", "post")
+SAMPLERS = (None, "default", "first_n")  # conf/task's fewshot_sampler
+BEYOND = ("clamp", "fit")  # conf/calib's beyond
 DEFAULT_LAYER_K = "0:512+1:512"  # conf/sparsifier/*.yaml's default: the paper keeps layers 0-1 dense
 # conf/calib/paper.yaml's settings, so thresholds calibrated here and by run.py share the cache.
 CALIB_DEFAULTS = {"statistic": "order", "granularity": "layer-head-n", "sigma_add": 0.1, "tac": True,
@@ -97,7 +103,8 @@ class TopThetaLM(SharedContextHFLM):
     def __init__(self, pretrained: str, sparsifier: str = "toptheta", k: int = 64, layer_k: Any = DEFAULT_LAYER_K,
                  placement: str = "auto", comp: str | None = "vmc", sdc: str = "exact", sdc_scale: float = 1.0,
                  thresholds: str | None = None, calib_task: str | None = None, calib_samples: int = 120,
-                 calib_fewshot: int | None = None, granularity: str = "layer-head-n", sigma_add: float = 0.1,
+                 calib_fewshot: int | None = None, calib_sampler: str | None = None, calib_cover_shots: int = 0,
+                 beyond: str = "clamp", granularity: str = "layer-head-n", sigma_add: float = 0.1,
                  data_dir: str | None = "auto", dtype: str = "float32", device: str | None = None,
                  device_map: str | None = None, revision: str | None = None, chunk_size: int | None = None,
                  **hflm_kwargs):
@@ -119,9 +126,24 @@ class TopThetaLM(SharedContextHFLM):
                            "placement": placement}
         self.sparse_cfg["placement"] = pipeline.resolve_placement(self.sparse_cfg, self.comp)
         builders.check_combination(sparsifier, self.sparse_cfg["placement"], self.comp)
+        if calib_sampler not in SAMPLERS:
+            raise ValueError(f"calib_sampler={calib_sampler!r}: use first_n (the task's exemplars are its first "
+                             "num_fewshot documents, task.fewshot_sampler=first_n in run.py) or default")
+        if not isinstance(calib_cover_shots, int) or isinstance(calib_cover_shots, bool) or calib_cover_shots < 0:
+            raise ValueError(f"calib_cover_shots={calib_cover_shots!r}: give 0 or a positive number of extra shots, "
+                             "e.g. calib_cover_shots=4 with calib_fewshot=25")
+        if beyond not in BEYOND:
+            raise ValueError(f"beyond={beyond!r}: use clamp (θ of the longest calibrated row) or fit (a law of θ "
+                             "against row length, extrapolated)")
         self.data_dir = resolve_data_dir(data_dir)
         self.calib = {**CALIB_DEFAULTS, "task": calib_task, "num_samples": calib_samples,
                       "num_fewshot": calib_fewshot, "granularity": granularity, "sigma_add": float(sigma_add)}
+        # run.py's calib dict: options at the value they had before they existed are left out, so both share
+        # the thresholds cache (pipeline.plan)
+        for key, value, before in (("fewshot_sampler", calib_sampler, None), ("cover_shots", calib_cover_shots, 0),
+                                   ("beyond", beyond, "clamp")):
+            if value not in (before, "default"):
+                self.calib[key] = value
         self.needs_thresholds = sparsifier == "toptheta" or self.comp["sdc"] == "calibrated"
         self.chunk_size = chunk_size
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -142,7 +164,7 @@ class TopThetaLM(SharedContextHFLM):
         if thresholds is not None:
             from ..calibration import Thresholds
 
-            self.thresholds = Thresholds.load(thresholds, model, lookup=self.calib["lookup"])
+            self.thresholds = Thresholds.load(thresholds, model, lookup=self.calib["lookup"], beyond=beyond)
             self.thresholds_path = str(thresholds)
             self._check_file_settings(f"thresholds={thresholds}", info.num_layers)
         elif self.needs_thresholds:  # a model folder that carries its own (Thresholds.save_pretrained)
@@ -150,8 +172,10 @@ class TopThetaLM(SharedContextHFLM):
 
             wanted = {"k_per_layer": self._k_per_layer(info.num_layers), "placement": self.sparse_cfg["placement"],
                       "granularity": granularity, "sigma_add": float(sigma_add), "calibration_documents": calib_samples,
+                      "cover_shots": calib_cover_shots, "fewshot_sampler": self.calib.get("fewshot_sampler"),
                       **({"calibration_task": calib_task} if calib_task else {})}
-            found = matching(pretrained, wanted, model, lookup=self.calib["lookup"]) if isinstance(pretrained, str) else None
+            found = (matching(pretrained, wanted, model, lookup=self.calib["lookup"], beyond=beyond)
+                     if isinstance(pretrained, str) else None)
             if found is not None:
                 self.thresholds, self.thresholds_path = found
         self.task_stats: dict[str, Any] = {}
