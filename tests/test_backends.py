@@ -161,7 +161,8 @@ def test_the_cpp_kernels_refuse_meta_tensors():
                                           0.0, 16, 16, False)
     with pytest.raises(RuntimeError, match=message):
         fused_decode.extension().decode(q[:, :, 0].contiguous(), k, k, torch.empty(0, dtype=torch.bool), empty, empty,
-                                        empty, empty, False, 0, 0.0, False, 512)
+                                        empty, empty, False, 0, 0.0, False, 512,
+                                        torch.empty(0, dtype=torch.float64), [], 0)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -18,215 +18,27 @@ import contextlib
 import functools
 import logging
 import os
+from pathlib import Path
 
 import torch
 
 from ..sparsifiers.base import FusedRule
 
 log = logging.getLogger("toptheta")
-_VERSION = 10  # bump when _SOURCE or the flags change: the build cache is keyed by name
+_VERSION = 10  # bump when csrc/select.cpp, csrc/common.h or the flags change: the build cache is keyed by name
+CSRC = Path(__file__).with_name("csrc")  # the C++ sources of the CPU kernels, one file per kernel + common.h
 
-# Kernels are built without -ffinite-math-only (see build()): masked keys hold -inf and rely on exp(-inf) = 0 and IEEE
-# comparisons. GCC still vectorises expf through glibc's libmvec when told the vector variants exist (glibc declares
-# them only under __FAST_MATH__); libmvec handles -inf and the other special inputs exactly like the scalar expf.
-# Every kernel source includes this after <cmath>.
-VECTOR_EXPF = r"""
-#if defined(__x86_64__) && defined(__GLIBC__)
-extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
-#endif
-"""
 
-# Every kernel exports this probe: how many threads its at::parallel_for really uses. ATen's OpenMP backend runs
-# parallel_for through `#pragma omp parallel` in a header, so an extension built without -fopenmp runs every
-# task on the calling thread, silently (both kernels did until this probe's test existed).
-PARALLEL_PROBE = r"""
-#include <ATen/Parallel.h>
-#include <atomic>
-int64_t parallel_threads(int64_t tasks) {
-  std::atomic<int64_t> most{0};
-  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-    const int64_t mine = at::get_thread_num() + 1;
-    int64_t seen = most.load();
-    while (mine > seen && !most.compare_exchange_weak(seen, mine)) {}
-  });
-  return most.load();
-}
-"""
+def kernel_source(filename: str) -> str:
+    """The C++ source of ``csrc/<filename>`` with ``csrc/common.h`` spliced in place of its ``#include "common.h"``.
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <functional>
-#include <limits>
-#include <vector>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-""" + VECTOR_EXPF + PARALLEL_PROBE + r"""
-// The largest logit of row x (K); a row with no valid key (or a NaN) gets weights 0 and returns -inf or NaN.
-static inline float row_max(float* x, int64_t K) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max:m)
-  for (int64_t j = 0; j < K; ++j) m = x[j] > m ? x[j] : m;
-  if (!(m > -std::numeric_limits<float>::infinity()))
-    for (int64_t j = 0; j < K; ++j) x[j] = 0.0f;
-  return m;
-}
-
-// s: (R, K) float32 contiguous scaled logits, -inf where invalid. theta: (R) float32. whole: (R) bool.
-// In place, each row becomes w = p * [p > cut] with p = softmax(row) and cut = min(theta, just below the
-// row's largest p) (so the maximum is always kept); rows marked whole keep every p (invalid keys hold 0).
-// Returns (kept_sum (R) float32: sum of w, kept_count (R) int32: kept keys of rows not marked whole,
-// empty (R) bool: rows not marked whole where no p passes theta, i.e. only the maximum was kept).
-std::vector<torch::Tensor> post_threshold(torch::Tensor s, torch::Tensor theta, torch::Tensor whole) {
-  TORCH_CHECK(s.device().is_cpu() && theta.device().is_cpu() && whole.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
-  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
-  TORCH_CHECK(theta.scalar_type() == torch::kFloat32 && theta.is_contiguous() && theta.numel() == s.size(0), "theta: (R) float32");
-  TORCH_CHECK(whole.scalar_type() == torch::kBool && whole.is_contiguous() && whole.numel() == s.size(0), "whole: (R) bool");
-  const int64_t R = s.size(0), K = s.size(1);
-  auto kept_sum = torch::empty({R}, s.options());
-  auto kept_count = torch::empty({R}, s.options().dtype(torch::kInt32));
-  auto empty = torch::empty({R}, s.options().dtype(torch::kBool));
-  float* S = s.data_ptr<float>();
-  const float* T = theta.data_ptr<float>();
-  const bool* W = whole.data_ptr<bool>();
-  float* KS = kept_sum.data_ptr<float>();
-  int32_t* KC = kept_count.data_ptr<int32_t>();
-  bool* E = empty.data_ptr<bool>();
-  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* x = S + r * K;
-      const float m = row_max(x, K);
-      if (!(m > -std::numeric_limits<float>::infinity())) {
-        KS[r] = 0.0f; KC[r] = 0; E[r] = false;
-        continue;
-      }
-      float sum = 0.0f;
-#pragma omp simd reduction(+:sum)
-      for (int64_t j = 0; j < K; ++j) { float e = expf(x[j] - m); x[j] = e; sum += e; }
-      const float inv = 1.0f / sum;
-      float cut = W[r] ? -1.0f : std::fmin(T[r], std::nextafter(inv, 0.0f));  // the max has p = 1 * inv
-      E[r] = !W[r] && !(inv > T[r]);
-      float ks = 0.0f; int32_t kc = 0;
-#pragma omp simd reduction(+:ks, kc)
-      for (int64_t j = 0; j < K; ++j) {
-        float p = x[j] * inv;
-        bool keep = p > cut;
-        float w = keep ? p : 0.0f;
-        x[j] = w; ks += w; kc += keep ? 1 : 0;
-      }
-      KS[r] = ks; KC[r] = kc;
-    }
-  });
-  return {kept_sum, kept_count, empty};
-}
-
-// s: (R, K) float32 contiguous scaled logits, -inf where invalid; whole: (R) bool. In place, each row becomes
-// w = p * [kept] with p = softmax(row): rows not marked whole keep their k largest logits (of equal logits at the
-// k-th value, the first in key order), rows marked whole every p. Returns (kept_sum (R) float32, kept_count (R)
-// int32; for rows marked whole it counts all K columns, invalid ones included: the caller knows their n).
-static constexpr int64_t SAMPLE = 128;  // keys sampled per row to place the top-k selection's pivot
-
-// Copies the keys of x (K) above pivot to out (room for K + 8), in order; returns their number.
-static int64_t compact_above(const float* x, int64_t K, float pivot, float* out) {
-  int64_t c = 0, j = 0;
-#if defined(__AVX2__)
-  static const auto lanes = [] {  // for each 8-bit mask, the lanes it selects, packed to the front
-    std::array<std::array<int32_t, 8>, 256> t{};
-    for (int m = 0; m < 256; ++m)
-      for (int i = 0, n = 0; i < 8; ++i)
-        if (m >> i & 1) t[m][n++] = i;
-    return t;
-  }();
-  const __m256 p = _mm256_set1_ps(pivot);
-  for (; j + 8 <= K; j += 8) {  // branch-free: the store always happens, c advances by the lanes kept
-    const __m256 v = _mm256_loadu_ps(x + j);
-    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, p, _CMP_GT_OQ));
-    const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[mask].data()));
-    _mm256_storeu_ps(out + c, _mm256_permutevar8x32_ps(v, idx));
-    c += __builtin_popcount(mask);
-  }
-#endif
-  for (; j < K; ++j) { out[c] = x[j]; c += x[j] > pivot ? 1 : 0; }
-  return c;
-}
-
-std::vector<torch::Tensor> post_topk(torch::Tensor s, int64_t k, torch::Tensor whole) {
-  TORCH_CHECK(s.device().is_cpu() && whole.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
-  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
-  TORCH_CHECK(whole.scalar_type() == torch::kBool && whole.is_contiguous() && whole.numel() == s.size(0), "whole: (R) bool");
-  TORCH_CHECK(k >= 1, "k >= 1");
-  const int64_t R = s.size(0), K = s.size(1);
-  auto kept_sum = torch::empty({R}, s.options());
-  auto kept_count = torch::empty({R}, s.options().dtype(torch::kInt32));
-  float* S = s.data_ptr<float>();
-  const bool* W = whole.data_ptr<bool>();
-  float* KS = kept_sum.data_ptr<float>();
-  int32_t* KC = kept_count.data_ptr<int32_t>();
-  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
-    std::vector<float> e(K + 8);  // the selection's candidates, then the row's exp(s - m)
-    for (int64_t r = r0; r < r1; ++r) {
-      float* x = S + r * K;
-      const float m = row_max(x, K);
-      if (!(m > -std::numeric_limits<float>::infinity())) {
-        KS[r] = 0.0f; KC[r] = 0;
-        continue;
-      }
-      const bool all = W[r] || k >= K;
-      float tau = -std::numeric_limits<float>::infinity();  // keep x > tau, and `ties` of the keys equal to it
-      int64_t ties = 0, equal = 0;
-      if (!all) {
-        // The candidates: keys above a pivot that a strided sample puts a few k from the top (about 4k keys
-        // pass, at least 4 / SAMPLE of the row); where that is most of the row, or fewer than k pass, every key
-        // is a candidate. The k-th largest candidate is the row's.
-        int64_t c = 0;
-        const int64_t q = std::max<int64_t>(4, 4 * k * SAMPLE / K);
-        if (q < SAMPLE / 4) {
-          float sample[SAMPLE];
-          for (int64_t i = 0; i < SAMPLE; ++i) sample[i] = x[i * K / SAMPLE];
-          std::nth_element(sample, sample + q, sample + SAMPLE, std::greater<float>());
-          c = compact_above(x, K, sample[q], e.data());
-        }
-        if (c < k) {
-          std::copy(x, x + K, e.begin());
-          c = K;
-        }
-        std::nth_element(e.begin(), e.begin() + (k - 1), e.begin() + c, std::greater<float>());
-        tau = e[k - 1];
-        int64_t above = 0;  // every key >= tau is a candidate
-        for (int64_t j = 0; j < c; ++j) { above += e[j] > tau ? 1 : 0; equal += e[j] == tau ? 1 : 0; }
-        ties = k - above;
-      }
-      float sum = 0.0f;
-#pragma omp simd reduction(+:sum)
-      for (int64_t j = 0; j < K; ++j) { float v = expf(x[j] - m); e[j] = v; sum += v; }
-      const float inv = 1.0f / sum;
-      float ks = 0.0f; int32_t kc = 0;
-      if (all || ties == equal) {  // no tie to break (the usual case): one comparison per key
-#pragma omp simd reduction(+:ks, kc)
-        for (int64_t j = 0; j < K; ++j) {
-          bool keep = all || x[j] >= tau;
-          float w = keep ? e[j] * inv : 0.0f;
-          x[j] = w; ks += w; kc += keep ? 1 : 0;
-        }
-      } else {
-        for (int64_t j = 0; j < K; ++j) {
-          bool keep = x[j] > tau || (x[j] == tau && ties > 0);
-          if (x[j] == tau && keep) --ties;
-          float w = keep ? e[j] * inv : 0.0f;
-          x[j] = w; ks += w; kc += keep ? 1 : 0;
-        }
-      }
-      KS[r] = ks; KC[r] = kc;
-    }
-  });
-  return {kept_sum, kept_count};
-}
-"""
+    Spliced rather than included: torch's extension builder hashes only the source text it is given, so a change of
+    the header must change that text to trigger a rebuild."""
+    source = (CSRC / filename).read_text()
+    include = '#include "common.h"'
+    if source.count(include) != 1:
+        raise RuntimeError(f"{CSRC / filename} must include common.h exactly once")
+    return source.replace(include, (CSRC / "common.h").read_text())
 
 
 def _target() -> tuple[str, list[str]]:
@@ -289,8 +101,6 @@ def build(name: str, source: str, functions: list[str], what: str, fallback: str
 
 def build_directory(name: str):
     """``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/torch_extensions``)/toptheta/<name>, created."""
-    from pathlib import Path
-
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     root = Path(root).expanduser() if root else Path.home() / ".cache" / "torch_extensions"
     directory = root / "toptheta" / name
@@ -324,7 +134,7 @@ def build_lock(path, timeout: float):
 @functools.cache
 def extension():
     """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
-    return build(f"toptheta_fused_v{_VERSION}", _SOURCE, ["post_threshold", "post_topk"], "the fused CPU kernel",
+    return build(f"toptheta_fused_v{_VERSION}", kernel_source("select.cpp"), ["post_threshold", "post_topk"], "the fused CPU kernel",
                  "the pure-torch path")
 
 

@@ -19,6 +19,11 @@ import torch
 from ..sparsifiers.base import RowBlock
 
 
+# The counters a decode step adds to, in the order the C++ decode kernel takes their columns (csrc/decode.cpp).
+DECODE_COLUMNS = ("decode_kept", "decode_valid", "vrow_kept", "vrow_valid", "dropped_mass", "rows", "decode_steps",
+                  "empty_rows")
+
+
 class SparsityStats:
     """Counters of one ``toptheta.sparsify`` session.
 
@@ -36,9 +41,7 @@ class SparsityStats:
         self.reset()
 
     def reset(self) -> None:
-        L, H, Hkv = self.num_layers, self.num_heads, self.num_kv_heads
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
-        self._counters = {name: zeros(*shape) for name, shape in self._shapes().items()}
+        self._packed, self._counters = self._packed_counters(torch.float64, torch.device("cpu"))
         self._clamped = 0
         self._on_device: dict[torch.device, dict] = {}  # accelerators' counters, moved here when read (_collect)
         self.backend_calls: dict[str, int] = {}  # layer calls per attention backend (backends/__init__.py)
@@ -51,6 +54,34 @@ class SparsityStats:
                 "decode_steps": (L,),  # decode forwards per layer (a step of a batch of sequences counts once)
                 "empty_rows": (L, H)}  # Top-θ rows (sparsified, any phase) where no valid score passed θ
 
+    # Where each counter sits in a layer's row of the packed (layers, DECODE_WIDTH) tensor: a decode kernel adds a
+    # step's statistics to ``decode_row(layer)`` itself, in place, instead of a dozen tensor ops per layer call.
+    def layout(self) -> dict[str, tuple[int, int]]:
+        """(first column, width) of each counter in a layer's packed row."""
+        out, at = {}, 0
+        for name, shape in self._shapes().items():
+            width = shape[1] if len(shape) > 1 else 1
+            out[name], at = (at, width), at + width
+        return out
+
+    def _packed_counters(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, dict]:
+        """One zeroed (layers, width) tensor and every counter as a view of its columns."""
+        layout = self.layout()
+        packed = torch.zeros(self.num_layers, sum(w for _, w in layout.values()), dtype=dtype, device=device)
+        views = {name: packed[:, a:a + w] if len(shape) > 1 else packed[:, a]
+                 for (name, shape), (a, w) in zip(self._shapes().items(), layout.values())}
+        return packed, views
+
+    def decode_columns(self) -> list[int]:
+        """The first column of each of DECODE_COLUMNS in a packed row (the decode kernel's ``cols``)."""
+        layout = self.layout()
+        return [layout[name][0] for name in DECODE_COLUMNS]
+
+    def decode_row(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s CPU counters as one contiguous float64 row, columns as ``layout()`` (for a CPU decode
+        kernel that adds one step's statistics itself: ``fused_decode``)."""
+        return self._packed[layer]
+
     def _sums(self, device: torch.device) -> dict:
         """The counters updates add to: this object's own on the CPU, a device's own set elsewhere (adding there
         costs no synchronisation; reading any counter moves them here once, see _collect)."""
@@ -59,7 +90,7 @@ class SparsityStats:
         sums = self._on_device.get(device)
         if sums is None:
             dtype = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
-            sums = {name: torch.zeros(*shape, dtype=dtype, device=device) for name, shape in self._shapes().items()}
+            sums = self._packed_counters(dtype, device)[1]
             sums["clamped"] = torch.zeros((), dtype=torch.long, device=device)
             self._on_device[device] = sums
         return sums
@@ -143,9 +174,13 @@ class SparsityStats:
             c["dropped_mass"][layer].add_(here(dropped.sum((0, 2)).double()))
         if rows.empty is not None:
             c["empty_rows"][layer].add_(here(rows.empty.sum((0, 2)).double()))
-        clamped = rows.clamped_rows
-        if isinstance(clamped, torch.Tensor) and not host:
-            c["clamped"] += clamped.to(device)
+        self.count_clamped(rows.clamped_rows, device)
+
+    def count_clamped(self, clamped, device: torch.device) -> None:
+        """Add a number of rows past the calibrated length (an int or a tensor) of rows computed on ``device``: kept
+        there off the CPU (no host read inside a layer)."""
+        if isinstance(clamped, torch.Tensor) and device.type != "cpu":
+            self._sums(device)["clamped"] += clamped.to(device)
         else:
             self._clamped += int(clamped)
 
@@ -277,7 +312,7 @@ def _counter(name: str) -> property:
 
     def write(self, value: torch.Tensor) -> None:
         self._collect()
-        self._counters[name] = value
+        self._counters[name].copy_(value)  # in place: the counters are views of one packed tensor
 
     return property(read, write, doc=f"(layers, ...) float64 sums: {name}")
 
