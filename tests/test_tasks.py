@@ -260,6 +260,29 @@ def test_offline_yamls_resolve_against_the_shipped_data():
         assert task.fewshot_context(doc, num_fewshot=2).count(task.doc_to_text(doc)) == 1
 
 
+def test_hellaswag_split_evaluates_after_the_documents_it_draws_exemplars_and_calibration_from():
+    """The long-row protocol's HellaSwag: validation's head is the train split (exemplars, calibration), the rest is
+    evaluated, so no evaluated question is ever an exemplar or a calibration document."""
+    from toptheta.evaluation.tasks.catalog import HELLASWAG_HEAD
+
+    records = _jsonl(DATA_DIR / "hellaswag/validation.jsonl.gz")
+    loaded = load_tasks(["hellaswag_split", "hellaswag_split_calibration"], DATA_DIR)
+    task, calib = loaded["hellaswag_split"], loaded["hellaswag_split_calibration"]
+    assert len(task.eval_docs) == len(records) - HELLASWAG_HEAD and len(calib.eval_docs) == HELLASWAG_HEAD
+    label = lambda r: r["activity_label"] + ": " + r["ctx_a"]  # noqa: E731  (the start of lm-eval's query)
+    assert task.eval_docs[0]["query"].startswith(label(records[HELLASWAG_HEAD]))
+    assert calib.eval_docs[-1]["query"].startswith(label(records[HELLASWAG_HEAD - 1]))
+    assert task.fewshot_cfg.split == "train" and calib.config.test_split == "train"
+    evaluated = {d["query"] for d in task.eval_docs}
+    assert not evaluated & {d["query"] for d in calib.eval_docs}
+    task.set_fewshot_seed(seed=1)
+    context = task.fewshot_context(task.eval_docs[0], num_fewshot=3)
+    assert context.count(task.doc_to_text(task.eval_docs[0])) == 1  # the question itself, once, at the end
+    with pytest.raises(ValueError, match="no hub version"):
+        check_tasks(["hellaswag_split"], None, 10)
+    check_tasks(["hellaswag_split_calibration"], DATA_DIR, 10)  # calibrates offline: it has a train split
+
+
 # ---------------------------------------------------------------- calibration requests
 
 

@@ -50,8 +50,23 @@ def resolve_data_dir(value: str | os.PathLike[str] | None) -> Path | None:
     return path
 
 
+HELLASWAG_HEAD = 1000  # hellaswag_split: validation documents [0, 1000) are its train split, the rest its test split
+
+
+def split_slice(rel: str) -> tuple[str, int | None, int | None]:
+    """`"dir/file.jsonl[a:b]"` -> ("dir/file.jsonl", a, b): a split that is a range of a file's records (either bound
+    may be empty); a plain path -> (path, None, None)."""
+    if not rel.endswith("]") or "[" not in rel:
+        return rel, None, None
+    path, bounds = rel[:-1].rsplit("[", 1)
+    start, stop = bounds.split(":")
+    return path, int(start) if start else None, int(stop) if stop else None
+
+
 def data_file(data_dir: Path, rel: str) -> Path:
-    """`data_dir/rel` if it exists, else its gzipped twin `rel.gz` if that exists, else `data_dir/rel`."""
+    """`data_dir/rel` if it exists, else its gzipped twin `rel.gz` if that exists, else `data_dir/rel` (a record range
+    `rel[a:b]` names its whole file here: see split_slice)."""
+    rel = split_slice(rel)[0]
     plain = data_dir / rel
     if plain.is_file():
         return plain
@@ -100,6 +115,12 @@ BASE_TASKS: dict[str, TaskSpec] = {
         # Only validation exists offline for these two (see toptheta/data/PROVENANCE.md).
         TaskSpec("hellaswag", "hellaswag/hellaswag.yaml", {"validation": "hellaswag/validation.jsonl"}),
         TaskSpec("medmcqa", "medmcqa/medmcqa.yaml", {"validation": "medmcqa/validation.jsonl"}),
+        # HellaSwag with held-out exemplars: the head of validation as its train split (few-shot exemplars and
+        # calibration documents, so it calibrates offline on rows built like the evaluated ones), the rest as its test
+        # split. Disjoint by construction; the evaluated documents are validation's from HELLASWAG_HEAD on.
+        TaskSpec("hellaswag_split", "hellaswag/hellaswag.yaml",
+                 {"train": f"hellaswag/validation.jsonl[:{HELLASWAG_HEAD}]",
+                  "test": f"hellaswag/validation.jsonl[{HELLASWAG_HEAD}:]"}),
     )
 }
 
@@ -174,6 +195,9 @@ def check_tasks(tasks: list[str], data_dir: Path | None, num_fewshot: int | None
         raise ValueError(f"task(s) {duplicates} listed more than once; list each task once")
     for task in tasks:
         spec = task_spec(base_name(task))
+        if data_dir is None and any(split_slice(rel)[1:] != (None, None) for rel in spec.data_files.values()):
+            raise ValueError(f"task {task!r} divides an offline file into splits and has no hub version; with "
+                             f"data_dir=hub use the stock task ({spec.stock_yaml}), or data_dir=auto for {task!r}")
         if data_dir is None or not spec.needs_data:
             continue
         _check_offline_splits(task, spec)

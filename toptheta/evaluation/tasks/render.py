@@ -10,6 +10,7 @@ passed to lm-eval's TaskManager as a second include path.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import tempfile
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from toptheta.evaluation.tasks.catalog import (
     data_file,
     is_calibration,
     is_longbench,
+    split_slice,
     stock_tasks_dir,
     task_spec,
 )
@@ -54,14 +56,29 @@ def write_task_dir(target: Path, tasks: list[str], data_dir: Path | None) -> Non
         stock = stock_dir / spec.stock_yaml
         if data_dir is None:
             text = _render("hub.yaml", stock=stock, task=base)
-        else:  # one placeholder per split: its file, plain .jsonl or gzipped .jsonl.gz
-            files = {split: data_file(data_dir, rel) for split, rel in spec.data_files.items()}
+        else:  # one placeholder per split: its file, plain .jsonl or gzipped .jsonl.gz (or a range of one's records)
+            files = {split: _split_file(target, base, split, data_dir, rel) for split, rel in spec.data_files.items()}
             template = "longbench.yaml" if is_longbench(base) else f"{base}.yaml"
             text = _render(template, stock=stock, task=base, **files)
         write_text_atomic(target / f"{base}.yaml", text)
     for task in sorted(t for t in tasks if is_calibration(t) and base_name(t) in bases):
         text = _render("calibration.yaml", base=target / f"{base_name(task)}.yaml", task=task)
         write_text_atomic(target / f"{task}.yaml", text)
+
+
+def _split_file(target: Path, base: str, split: str, data_dir: Path, rel: str) -> Path:
+    """The file a split reads: the data dir's own, or for a record range (`file.jsonl[a:b]`, catalog.split_slice)
+    those records written to `target/<base>.<split>.jsonl` (the datasets json loader reads whole files only)."""
+    path, start, stop = split_slice(rel)
+    source = data_file(data_dir, path)
+    if start is None and stop is None:
+        return source
+    opener = gzip.open if source.suffix == ".gz" else open
+    with opener(source, "rt", encoding="utf-8") as handle:
+        records = [line for line in handle if line.strip()][start:stop]
+    out = target / f"{base}.{split}.jsonl"
+    write_text_atomic(out, "".join(line if line.endswith("\n") else line + "\n" for line in records))
+    return out
 
 
 @contextlib.contextmanager
