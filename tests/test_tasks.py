@@ -420,3 +420,25 @@ def test_python_code_corpus_is_rebuilt_byte_for_byte(tmp_path):
                    capture_output=True)
     for name in ("train.jsonl.gz", "test.jsonl.gz", "LICENSE-PSF.txt"):
         assert (tmp_path / name).read_bytes() == (DATA_DIR / "python_code" / name).read_bytes(), name
+
+
+def test_long_documents_are_deterministic_reach_their_lengths_and_calibrate_offline():
+    from toptheta.evaluation.lm_eval_adapter import calibration_requests
+    from toptheta.evaluation.tasks.static import long_documents_data as L
+    from toptheta.models import build_tiny_tokenizer
+
+    docs = L.documents("train")
+    assert docs == L.documents("train") and docs != L.documents("test")
+    assert len(docs) == len(L.LENGTHS) * L.DOCS_PER_LENGTH["train"] and len({d["id"] for d in docs}) == len(docs)
+    longest = max(len(s) for s in L._sentences())
+    for d in docs:  # a document stops at the first sentence that takes it to its length
+        size = len(d["context"]) + len(d["ending"])
+        assert d["length"] <= size + 1 < d["length"] + longest + 2, d["id"]
+        assert d["ending"].startswith(" ") and d["ending"].rstrip().endswith(".")
+    tokenizer = build_tiny_tokenizer()
+    sequences = calibration_requests(tokenizer, "long_documents", data_dir=None, num_fewshot=0, limit=None,
+                                     max_length=None)
+    assert len(sequences) == len(docs)
+    for ids, doc in zip(sequences, docs):  # the whole document is one row (minus its last token)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == (doc["context"] + doc["ending"])[:-1]
+    assert "long_documents_calibration" in task_names()

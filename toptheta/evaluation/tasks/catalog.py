@@ -2,7 +2,7 @@
 model work.
 
 Every task is lm-eval's own stock task (prompt, choices, metrics) with only its data source
-swapped, except `smoke` and `python_code`, which are ours. Each task `T` has a calibration variant
+swapped, except `smoke`, `python_code` and `long_documents`, which are ours. Each task `T` has a calibration variant
 `T_calibration` that evaluates the train split instead (see templates/calibration.yaml),
 except LongBench's `longbench_<subset>` tasks, one per stock lm-eval LongBench YAML: they read
 the original THUDM file `longbench/<subset>.jsonl` and have only a test split.
@@ -110,6 +110,7 @@ BASE_TASKS: dict[str, TaskSpec] = {
     for spec in (
         TaskSpec("smoke", None, {}, "toptheta (generated in code)"),
         TaskSpec("python_code", None, {}, "toptheta/data/python_code (Python standard library functions)"),
+        TaskSpec("long_documents", None, {}, "toptheta/data/arc_* train (questions with answers, shuffled into long texts)"),
         TaskSpec("arc_challenge", "arc/arc_challenge.yaml", _arc("arc_challenge")),
         TaskSpec("arc_easy", "arc/arc_easy.yaml", _arc("arc_easy")),
         # Only validation exists offline for these two (see toptheta/data/PROVENANCE.md).
