@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..compensation import SDC, VMC
+from ..compensation import lower
 from ..sparsifiers import Dense, TopTheta
 from ..sparsifiers.base import RowBlock, Sparsifier
 from . import fused_decode, prefill
@@ -82,8 +82,8 @@ def attention(
     if Q != 1 or H % Hkv or K == 0 or getattr(sparsifier, "empty_rows", "keep-max") != "keep-max":
         return None  # (the reference code's empty-row rule is the plain kernel's: kernel._uniform_over_padded_row)
     G, R = H // Hkv, B * Hkv
-    sdc = next((c for c in compensations if isinstance(c, SDC)), None)
-    vmc = any(isinstance(c, VMC) for c in compensations)
+    lowered = lower(compensations, sparsifier.placement)  # SDC: pre-softmax only; nothing for dense
+    sdc, vmc = lowered.sdc, lowered.vmc
     pre = sparsifier.placement == "pre"
 
     if valid is None:  # the query is the last key: every key is valid
@@ -179,7 +179,6 @@ def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float,
         return None
     sparse = type(sparsifier) is TopTheta
     post = sparse and sparsifier.placement == "post"
-    sdc = sdc if sparse and not post else None  # SDC renormalises pre-softmax weights only, as the plain kernel
     rows = RowBlock(layer, "decode", prefill._shape_only(B, H, 1, Kc, query.device), n)
     theta = raw = cal = vbar = prefill._EMPTY
     if sparse:

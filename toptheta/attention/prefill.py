@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from ..compensation import SDC, VMC
+from ..compensation import lower
 from ..sparsifiers import Dense, TopTheta
 from ..sparsifiers.base import RowBlock
 from . import fused_prefill
@@ -84,9 +84,8 @@ def attention(
         return None
     sparse = type(sparsifier) is TopTheta
     post = sparse and sparsifier.placement == "post"
-    # SDC renormalises pre-softmax weights; post-softmax weights stay dense probabilities (as in the plain kernel)
-    sdc = next((c for c in compensations if isinstance(c, SDC)), None) if sparse and not post else None
-    vmc = sparse and any(isinstance(c, VMC) for c in compensations)
+    lowered = lower(compensations, sparsifier.placement if sparse else None)  # SDC: pre-softmax only
+    sdc, vmc = lowered.sdc, lowered.vmc
     counting = stats is not None and stats.enabled
 
     n = rows = None

@@ -16,7 +16,7 @@ import torch
 
 from ..attention.backend import model_shape, sparsify
 from ..attention.cache import growing_cache
-from ..compensation import SDC, VMC
+from ..compensation import SDC, VMC, is_compensation, lower
 from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
 from .collector import PHASES, OrderStatCollector
@@ -46,21 +46,21 @@ def calibration_compensation(compensations: Sequence, placement: str, mode: str 
     """
     if mode not in COMPENSATION_MODES:
         raise ValueError(f"calibration compensation must be one of {COMPENSATION_MODES}, got {mode!r}")
-    bad = [c for c in compensations if not isinstance(c, (SDC, VMC))]
+    bad = [c for c in compensations if not is_compensation(c)]
     if bad:
-        raise TypeError(f"compensations must be SDC or VMC instances, got {bad}")
+        raise TypeError(f"compensations must be compensation objects (SDC, VMC, ...), got {bad}")
     if not tac or mode == "none":
         return []
-    sdc = next((c for c in compensations if isinstance(c, SDC)), None)
+    sdc = lower(compensations, "pre").sdc
     out = [SDC("exact", scale=sdc.scale)] if sdc is not None and mode == "run" else []
-    if any(isinstance(c, VMC) for c in compensations) and (placement == "post" or out):
+    if lower(compensations, "post").vmc and (placement == "post" or out):
         out.append(VMC())
     return out
 
 
 def compensation_labels(compensations: Sequence) -> list[str]:
     """Short stable names, e.g. ["SDC(exact, λ=1.0)", "VMC"], for metadata and cache keys."""
-    return [f"SDC({c.estimator}, λ={float(c.scale)})" if isinstance(c, SDC) else "VMC" for c in compensations]
+    return [c.label for c in compensations]
 
 
 def calibrate(

@@ -1,9 +1,10 @@
 """How the dropped attention mass is put back: SDC and VMC."""
 
+from .lowering import Compensation, KernelCompensation, is_compensation, lower
 from .sdc import SDC
 from .vmc import VMC
 
-__all__ = ["SDC", "VMC"]
+__all__ = ["SDC", "VMC", "Compensation", "KernelCompensation", "check_compensation", "is_compensation", "lower"]
 
 
 def check_compensation(sparsifier, compensations) -> None:
@@ -12,12 +13,10 @@ def check_compensation(sparsifier, compensations) -> None:
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"each compensation may appear once, got {compensations}")
     for c in compensations:
-        if not isinstance(c, (SDC, VMC)):
-            raise TypeError(f"compensations must be SDC or VMC instances, got {c!r}")
+        if not is_compensation(c):
+            raise TypeError(f"compensations must be compensation objects (SDC, VMC, or any object with check, lower "
+                            f"and label: compensation/lowering.py), got {c!r}")
     if compensations and sparsifier.placement is None:
         raise ValueError("dense attention drops nothing, so compensation has nothing to put back; use comp=[]")
     for c in compensations:
-        if isinstance(c, SDC):
-            c.check(sparsifier)
-        else:
-            c.check(sparsifier, compensations)
+        c.check(sparsifier, compensations)

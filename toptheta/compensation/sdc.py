@@ -8,11 +8,12 @@ elements get exactly their dense probabilities.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..sparsifiers.base import RowBlock
+from .lowering import KernelCompensation
 
 ESTIMATORS = ("exact", "exp-threshold", "calibrated")
 
@@ -42,7 +43,16 @@ class SDC:
         if self.scale < 0:
             raise ValueError(f"SDC scale λ must be ≥ 0, got {self.scale}")
 
-    def check(self, sparsifier) -> None:
+    @property
+    def label(self) -> str:
+        """Short and stable (metadata, cache keys)."""
+        return f"SDC({self.estimator}, λ={float(self.scale)})"
+
+    def lower(self, into: KernelCompensation, placement: str | None) -> KernelCompensation:
+        """SDC renormalises pre-softmax weights only; post-softmax weights stay dense probabilities."""
+        return replace(into, sdc=self) if placement == "pre" else into
+
+    def check(self, sparsifier, compensations=()) -> None:
         """Refuse combinations that cannot mean anything, naming the fix."""
         if sparsifier.placement != "pre":
             raise ValueError(

@@ -8,18 +8,23 @@ probability, so every dropped V row is replaced by the mean V row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .lowering import KernelCompensation, lower
 
 
 @dataclass
 class VMC:
     """V-mean compensation. It has no parameters: β comes from the kernel's float32 weights."""
 
+    label = "VMC"
+
+    def lower(self, into: KernelCompensation, placement: str | None) -> KernelCompensation:
+        return replace(into, vmc=placement is not None)
+
     def check(self, sparsifier, compensations) -> None:
         """Pre-softmax without SDC renormalises each row, so β is always 0: refuse it."""
-        from .sdc import SDC
-
-        if sparsifier.placement == "pre" and not any(isinstance(c, SDC) for c in compensations):
+        if sparsifier.placement == "pre" and lower(compensations, "pre").sdc is None:
             raise ValueError(
                 "VMC with pre-softmax selection and no SDC does nothing (rows are renormalised, so the "
                 "missing mass β is always 0); add SDC('exact') or use placement='post'"

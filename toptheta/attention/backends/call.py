@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ...compensation import SDC, VMC
+from ...compensation import SDC, lower
 from ...sparsifiers import Dense, TopK, TopTheta
 from ...sparsifiers.base import Sparsifier
 
@@ -66,11 +66,10 @@ class AttentionCall:
         self.kind = _KINDS.get(type(self.sparsifier), "other")
         self.placement = self.sparsifier.placement
         self.empty_rows = getattr(self.sparsifier, "empty_rows", "keep-max")
-        sdc = next((c for c in self.compensations if isinstance(c, SDC)), None)
-        self.sdc = sdc if self.placement == "pre" else None  # SDC renormalises pre-softmax weights only
+        lowered = lower(self.compensations, self.placement)  # each compensation says what it asks of a kernel
+        self.sdc, self.vmc = lowered.sdc, lowered.vmc
         self.sdc_mode = SDC_MODES[self.sdc.estimator if self.sdc is not None else None]
         self.sdc_scale = float(self.sdc.scale) if self.sdc is not None else 0.0
-        self.vmc = self.placement is not None and any(isinstance(c, VMC) for c in self.compensations)
 
     # --- shapes and places -------------------------------------------------------------------------
     @property
