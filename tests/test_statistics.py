@@ -12,26 +12,29 @@ from toptheta.results.store import RunStore, load_summary, summary_rows
 N = 400
 
 
-def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=None, choices=4):
+def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=None, choices=4, shots=0, target=None,
+         clamped=0):
     """One run of `task` on len(outcomes) questions with per-question samples (lm-eval's layout, `choices` answer
     options per question), as run.py stores it."""
     limit = len(outcomes)
     calib = None
     if sparsifier == "toptheta":
         calib = {"task": task, "granularity": "layer-head-n"} | ({"seed": seed} if seed is not None else {})
-    config = {"model": {"name": "tiny"}, "task": {"name": task, "lm_eval_task": task, "limit": limit},
+    config = {"model": {"name": "tiny"}, "task": {"name": task, "lm_eval_task": task, "limit": limit,
+                                                  **({"num_fewshot": shots, "fewshot_sampler": "first_n"} if shots else {})},
               "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
-                             "layer_k": {"0": 512} if sparsifier != "dense" else {}},
+                             "layer_k": {"0": 512} if sparsifier != "dense" else {},
+                             **({"target_kept": target} if target is not None else {})},
               "comp": {"sdc": "exact" if "sdc" in comp else None, "sdc_scale": 1.0, "vmc": "vmc" in comp},
               "calib": calib}
     run_id = store.run_id_for(config)
     value = float(outcomes.mean())
     results = {"results": {task: {"acc_norm,none": value,
                                   "acc_norm_stderr,none": float(outcomes.std(ddof=1) / np.sqrt(limit))}},
-               "n-shot": {task: 0}, "config": {"limit": limit},
+               "n-shot": {task: shots}, "config": {"limit": limit},
                "samples": {task: [{"doc_id": i, "acc_norm": float(x), "arguments": [["q", f" a{c}"] for c in range(choices)]}
                                   for i, x in enumerate(outcomes)]}}
-    stats = {"kept_attention_fraction": kept}
+    stats = {"kept_attention_fraction": kept, "clamped_rows": clamped}
     store.write_run(run_id, config=config, lm_eval_results=results, stats=stats, thresholds_ref=None)
     store.append_summary(summary_rows(run_id, config, results, stats, commit="c", timestamp="t"))
     return run_id
@@ -303,3 +306,39 @@ def test_ablation_panels_save_the_same_bytes_twice(tmp_path):
             save_figure(fig, tmp_path / f"{i}.{fmt}", fmt)
         saved.append(((tmp_path / f"{i}.png").read_bytes(), (tmp_path / f"{i}.pdf").read_bytes()))
     assert saved[0] == saved[1]
+
+
+def test_the_readme_leads_with_the_long_row_verdicts_computed_apart(tmp_path, monkeypatch):
+    """Long-row runs (>= 10 fixed exemplars) are verdicted on their own, first; a long-row run with rows past its
+    calibrated length is left out and named; the zero-shot runs make a section of their own."""
+    import importlib.util
+    from pathlib import Path
+
+    from toptheta.results import regimes, sweeps
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(5)
+    long = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", long, 1.0, shots=25)
+    _add(store, "arc_easy", "toptheta", "post", 19, "vmc", long.copy(), 0.1, shots=25, target=0.1)
+    _add(store, "arc_easy", "topk", "post", 19, "vmc", _flip(long, 30, 0.0), 0.1, shots=25, target=0.1)
+    _add(store, "arc_easy", "toptheta", "post", 18, "vmc", long.copy(), 0.1, shots=25, target=0.1, clamped=7, seed=3)
+    short = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", short, 1.0)
+    _add(store, "arc_easy", "toptheta", "post", 8, "vmc", short.copy(), 0.2)
+    _add(store, "arc_easy", "topk", "post", 8, "vmc", short.copy(), 0.2)
+    summary = load_summary(tmp_path)
+    long_rows, broken, earlier = regimes.split(summary)
+    assert len(set(long_rows["run_id"])) == 3 and len(set(broken["run_id"])) == 1 and len(set(earlier["run_id"])) == 3
+    spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sweeps, "run_owners", lambda names=None, models=None: sweeps.Owners())
+    text = script.section(tmp_path, "python scripts/verdicts.py")
+    first, second = text.index("### In the paper's regime"), text.index("### Earlier protocols")
+    assert first < second
+    assert f"Left out (rows past the calibrated length" in text and broken["run_id"].iloc[0] in text[first:second]
+    tables = [line for line in text.splitlines() if line.startswith("| 1. Top-θ tracks Top-k |")]
+    assert len(tables) == 2  # claim 1 decided in each regime on its own pairs
+    assert "| +0.075 |" in tables[0] or "+0.07" in tables[0]  # long rows: Top-θ 30 questions above Top-k
+    assert "| +0.000 |" in tables[1]  # short rows: identical outcomes
