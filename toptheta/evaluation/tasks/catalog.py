@@ -149,7 +149,7 @@ def stock_tasks_dir() -> Path:
     """lm-eval's installed tasks dir, found without importing lm-eval (its import takes seconds)."""
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("lm-eval is not installed: pip install 'lm-eval>=0.4.8,<0.5'")
+        raise ImportError("lm-eval is not installed: pip install 'lm-eval>=0.4.13,<0.5'")
     return Path(next(iter(spec.submodule_search_locations))) / "tasks"
 
 
