@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from lm_eval.models.utils import normalize_gen_kwargs
 
 from toptheta.evaluation.longbench import truncate_middle
-from toptheta.evaluation.shared_context_lm import BatchedHFLM
+from toptheta.evaluation.batched_lm import BatchedHFLM
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
