@@ -225,13 +225,13 @@ def test_the_batch_size_probe_is_not_counted(monkeypatch):
 
     from helpers_lm import load_tasks
     from toptheta.attention import backend as backend_module
-    from toptheta.evaluation import lm_eval_adapter as adapter
+    from toptheta.evaluation.calibration_inputs import build_requests
     from toptheta.evaluation.shared_context_lm import BatchedHFLM, SharedContextHFLM
     from toptheta.models import build_tiny_model, build_tiny_tokenizer
 
     tokenizer, model = build_tiny_tokenizer(), build_tiny_model("llama")
     task = load_tasks(["smoke"], None)["smoke"]
-    adapter._build_requests(task, num_fewshot=1, limit=3, seed=0)
+    build_requests(task, num_fewshot=1, limit=3, seed=0)
     requests = task.instances
     sparsifier, comp = toptheta.TopK(k=8, placement="post"), [toptheta.VMC()]
 
