@@ -58,7 +58,11 @@ def registered_attention() -> set[str]:
 
 
 def commit_hash(config) -> str | None:
-    """The hub commit a model's config was loaded from (None for a local or built model)."""
+    """The hub commit a model's config was loaded from (None for a local or built model).
+
+    transformers 5.24 no longer sets ``_commit_hash`` (``PretrainedConfig`` pops it), so there this is None and
+    ``ModelInfo.revision`` is the revision asked for; older releases set it.
+    """
     return getattr(config, "_commit_hash", None)
 
 
