@@ -1,7 +1,7 @@
 """The ruler task (``task=ruler``): the suite of ``ruler.py`` generated, decoded greedily and scored, with its
 numbers and sparsity statistics per length, per sub-task and per (length, sub-task).
 
-Like passkey (``generation.run_passkey``), each finished length is saved in the run's checkpoint directory and read
+Like passkey (``generation.run_passkey``), each finished length is saved (``long_context.by_length``) and read
 back when the run resumes, and the stop file pauses a run between lengths. With ``task.share_prefix`` each
 haystack's prompts go to ``generate_all`` together, so the haystack they share runs once (``prefix_sharing``);
 otherwise a sub-task's prompts of one length go together (``task.decode_batch`` batches them).

@@ -107,7 +107,8 @@ def load_model(
     """Load ``(model, tokenizer, info)`` for a packaged name, ``tiny-<arch>``, a local directory, or a hub id.
 
     The model is in eval mode on ``device`` (or placed by ``device_map``, e.g. ``"auto"`` for multi-GPU).
-    ``revision`` only applies to hub ids. See the module docstring for the cache and padding behaviour.
+    ``revision`` only applies to hub ids. See the package docstring (``toptheta.models``) for the padding behaviour
+    and ``gguf_cache.py`` for the cache.
     Raises ValueError for bad arguments and ModelUnavailableError when the model cannot be had here, both
     before any expensive work.
     """
