@@ -53,7 +53,8 @@ import toptheta  # noqa: E402
 from toptheta.cachedir import cache_dir  # noqa: E402
 from toptheta.thresholds_cache import calibrate_on_task  # noqa: E402
 from toptheta.results import bench_report  # noqa: E402
-from toptheta.evaluation import lm_eval_adapter as adapter  # noqa: E402
+from toptheta.evaluation.calibration_inputs import build_requests  # noqa: E402
+from toptheta.evaluation.task_loading import load_tasks, task_manager  # noqa: E402
 from toptheta.evaluation.prefix_cache import prefix_groups  # noqa: E402
 from toptheta.evaluation.tasks import check_tasks, resolve_data_dir, task_include_paths  # noqa: E402
 
@@ -68,8 +69,8 @@ def build_task(task: str, data_dir, num_fewshot: int, limit: int, seed: int = 12
     """The lm-eval Task with its loglikelihood requests built as simple_evaluate would build them."""
     check_tasks([task], data_dir, num_fewshot)
     with task_include_paths([task], data_dir) as include_paths:
-        lm_task = adapter._load_tasks(adapter._task_manager(include_paths), [task], data_dir, sampler)[task]
-        adapter._build_requests(lm_task, num_fewshot, limit, seed)
+        lm_task = load_tasks(task_manager(include_paths), [task], data_dir, sampler)[task]
+        build_requests(lm_task, num_fewshot, limit, seed)
     return lm_task
 
 

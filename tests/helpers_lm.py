@@ -52,9 +52,9 @@ def tiny_model(tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0, 
 
 def load_tasks(tasks, data_dir):
     """Build lm-eval Task objects the way the adapter does (datasets load, no model)."""
-    from toptheta.evaluation import lm_eval_adapter as adapter
+    from toptheta.evaluation import task_loading
     from toptheta.evaluation.tasks import check_tasks, task_include_paths
 
     check_tasks(tasks, data_dir, None)
     with task_include_paths(tasks, data_dir) as include_paths:
-        return adapter._load_tasks(adapter._task_manager(include_paths), tasks, data_dir)
+        return task_loading.load_tasks(task_loading.task_manager(include_paths), tasks, data_dir)

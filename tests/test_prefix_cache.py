@@ -15,8 +15,10 @@ from lm_eval.models.huggingface import HFLM
 
 import toptheta
 from helpers_lm import load_tasks
+from toptheta.compat import replace_sampler
 from toptheta.evaluation import lm_eval_adapter as adapter
 from toptheta.evaluation import prefix_cache
+from toptheta.evaluation.calibration_inputs import build_requests
 from toptheta.evaluation.shared_context_lm import SharedContextHFLM
 from toptheta.models import build_tiny_model
 from test_shared_context import _accuracy, _one_thread, _score, tokenizer  # noqa: F401  (fixtures shared)
@@ -28,8 +30,8 @@ COUNTS = ("prefill_attention_elements", "clamped_rows", "empty_rows")
 def requests():
     """smoke, 3 fixed exemplars, 6 documents: contexts of ~300 tokens sharing ~250."""
     task = load_tasks(["smoke"], None)["smoke"]
-    adapter._replace_sampler(task, "first_n")
-    adapter._build_requests(task, num_fewshot=3, limit=6, seed=0)
+    replace_sampler(task, "first_n")
+    build_requests(task, num_fewshot=3, limit=6, seed=0)
     return task.instances
 
 

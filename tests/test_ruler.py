@@ -203,7 +203,7 @@ def _tiny():
 def test_shared_haystacks_run_once_with_each_prompts_tokens_and_statistics(tmp_path, monkeypatch):
     """task.share_prefix: each haystack's prompts share it as a prefix that runs once; the generations and the
     per-length statistics are those of one prompt at a time, and a checkpointed length reads back the same."""
-    from toptheta.evaluation import generation, prefix_sharing
+    from toptheta.evaluation import prefix_sharing, ruler_run
     from toptheta.evaluation.ruler_run import ruler_records, run_ruler
 
     model, tokenizer = _tiny()
@@ -238,7 +238,7 @@ def test_shared_haystacks_run_once_with_each_prompts_tokens_and_statistics(tmp_p
     assert b["kept_vrow_fraction"] == pytest.approx(a["kept_vrow_fraction"], rel=1e-3)
     assert 0 < a["kept_vrow_fraction"] < 1
     assert [p.name for p in (tmp_path / "True").iterdir()] == ["ruler_600.json"]
-    monkeypatch.setattr(generation, "generate_all", lambda *a, **k: pytest.fail("a saved length is generated again"))
+    monkeypatch.setattr(ruler_run, "generate_all", lambda *a, **k: pytest.fail("a saved length is generated again"))
     with toptheta.sparsify(model, toptheta.TopTheta(thresholds), [toptheta.VMC()]) as stats:
         again = run_ruler({**task, "share_prefix": True}, model, tokenizer, chat_template=False, stats=stats,
                           checkpoint=tmp_path / "True")

@@ -16,6 +16,7 @@ import toptheta
 from helpers_lm import load_tasks
 from toptheta.evaluation import lm_eval_adapter as adapter
 from toptheta.evaluation import shared_context_lm
+from toptheta.evaluation.calibration_inputs import build_requests
 from toptheta.evaluation.shared_context_lm import BatchedHFLM, SharedContextHFLM
 from toptheta.models import build_tiny_model, build_tiny_tokenizer
 
@@ -42,7 +43,7 @@ def tokenizer():
 def requests():
     """smoke, 2-shot, 6 documents: 24 requests, contexts of ~120 tokens, continuations of 2-4 tokens."""
     task = load_tasks(["smoke"], None)["smoke"]
-    adapter._build_requests(task, num_fewshot=2, limit=6, seed=0)
+    build_requests(task, num_fewshot=2, limit=6, seed=0)
     return task.instances
 
 

@@ -18,7 +18,9 @@ import pytest
 
 from helpers_lm import load_tasks, tiny_model, tiny_tokenizer
 from toptheta.evaluation import lm_eval_adapter as adapter
-from toptheta.evaluation.tasks import SHIPPED_DATA_DIR, check_tasks, fewshot_source, resolve_data_dir, task_names
+from toptheta.evaluation import task_loading
+from toptheta.evaluation.calibration_inputs import build_requests
+from toptheta.evaluation.tasks import DATA_DIR_ENV, SHIPPED_DATA_DIR, check_tasks, fewshot_source, resolve_data_dir, task_names
 from toptheta.evaluation.tasks.static.smoke_data import smoke_docs
 
 DATA_DIR = SHIPPED_DATA_DIR
@@ -58,7 +60,7 @@ def test_shipped_data_matches_its_provenance_checksums():
 def test_data_dir_auto_is_the_shipped_copy_unless_the_environment_says_otherwise(tmp_path, monkeypatch):
     assert resolve_data_dir("auto") == SHIPPED_DATA_DIR and SHIPPED_DATA_DIR.is_dir()
     assert resolve_data_dir("hub") is None and resolve_data_dir(None) is None
-    monkeypatch.setenv(adapter.DATA_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
     assert resolve_data_dir("auto") == tmp_path.resolve()
     assert resolve_data_dir("hub") is None  # an explicit choice beats the environment
 
@@ -158,13 +160,13 @@ def test_data_dir_errors_name_the_missing_path(tmp_path, monkeypatch):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=f"{missing}.*not a directory"):
         adapter.resolve_data_dir(missing)
-    monkeypatch.setenv(adapter.DATA_DIR_ENV, str(missing))
+    monkeypatch.setenv(DATA_DIR_ENV, str(missing))
     with pytest.raises(FileNotFoundError, match=r"\$TOPTHETA_DATA_DIR"):
         adapter.resolve_data_dir("auto")
 
     (tmp_path / "arc_easy").mkdir()
     (tmp_path / "arc_easy" / "test.jsonl").write_text("{}\n")
-    monkeypatch.setenv(adapter.DATA_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
     assert adapter.resolve_data_dir("auto") == tmp_path.resolve()
     with pytest.raises(FileNotFoundError) as err:
         adapter.evaluate_tasks(None, None, ["arc_easy"], data_dir="auto", num_fewshot=0, limit=2)
@@ -293,14 +295,14 @@ def test_prompts_from_compiled_templates_are_lm_evals_own(monkeypatch):
     def requests():
         resolved = resolve_data_dir("auto")
         with adapter.task_include_paths(["arc_easy"], resolved) as include_paths:
-            task = adapter._load_tasks(adapter._task_manager(include_paths), ["arc_easy"], resolved,
+            task = task_loading.load_tasks(task_loading.task_manager(include_paths), ["arc_easy"], resolved,
                                        "first_n")["arc_easy"]
-            adapter._build_requests(task, 5, 6, 1234)
+            build_requests(task, 5, 6, 1234)
         return [instance.args for instance in task.instances]
 
     cached = requests()
     assert utils.apply_template._toptheta_cached and utils.apply_template.compiled.cache_info().hits > 0
-    monkeypatch.setattr(adapter, "_compile_templates_once", lambda: None)
+    monkeypatch.setattr(task_loading, "compile_templates_once", lambda: None)
     monkeypatch.setattr(utils, "apply_template", utils.apply_template.stock)  # lm-eval's own, compiling each time
     assert requests() == cached and len(cached) == 6 * 4
     assert not getattr(utils.apply_template, "_toptheta_cached", False)
@@ -357,13 +359,13 @@ def test_a_users_task_yaml_runs_by_include_path(tokenizer, tmp_path):
 
 def test_unknown_lm_eval_task_names_close_matches(monkeypatch):
     """lm-eval's own index is replaced by a stand-in: building the real one takes ~25 s."""
-    monkeypatch.setattr(adapter, "_task_manager", lambda paths, stock=False: SimpleNamespace(
+    monkeypatch.setattr(task_loading, "task_manager", lambda paths, stock=False: SimpleNamespace(
         all_tasks=["arc_easy", "piqa", "smoke"] if stock else []))
-    assert adapter.check_external_tasks(["piqa"]) == []
+    assert task_loading.check_external_tasks(["piqa"]) == []
     with pytest.raises(ValueError, match=r"unknown lm-eval task\(s\) \['arc_eazy'\].*Close names: arc_easy"):
-        adapter.check_external_tasks(["arc_eazy"])
+        task_loading.check_external_tasks(["arc_eazy"])
     with pytest.raises(FileNotFoundError, match="include_path"):
-        adapter.check_external_tasks(["piqa"], "/no/such/folder")
+        task_loading.check_external_tasks(["piqa"], "/no/such/folder")
 
 
 def test_clip_samples_keeps_structure_and_bounds_size():

@@ -22,8 +22,9 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> None:
     import toptheta  # noqa: F401  (registers the "toptheta" model with lm-eval)
-    from lm_eval._cli.harness import HarnessCLI
     from lm_eval.utils import setup_logging
+
+    from .compat import HarnessCLI  # lm-eval's private command-line class
 
     setup_logging()
     parser = HarnessCLI()

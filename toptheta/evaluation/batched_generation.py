@@ -1,4 +1,4 @@
-"""Greedy decoding of several prompts at once: the fast path of ``generation.greedy_generate``.
+"""Greedy decoding of several prompts at once: the fast path of ``greedy.greedy_generate``.
 
 On CPU a decode step of a small model is bound by reading the weights, not by arithmetic: one step for 16
 sequences costs little more than one step for one (Qwen2.5-Coder-0.5B, 2 cores: about 10× the tokens per

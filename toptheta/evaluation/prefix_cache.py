@@ -28,6 +28,8 @@ import weakref
 
 import torch
 
+from ..compat import cache_layers, set_cache_layers
+
 # Positions per forward, at least (padding positions see no key and are never counted). MKL's float32 GEMM rounds a
 # row differently when it multiplies fewer rows (measured here, 2 threads: fewer than 12 rows change the results;
 # 1 thread: fewer than 4); a Top-θ decision within rounding of θ would then flip.
@@ -133,7 +135,7 @@ def repeat_rows(cache, rows: torch.Tensor):
     replaces a copy's tensors instead of writing into them.
     """
     selected = copy.copy(cache)
-    selected.layers = [copy.copy(layer) for layer in cache.layers]
+    set_cache_layers(selected, [copy.copy(layer) for layer in cache_layers(cache)])
     selected.batch_select_indices(rows)
     return selected
 
@@ -145,7 +147,7 @@ def move_padding_left(cache, lengths: torch.Tensor, width: int):
     anchors its key blocks where running the sequence whole would."""
     shift = width - lengths  # (B,)
     index = (torch.arange(width, device=lengths.device)[None, :] - shift[:, None]) % width  # (B, width)
-    for layer in cache.layers:
+    for layer in cache_layers(cache):
         if layer.keys.shape[-2] != width:
             raise ValueError(f"a cache layer holds {layer.keys.shape[-2]} positions, not {width}: cannot re-pad it")
         gather = index.to(layer.keys.device)[:, None, :, None]

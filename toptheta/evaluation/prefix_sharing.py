@@ -22,8 +22,8 @@ import torch
 
 from ..attention.cache import cache_keyword, cache_prefix, forward_accepts, growing_cache
 from .batched_generation import greedy_generate_batch
+from .model_facts import active_stats
 from .prefix_cache import plan, run_prefix, track
-from .shared_context_lm import active_stats
 
 
 @torch.inference_mode()

@@ -1,7 +1,7 @@
 """The ruler task (``task=ruler``): the suite of ``ruler.py`` generated, decoded greedily and scored, with its
 numbers and sparsity statistics per length, per sub-task and per (length, sub-task).
 
-Like passkey (``generation.run_passkey``), each finished length is saved in the run's checkpoint directory and read
+Like passkey (``generation.run_passkey``), each finished length is saved (``long_context.by_length``) and read
 back when the run resumes, and the stop file pauses a run between lengths. With ``task.share_prefix`` each
 haystack's prompts go to ``generate_all`` together, so the haystack they share runs once (``prefix_sharing``);
 otherwise a sub-task's prompts of one length go together (``task.decode_batch`` batches them).
@@ -15,7 +15,8 @@ import time
 from typing import Callable
 
 from ..attention.stats import SparsityStats
-from .generation import _result, by_length, generate_all
+from .greedy import generate_all
+from .long_context import by_length, task_result
 from .ruler import RulerSettings, build_ruler_records, score_ruler
 
 log = logging.getLogger("toptheta")
@@ -101,7 +102,7 @@ def run_ruler(task: dict, model, tokenizer, *, chat_template: bool, stats=None, 
             else:
                 by_subtask[subtask] = sub
     task_stats.update({f"ruler_{subtask}": pooled.summary() for subtask, pooled in by_subtask.items()})
-    out = _result("ruler", "score", [s["score"] for s in samples], samples)
+    out = task_result("ruler", "score", [s["score"] for s in samples], samples)
     subtasks = list(dict.fromkeys(s["subtask"] for s in samples))
     views = [(f"ruler_{n}", lambda s, n=n: s["target_tokens"] == n) for n in lengths]
     views += [(f"ruler_{t}", lambda s, t=t: s["subtask"] == t) for t in subtasks]
@@ -110,7 +111,7 @@ def run_ruler(task: dict, model, tokenizer, *, chat_template: bool, stats=None, 
     for name, belongs in views:
         scores = [s["score"] for s in samples if belongs(s)]
         if scores:
-            out["results"][name] = _result("", "score", scores, [])["results"][""]
+            out["results"][name] = task_result("", "score", scores, [])["results"][""]
     if task_stats:
         out["task_stats"] = task_stats
     if resumed:

@@ -38,7 +38,7 @@ def _guard() -> None:
     chroot, rlimits); this only turns attempts into clear Python errors. In process mode it is
     the only guard and is easily undone by a hostile program (hence the opt-in, sandbox.py).
     """
-    import _socket
+    import _socket  # only in process mode, where this guard is the only one
 
     class _NoNetwork(_socket.socket):
         __slots__ = ()  # socket.socket adds its own __weakref__ slot on top of this class
@@ -222,7 +222,7 @@ def _receive(replies, pid: int):
 
 
 def check(result_fd: str, entry: str) -> None:
-    import ctypes
+    import ctypes  # the checker role only: the program and worker roles start without it
 
     # Not dumpable: a same-uid process may not ptrace us or copy our descriptors (pidfd_getfd).
     if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE

@@ -58,7 +58,7 @@ def _libc():
 def _check(ret: int, what: str) -> None:
     """Raise OSError with errno when a libc call returned -1."""
     if ret != 0:
-        import ctypes
+        import ctypes  # only on a failed libc call: the launcher starts once per program, imports stay few
 
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
@@ -202,7 +202,7 @@ def _enter_and_exec(spec: dict) -> None:
 def wait_exit(pid: int, timeout_s: float) -> bool:
     """Block until child `pid` can be reaped or `timeout_s` passes; True if it ended in time."""
     try:  # a pidfd wakes us the moment the child ends (Linux >= 5.3)
-        import select
+        import select  # here, not at the top: the launcher starts once per program, imports stay few
 
         fd = os.pidfd_open(pid)
         try:

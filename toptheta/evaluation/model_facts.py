@@ -1,0 +1,40 @@
+"""What the evaluation code reads off a model or its tokenizer, in one low module that imports no other evaluation one.
+
+The lm-eval wrappers (``batched_lm``, ``shared_context_lm``), the greedy decoders (``greedy``, ``prefix_sharing``) and
+the generation tasks all ask the same three questions: which statistics the model's ``toptheta.sparsify`` block
+collects, whether some layer attends within a sliding window, and which token pads a batch. Answering them here
+keeps those modules from importing each other for a helper.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..attention import backend
+
+if TYPE_CHECKING:
+    from ..attention.stats import SparsityStats
+
+
+def active_stats(model) -> SparsityStats | None:
+    """The statistics of the ``toptheta.sparsify`` block ``model`` is in (None outside one, or when off)."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    session = backend._SESSIONS.get(modules[0]) if modules else None
+    return session.stats if session is not None and session.stats.enabled else None
+
+
+def has_sliding_window(model) -> bool:
+    """Whether some layer of ``model`` attends within a sliding window (transformers masks those itself)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return any("sliding" in str(t) for t in layer_types)
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The token that pads a batch: the tokenizer's pad token, else its end-of-sequence token, else 0."""
+    for token in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return token
+    return 0
