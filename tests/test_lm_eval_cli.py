@@ -38,10 +38,7 @@ def test_import_toptheta_registers_the_model_without_importing_it():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ({"sparsifier": "topq"}, "valid: dense, skipsoftmax, topk, topp, toptheta"),
-        ({"sparsifier": "topp"}, "needs p=..., e.g. p=0.9"),
-        ({"sparsifier": "topk", "lam": 1.0}, "lam=1.0: only a sparsifier whose parameter is lam reads it"),
-        ({"sparsifier": "topp", "p": 1.5}, "p"),
+        ({"sparsifier": "topq"}, "valid: dense, topk, toptheta"),
         ({"k": 0}, "positive integer"),
         ({"comp": "sdc+vmcc"}, "none, sdc, vmc or sdc\\+vmc"),
         ({"layer_k": "0-512"}, "layer_k=0:512\\+1:512"),
@@ -192,19 +189,3 @@ def test_toptheta_eval_warns_once_per_task_about_nearly_dense_runs_and_rows_past
     assert clamped > 0  # one short calibration document: the evaluated rows run past it
     message = f"toptheta-eval smoke: {clamped} attention rows were longer than the longest calibrated row"
     assert caplog.text.count(message) == 1
-
-
-@pytest.mark.parametrize("args", [{"sparsifier": "topp", "p": 0.5, "comp": "vmc"},
-                                  {"sparsifier": "skipsoftmax", "lam": 4.0, "placement": "pre", "comp": "none"}])
-def test_toptheta_eval_runs_the_baselines_by_name(args):
-    """toptheta-eval takes top-p (p) and skip-softmax (λ) as run.py does: through the sparsifier registry."""
-    import lm_eval
-
-    from toptheta.evaluation.lm_eval_model import TopThetaLM
-
-    lm = TopThetaLM(pretrained="tiny-llama", layer_k="none", **args)
-    assert lm.sparse_cfg["k"] is None  # the baselines sparsify every row unless k is given
-    results = lm_eval.simple_evaluate(model=lm, tasks=["smoke"], limit=4, task_manager=_smoke_manager())
-    stats = results["config"]["toptheta"]["stats"]["smoke"]
-    assert 0 < stats["kept_attention_fraction"] < 1.0
-    assert results["config"]["toptheta"]["sparsifier"]["name"] == args["sparsifier"]

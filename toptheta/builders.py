@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from .registry import COMPENSATIONS, SPARSIFIERS
-
 log = logging.getLogger("toptheta")
 
 
@@ -18,10 +16,10 @@ def check_combination(name: str, placement: str | None, comp: dict) -> None:
     """Build the compensation objects against a stand-in sparsifier: the library's own checks speak."""
     from .compensation import check_compensation
 
-    if SPARSIFIERS.get(name).parameter is None:  # dense: nothing dropped, nothing to put back
+    if name == "dense":
         return
     stand_in = SimpleNamespace(placement=placement)
-    if needs_thresholds(name, comp):
+    if name == "toptheta" or comp.get("sdc") == "calibrated":
         stand_in.thresholds = SimpleNamespace(sdc_mass=True)
     check_compensation(stand_in, compensation_objects(comp, thresholds=stand_in.__dict__.get("thresholds")))
 
@@ -62,15 +60,18 @@ def compensation_objects(comp: dict, thresholds=None) -> list:
         out.append(SDC(comp["sdc"], scale=float(comp.get("sdc_scale", 1.0)), thresholds=thresholds))
     if comp.get("vmc"):
         out.append(VMC())
-    out += [COMPENSATIONS.get(name)() for name in comp.get("extra") or []]
     return out
 
 
 def build_sparsifier(sparsifier: dict, thresholds=None):
-    """The registered sparsifier ``sparsifier["name"]`` from a run's plain settings (its ``from_settings``)."""
-    return SPARSIFIERS.get(sparsifier["name"]).from_settings(sparsifier, thresholds)
+    from . import Dense, SkipSoftmax, TopK, TopP, TopTheta
 
-
-def needs_thresholds(name: str, comp: dict) -> bool:
-    """Whether a run calibrates thresholds: its sparsifier needs them, or its SDC estimates from them."""
-    return SPARSIFIERS.get(name).needs_thresholds or comp.get("sdc") == "calibrated"
+    if sparsifier["name"] == "dense":
+        return Dense()
+    if sparsifier["name"] == "topk":
+        return TopK(sparsifier["k"], sparsifier["placement"], sparsifier.get("layer_k"))
+    if sparsifier["name"] == "topp":
+        return TopP(sparsifier["p"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
+    if sparsifier["name"] == "skipsoftmax":
+        return SkipSoftmax(sparsifier["lam"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
+    return TopTheta(thresholds, sparsifier["placement"], empty_rows=sparsifier.get("empty_rows") or "keep-max")

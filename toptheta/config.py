@@ -21,7 +21,6 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 from .evaluation.ruler import RulerSettings  # a plain dataclass (no heavy imports): task.ruler's schema
-from .registry import COMPENSATIONS, SPARSIFIERS  # filled by toptheta.sparsifiers, which importing toptheta imports
 
 
 class Choice(str, Enum):
@@ -39,6 +38,8 @@ def _choices(name: str, *values: str) -> type[Choice]:
 
 
 Dtype = _choices("Dtype", "float32", "float16", "bfloat16", "auto")
+SparsifierName = _choices("SparsifierName", "dense", "topk", "toptheta", "topp", "skipsoftmax")
+BASELINES = ("topp", "skipsoftmax")  # rules with a parameter of their own (p, λ) instead of a budget k
 Placement = _choices("Placement", "pre", "post", "auto")
 EmptyRows = _choices("EmptyRows", "keep-max", "reference")  # toptheta.sparsifiers.toptheta.EMPTY_ROWS
 SdcEstimator = _choices("SdcEstimator", "exact", "exp-threshold", "calibrated")
@@ -86,7 +87,7 @@ class ModelConfig:
 
 @dataclass
 class SparsifierConfig:
-    name: str = MISSING  # a registered sparsifier (toptheta.registry.SPARSIFIERS), checked by check()
+    name: SparsifierName = MISSING
     placement: Optional[Placement] = None  # null only for dense
     k: Optional[int] = None                # null only for dense
     # layer -> k overrides, on a node without the struct flag: a command-line dict may name layers the YAML's default
@@ -109,9 +110,6 @@ class CompConfig:
     sdc: Optional[SdcEstimator] = None
     sdc_scale: float = 1.0
     vmc: bool = False
-    # More compensations by registered name (toptheta.registry.COMPENSATIONS, built without arguments), e.g. one of
-    # your own: comp.extra=[mine]. Out of the run id while empty.
-    extra: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -237,19 +235,14 @@ def check(cfg: Any) -> None:
     need(target is None or str(get(sparsifier, "name")) != "dense", "sparsifier.target_kept", target,
          "null for dense attention (it keeps everything)")
     name = str(get(sparsifier, "name"))
-    if name not in SPARSIFIERS:
-        raise ValueError(f"invalid configuration:\n  sparsifier.name={name!r}: use a registered sparsifier: "
-                         f"{', '.join(SPARSIFIERS.names())} (conf/sparsifier/<name>.yaml)")
-    parameter = SPARSIFIERS.get(name).parameter
-    if parameter not in (None, "k"):  # a baseline with a parameter of its own (p, λ) instead of a budget k
+    if name in BASELINES:
         _check_baseline(name, sparsifier, comp, get, need)
-    elif parameter is not None and target is None:
+    elif name != "dense" and target is None:
         need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
         need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
-    owners = {SPARSIFIERS.get(n).parameter: n for n in SPARSIFIERS.names()}  # a baseline's own parameter: p, lam
-    for key in ("p", "lam"):
-        need(get(sparsifier, key) is None or parameter == key, f"sparsifier.{key}", get(sparsifier, key),
-             f"null: only sparsifier={owners.get(key, '(none registered)')} reads it")
+    for key, owner in (("p", "topp"), ("lam", "skipsoftmax")):
+        need(get(sparsifier, key) is None or name == owner, f"sparsifier.{key}", get(sparsifier, key),
+             f"null: only sparsifier={owner} reads it")
     layer_ks = get(sparsifier, "layer_k")
     need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
          "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")
@@ -257,10 +250,6 @@ def check(cfg: Any) -> None:
         need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
              "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
     need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")
-    for extra in get(comp, "extra") or []:
-        need(extra in COMPENSATIONS and extra not in ("sdc", "vmc"), "comp.extra", extra,
-             f"a registered compensation besides sdc and vmc (comp.sdc, comp.vmc): "
-             f"{', '.join(n for n in COMPENSATIONS.names() if n not in ('sdc', 'vmc')) or 'none registered'}")
     for key, minimum in (("num_samples", 1), ("num_fewshot", 0), ("cover_shots", 0)):
         value = get(calib, key)
         need(value is None or is_int(value, minimum), f"calib.{key}", value, f"null or an integer >= {minimum}")
@@ -284,7 +273,7 @@ def _check_baseline(name: str, sparsifier: Any, comp: Any, get, need) -> None:
     """topp and skipsoftmax: their parameter (unless target_kept fits it), an optional k, SDC only as the exact mass."""
     k, target, p, lam = (get(sparsifier, key) for key in ("k", "target_kept", "p", "lam"))
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    if SPARSIFIERS.get(name).parameter == "p":
+    if name == "topp":
         need(target is not None or (number(p) and 0 < p <= 1), "sparsifier.p", p,
              "a probability mass in (0, 1], e.g. sparsifier.p=0.9 (or sparsifier.target_kept=0.1 to fit it)")
     else:

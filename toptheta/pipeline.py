@@ -19,7 +19,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import builders
 from .builders import build_sparsifier, check_combination, check_sparsifies, compensation_objects
 from .matched import kept_in_sparsified_layers, resolve_target
 from .thresholds_cache import obtain_thresholds, thresholds_claim
@@ -70,8 +69,6 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     check(cfg)
     c = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     sparsifier, comp, task, calib = c["sparsifier"], dict(c["comp"]), c["task"], c["calib"]
-    if not comp.get("extra"):  # no registered extra compensation: the run ids stay as before it existed
-        comp.pop("extra", None)
     # Fields only some task kinds use stay out of the run identity when unset (stable ids across schema growth).
     task = {key: v for key, v in task.items() if not (v is None and key in OPTIONAL_TASK_FIELDS)}
     prefix_cache = bool(task.pop("prefix_cache", True))  # how scoring runs, not what it scores: not in the run id
@@ -83,7 +80,7 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     check_combination(sparsifier["name"], placement, comp)
 
     data_dir = resolve_data_dir(c.get("data_dir", "auto"))
-    needs_thresholds = builders.needs_thresholds(sparsifier["name"], comp)
+    needs_thresholds = sparsifier["name"] == "toptheta" or comp.get("sdc") == "calibrated"
     calib_task = (calib.get("task") or task.get("calib_task")) if needs_thresholds else None
     _check_tasks(task, calib_task, data_dir)
 

@@ -13,13 +13,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..sparsifiers.base import RowBlock
-from ..registry import COMPENSATIONS
 from .lowering import KernelCompensation
 
 ESTIMATORS = ("exact", "exp-threshold", "calibrated")
 
 
-@COMPENSATIONS.register("sdc")
 @dataclass
 class SDC:
     """Softmax denominator compensation.

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..registry import COMPENSATIONS
 from .lowering import KernelCompensation, lower
 
 
-@COMPENSATIONS.register("vmc")
 @dataclass
 class VMC:
     """V-mean compensation. It has no parameters: β comes from the kernel's float32 weights."""

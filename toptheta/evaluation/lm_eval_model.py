@@ -14,11 +14,8 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
 
 ==================  =============================================================================================
 ``pretrained``      a packaged name (``smollm2-135m``), ``tiny-<arch>``, a local directory or a hub id (load_model)
-``sparsifier``      any registered sparsifier: ``toptheta`` (default), ``topk``, ``dense``, the baselines ``topp`` (with
-                    ``p``) and ``skipsoftmax`` (with ``lam``), or one a user registered (toptheta.registry)
-``k``, ``layer_k``  k (64 for Top-k and Top-θ; for the baselines none unless given: rows of at most k keys kept whole)
-                    and per-layer exceptions as ``0:512+1:512`` (the default) or ``none``
-``p``, ``lam``      top-p's probability mass, skip-softmax's λ
+``sparsifier``      ``toptheta`` (default), ``topk`` or ``dense``
+``k``, ``layer_k``  k (64) and per-layer exceptions as ``0:512+1:512`` (the default) or ``none``
 ``placement``       ``auto`` (pre-softmax with SDC, else post), ``pre``, ``post``
 ``comp``            ``none``, ``sdc``, ``vmc`` (default), ``sdc+vmc``; ``sdc`` = ``exact`` | ``exp-threshold`` |
                     ``calibrated`` picks the SDC estimator, ``sdc_scale`` scales it
@@ -54,11 +51,11 @@ from typing import Any
 import torch
 from lm_eval.api.registry import register_model
 
-from ..registry import COMPENSATIONS, SPARSIFIERS
 from .shared_context_lm import SharedContextHFLM, check_decode_batch
 
 log = logging.getLogger(__name__)
 
+SPARSIFIERS = ("dense", "topk", "toptheta")
 COMP_PARTS = ("sdc", "vmc")
 PLACEMENTS = ("auto", "pre", "post")
 SAMPLERS = (None, "default", "first_n")  # conf/task's fewshot_sampler
@@ -87,17 +84,13 @@ def parse_layer_k(value: Any) -> dict[int, int]:
 
 
 def parse_comp(comp: Any, sdc: str, sdc_scale: float) -> dict:
-    """``sdc+vmc`` -> the pipeline's comp dict {"sdc": estimator or None, "sdc_scale", "vmc"}; other registered
-    compensations by name go to "extra" (as run.py's comp.extra)."""
+    """``sdc+vmc`` -> the pipeline's comp dict {"sdc": estimator or None, "sdc_scale", "vmc"}."""
     parts = [] if comp in (None, "", "none") else str(comp).split("+")
-    unknown = [p for p in parts if p not in COMPENSATIONS]
+    unknown = [p for p in parts if p not in COMP_PARTS]
     if unknown:
         raise ValueError(f"comp={comp!r}: use none, sdc, vmc or sdc+vmc (the SDC estimator is the separate "
-                         f"model_arg sdc=exact|exp-threshold|calibrated), or registered compensations joined by '+': "
-                         f"{', '.join(COMPENSATIONS.names())}")
-    out = {"sdc": sdc if "sdc" in parts else None, "sdc_scale": float(sdc_scale), "vmc": "vmc" in parts}
-    extra = [p for p in parts if p not in COMP_PARTS]
-    return {**out, "extra": extra} if extra else out
+                         f"model_arg sdc=exact|exp-threshold|calibrated)")
+    return {"sdc": sdc if "sdc" in parts else None, "sdc_scale": float(sdc_scale), "vmc": "vmc" in parts}
 
 
 @register_model("toptheta")
@@ -107,8 +100,7 @@ class TopThetaLM(SharedContextHFLM):
     Multiple-choice requests are scored as ``run.py`` scores them (SharedContextHFLM: each context once, padded
     batches with a mask), so ``--batch_size`` > 1 never counts padded rows in the sparsity statistics."""
 
-    def __init__(self, pretrained: str, sparsifier: str = "toptheta", k: int | None = None, layer_k: Any = DEFAULT_LAYER_K,
-                 p: float | None = None, lam: float | None = None,
+    def __init__(self, pretrained: str, sparsifier: str = "toptheta", k: int = 64, layer_k: Any = DEFAULT_LAYER_K,
                  placement: str = "auto", comp: str | None = "vmc", sdc: str = "exact", sdc_scale: float = 1.0,
                  thresholds: str | None = None, calib_task: str | None = None, calib_samples: int = 120,
                  calib_fewshot: int | None = None, calib_sampler: str | None = None, calib_cover_shots: int = 0,
@@ -122,33 +114,18 @@ class TopThetaLM(SharedContextHFLM):
 
         # Every setting is checked before the model loads.
         if sparsifier not in SPARSIFIERS:
-            raise ValueError(f"sparsifier={sparsifier!r}; valid: {', '.join(SPARSIFIERS.names())}")
-        kind = SPARSIFIERS.get(sparsifier)
-        dense = kind.parameter is None
-        if kind.parameter == "k":  # a budget: k=64 unless given (rows of at most k keys are kept whole)
-            k = 64 if k is None else k
-            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-                raise ValueError(f"k={k!r}: give a positive integer, e.g. k=64")
-        own = {"p": p, "lam": lam}  # the baselines' own parameters (top-p's p, skip-softmax's λ)
-        for key, value in own.items():
-            if value is not None and kind.parameter != key:
-                raise ValueError(f"{key}={value!r}: only a sparsifier whose parameter is {key} reads it "
-                                 f"(sparsifier={sparsifier} takes {kind.parameter or 'none'})")
-        if kind.parameter in own and own[kind.parameter] is None:
-            raise ValueError(f"sparsifier={sparsifier} needs {kind.parameter}=..., e.g. "
-                             f"{'p=0.9' if kind.parameter == 'p' else 'lam=1.0'}")
+            raise ValueError(f"sparsifier={sparsifier!r}; valid: {', '.join(SPARSIFIERS)}")
+        if sparsifier != "dense" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"k={k!r}: give a positive integer, e.g. k=64")
         check_decode_batch(hflm_kwargs.get("decode_batch"))
         if placement not in PLACEMENTS:
             raise ValueError(f"placement={placement!r}: use pre, post or auto (pre when SDC is on, else post)")
-        self.comp = parse_comp(comp, sdc, sdc_scale) if not dense else parse_comp(None, sdc, 1.0)
-        self.sparse_cfg = {"name": sparsifier, "k": k if not dense else None,
-                           "layer_k": parse_layer_k(layer_k) if not dense else {},
-                           "placement": placement,
-                           **{key: own[key] for key in own if kind.parameter == key}}
+        self.comp = parse_comp(comp, sdc, sdc_scale) if sparsifier != "dense" else parse_comp(None, sdc, 1.0)
+        self.sparse_cfg = {"name": sparsifier, "k": k if sparsifier != "dense" else None,
+                           "layer_k": parse_layer_k(layer_k) if sparsifier != "dense" else {},
+                           "placement": placement}
         self.sparse_cfg["placement"] = pipeline.resolve_placement(self.sparse_cfg, self.comp)
         builders.check_combination(sparsifier, self.sparse_cfg["placement"], self.comp)
-        if not builders.needs_thresholds(sparsifier, self.comp):  # its own checks speak (e.g. p outside (0, 1])
-            builders.build_sparsifier(self.sparse_cfg)
         if calib_sampler not in SAMPLERS:
             raise ValueError(f"calib_sampler={calib_sampler!r}: use first_n (the task's exemplars are its first "
                              "num_fewshot documents, task.fewshot_sampler=first_n in run.py) or default")
@@ -167,7 +144,7 @@ class TopThetaLM(SharedContextHFLM):
                                    ("beyond", beyond, "clamp")):
             if value not in (before, "default"):
                 self.calib[key] = value
-        self.needs_thresholds = builders.needs_thresholds(sparsifier, self.comp)
+        self.needs_thresholds = sparsifier == "toptheta" or self.comp["sdc"] == "calibrated"
         self.chunk_size = chunk_size
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device} but CUDA is not available on this machine (torch "
@@ -212,7 +189,7 @@ class TopThetaLM(SharedContextHFLM):
         k while the report names the requested one."""
         from ..calibration.checkpoint import check_settings
 
-        if not self.needs_thresholds:
+        if self.sparse_cfg["name"] != "toptheta" and self.comp["sdc"] != "calibrated":
             return
         meta = self.thresholds.metadata
         layer_k = "+".join(f"{a}:{b}" for a, b in (meta.get("layer_k") or {}).items()) or "none"

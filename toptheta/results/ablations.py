@@ -126,7 +126,7 @@ def _reference(cell: pd.DataFrame, ab: Ablation) -> Any:
 
 
 def _base_label(row: dict, ab: Ablation) -> str:
-    label = figures.sparsifier_label(row["sparsifier"])
+    label = {"topk": "Top-k", "toptheta": "Top-θ"}.get(row["sparsifier"], row["sparsifier"])
     if ab.column != "placement":
         label += f" {row.get('placement') or ''}".rstrip()
     if ab.column not in ("comp",):

@@ -28,7 +28,6 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from ..registry import SPARSIFIERS
 from .store import DONE_MARKER, SUMMARY_FIELD_PATHS, comp_label
 
 DEFAULT_GRANULARITY = "layer-head-n"  # the paper's: one θ per (layer, head, row length)
@@ -82,11 +81,6 @@ def _comp_parts(comp: str) -> list[str]:
     return parts
 
 
-def sparsifier_label(name) -> str:
-    """How tables and figures name a sparsifier: its registered label (Top-k, Top-θ, ...), else the stored name."""
-    return SPARSIFIERS.get(name).label if name in SPARSIFIERS else str(name)
-
-
 def series_label(row: Mapping[str, Any], *, granularity: bool = True) -> str:
     """The paper's legend label of a summary row, e.g. 'Top-θ pre (+SDC +VMC)' or 'Baseline'.
 
@@ -97,7 +91,7 @@ def series_label(row: Mapping[str, Any], *, granularity: bool = True) -> str:
     name = _text(row.get("sparsifier"))
     if name in ("", "dense"):
         return "Baseline"
-    label = " ".join(filter(None, (sparsifier_label(name), _text(row.get("placement")))))
+    label = " ".join(filter(None, ({"topk": "Top-k", "toptheta": "Top-θ"}.get(name, name), _text(row.get("placement")))))
     comps = _comp_parts(_text(row.get("comp")))
     if comps:
         label += " (" + " ".join(f"+{c}" for c in comps) + ")"

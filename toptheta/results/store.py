@@ -258,7 +258,6 @@ def comp_label(comp: Mapping[str, Any]) -> str:
         parts.append(f"sdc={comp['sdc']}" + ("" if scale in (None, 1, 1.0) else f"*{scale}"))
     if comp.get("vmc"):
         parts.append("vmc")
-    parts += list(comp.get("extra") or [])  # registered compensations by name (comp.extra)
     return "+".join(parts) or "none"
 
 

@@ -137,26 +137,9 @@ class FusedRule:
 
 
 class Sparsifier:
-    """Base class. Subclasses set ``placement`` and implement :meth:`select`; registered by name
-    (``@SPARSIFIERS.register("name")``, toptheta.registry), a subclass also says what its settings mean:
+    """Base class. Subclasses set ``placement`` and implement :meth:`select`."""
 
-    * ``label``: how tables and figures name it;
-    * ``parameter``: the setting ``sparsifier.target_kept`` resolves: ``"k"`` (a budget), its own (``"p"``,
-      ``"lam"``), or None (nothing to resolve: dense);
-    * ``needs_thresholds``: whether it needs calibrated thresholds (Top-θ);
-    * ``from_settings(settings, thresholds)``: the object from a run's plain sparsifier settings (name, placement,
-      k, layer_k and its own keys).
-    """
-
-    name: str = ""  # set by the registry
-    label: str = ""
-    parameter: str | None = "k"
-    needs_thresholds: bool = False
     placement: str | None = None  # None for dense
-
-    @classmethod
-    def from_settings(cls, settings: dict, thresholds=None) -> "Sparsifier":
-        raise NotImplementedError(f"{cls.__name__} cannot be built from settings: give it a from_settings")
 
     def k_for(self, layer: int) -> int | None:
         """Budget of a layer: rows with at most this many valid keys are kept whole (None = dense)."""

@@ -29,11 +29,9 @@ import math
 
 import torch
 
-from ..registry import SPARSIFIERS
 from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
 
 
-@SPARSIFIERS.register("skipsoftmax")
 class SkipSoftmax(Sparsifier):
     """Drop s < m + ln(λ/n), per row; see the module docstring.
 
@@ -44,13 +42,6 @@ class SkipSoftmax(Sparsifier):
         k: rows with at most k valid keys are kept whole (None: every row is sparsified).
         layer_k: per-layer overrides of ``k``, e.g. ``{0: 512, 1: 512}``.
     """
-
-    label = "skip-softmax"
-    parameter = "lam"
-
-    @classmethod
-    def from_settings(cls, settings: dict, thresholds=None) -> "SkipSoftmax":
-        return cls(settings["lam"], settings["placement"], settings.get("k"), settings.get("layer_k"))
 
     def __init__(self, lam: float, placement: str = "pre", k: int | None = None,
                  layer_k: dict[int, int] | None = None):

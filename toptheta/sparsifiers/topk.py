@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import SPARSIFIERS
 from .base import FusedRule, RowBlock, Sparsifier, check_placement, keep_whole_short_rows
 
 
-@SPARSIFIERS.register("topk")
 class TopK(Sparsifier):
     """Exact per-row, per-head top-k.
 
@@ -18,12 +16,6 @@ class TopK(Sparsifier):
             same set (softmax is monotone); they differ in how the kept weights are normalised.
         layer_k: per-layer overrides, e.g. ``{0: 512, 1: 512}`` as in every paper QA run.
     """
-
-    label = "Top-k"
-
-    @classmethod
-    def from_settings(cls, settings: dict, thresholds=None) -> "TopK":
-        return cls(settings["k"], settings["placement"], settings.get("layer_k"))
 
     def __init__(self, k: int, placement: str = "post", layer_k: dict[int, int] | None = None):
         if not isinstance(k, int) or k < 1:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import SPARSIFIERS
 from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
 
 
-@SPARSIFIERS.register("topp")
 class TopP(Sparsifier):
     """Per-row, per-head nucleus selection.
 
@@ -29,13 +27,6 @@ class TopP(Sparsifier):
         k: rows with at most k valid keys are kept whole (None: every row is sparsified).
         layer_k: per-layer overrides of ``k``, e.g. ``{0: 512, 1: 512}``.
     """
-
-    label = "Top-p"
-    parameter = "p"
-
-    @classmethod
-    def from_settings(cls, settings: dict, thresholds=None) -> "TopP":
-        return cls(settings["p"], settings["placement"], settings.get("k"), settings.get("layer_k"))
 
     def __init__(self, p: float, placement: str = "post", k: int | None = None, layer_k: dict[int, int] | None = None):
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:

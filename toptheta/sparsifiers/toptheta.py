@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import SPARSIFIERS
 from .base import FusedRule, RowBlock, Sparsifier, check_placement, keep_whole_short_rows
 
 EMPTY_ROWS = ("keep-max", "reference")
 
 
-@SPARSIFIERS.register("toptheta")
 class TopTheta(Sparsifier):
     """Static-threshold selection with thresholds calibrated per layer, head and row length.
 
@@ -30,13 +28,6 @@ class TopTheta(Sparsifier):
     With keep-max, exp-threshold SDC bounds each dropped key of such a row by exp(m − m) = 1, not exp(θ − m):
     every dropped logit is ≤ the kept maximum m (see ``compensation/sdc.py``).
     """
-
-    label = "Top-θ"
-    needs_thresholds = True
-
-    @classmethod
-    def from_settings(cls, settings: dict, thresholds=None) -> "TopTheta":
-        return cls(thresholds, settings["placement"], empty_rows=settings.get("empty_rows") or "keep-max")
 
     def __init__(self, thresholds, placement: str | None = None, empty_rows: str = "keep-max"):
         if empty_rows not in EMPTY_ROWS:
