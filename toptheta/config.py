@@ -9,7 +9,9 @@ OmegaConf's message lists the valid values. Ranges that types cannot express (`t
 Choices are Enums whose member names equal their values ("layer-head-n"), so a YAML, an override and an
 error message all spell a value the same way; they are `str` subclasses, so `cfg.task.kind == "lm_eval"`
 holds, and pipeline turns them into plain strings (`OmegaConf.to_container(..., enum_to_str=True)`).
-Only the pipeline reads these classes; library objects take plain arguments.
+Only the pipeline reads these classes; library objects take plain arguments. Sparsifier and compensation names are
+not Enums: they are whatever is registered (toptheta/registry.py), and `check` refuses an unknown name with the list of
+known ones, and asks the registered sparsifier what it needs (a budget k or its own parameter, thresholds).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 from .evaluation.ruler import RulerSettings  # a plain dataclass (no heavy imports): task.ruler's schema
+from .registry import active_compensations, sparsifier_kind, sparsifier_names
 
 
 class Choice(str, Enum):
@@ -38,8 +41,6 @@ def _choices(name: str, *values: str) -> type[Choice]:
 
 
 Dtype = _choices("Dtype", "float32", "float16", "bfloat16", "auto")
-SparsifierName = _choices("SparsifierName", "dense", "topk", "toptheta", "topp", "skipsoftmax")
-BASELINES = ("topp", "skipsoftmax")  # rules with a parameter of their own (p, λ) instead of a budget k
 Placement = _choices("Placement", "pre", "post", "auto")
 EmptyRows = _choices("EmptyRows", "keep-max", "reference")  # toptheta.sparsifiers.toptheta.EMPTY_ROWS
 SdcEstimator = _choices("SdcEstimator", "exact", "exp-threshold", "calibrated")
@@ -87,7 +88,7 @@ class ModelConfig:
 
 @dataclass
 class SparsifierConfig:
-    name: SparsifierName = MISSING
+    name: str = MISSING                    # a registered sparsifier (toptheta/registry.py), checked by `check`
     placement: Optional[Placement] = None  # null only for dense
     k: Optional[int] = None                # null only for dense
     # layer -> k overrides, on a node without the struct flag: a command-line dict may name layers the YAML's default
@@ -235,14 +236,23 @@ def check(cfg: Any) -> None:
     need(target is None or str(get(sparsifier, "name")) != "dense", "sparsifier.target_kept", target,
          "null for dense attention (it keeps everything)")
     name = str(get(sparsifier, "name"))
-    if name in BASELINES:
-        _check_baseline(name, sparsifier, comp, get, need)
-    elif name != "dense" and target is None:
+    if name not in sparsifier_names():
+        raise ValueError(f"invalid configuration:\n  sparsifier.name={name!r}: one of {', '.join(sparsifier_names())} "
+                         "(or a sparsifier registered with toptheta.registry.register_sparsifier)")
+    kind = sparsifier_kind(name)
+    if kind.parameter is not None:
+        _check_parameter(kind, sparsifier, comp, get, need)
+    elif kind.drops and target is None:
         need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
-        need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
-    for key, owner in (("p", "topp"), ("lam", "skipsoftmax")):
-        need(get(sparsifier, key) is None or name == owner, f"sparsifier.{key}", get(sparsifier, key),
-             f"null: only sparsifier={owner} reads it")
+    placement = get(sparsifier, "placement")
+    if kind.drops:
+        need(placement is not None and str(placement) in (*kind.placements, "auto"), "sparsifier.placement", placement,
+             f"use {', '.join(kind.placements)} or auto")
+    for other in map(sparsifier_kind, sparsifier_names()):  # another rule's parameter would silently mean nothing
+        if other.parameter is not None and other.parameter != kind.parameter:
+            key = other.parameter.key
+            need(get(sparsifier, key) is None, f"sparsifier.{key}", get(sparsifier, key),
+                 f"null: only sparsifier={other.name} reads it")
     layer_ks = get(sparsifier, "layer_k")
     need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
          "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")
@@ -269,21 +279,20 @@ def check(cfg: Any) -> None:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def _check_baseline(name: str, sparsifier: Any, comp: Any, get, need) -> None:
-    """topp and skipsoftmax: their parameter (unless target_kept fits it), an optional k, SDC only as the exact mass."""
-    k, target, p, lam = (get(sparsifier, key) for key in ("k", "target_kept", "p", "lam"))
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    if name == "topp":
-        need(target is not None or (number(p) and 0 < p <= 1), "sparsifier.p", p,
-             "a probability mass in (0, 1], e.g. sparsifier.p=0.9 (or sparsifier.target_kept=0.1 to fit it)")
-    else:
-        need(target is not None or (number(lam) and 0 < lam < float("inf")), "sparsifier.lam", lam,
-             "a finite λ > 0, e.g. sparsifier.lam=1.0 (or sparsifier.target_kept=0.1 to fit it)")
+def _check_parameter(kind, sparsifier: Any, comp: Any, get, need) -> None:
+    """A rule with its own parameter (top-p's p, skip-softmax's λ): the parameter (unless target_kept fits it), an
+    optional k, and no compensation that needs thresholds (they are calibrated at a budget k, which it has not)."""
+    key, k, target = kind.parameter.key, get(sparsifier, "k"), get(sparsifier, "target_kept")
+    value = get(sparsifier, key)
+    need(target is not None or kind.parameter.accepts(value), f"sparsifier.{key}", value,
+         f"{kind.parameter.valid} (or sparsifier.target_kept=0.1 to fit it)")
     need(k is None or is_int(k, 1), "sparsifier.k", k, "null (every row sparsified) or an integer >= 1 (rows with at "
          "most k keys kept whole)")
-    need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
-    need(get(comp, "sdc") in (None, "exact"), "comp.sdc", get(comp, "sdc"),
-         f"null or exact for sparsifier={name} (exp-threshold and calibrated SDC need Top-θ's or Top-k's thresholds)")
+    plain = dict(comp.items())
+    for comp_kind in active_compensations(plain):
+        need(not comp_kind.needs_thresholds(plain), f"comp.{comp_kind.name}", get(comp, comp_kind.name),
+             f"{comp_kind.without_thresholds} for sparsifier={kind.name} (this setting needs thresholds, calibrated at "
+             "a budget k, which the rule has not)")
 
 
 def _check_task(task: Any, get, need) -> None:
