@@ -16,14 +16,14 @@ known ones, and asks the registered sparsifier what it needs (a budget k or its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
 from .evaluation.ruler import RulerSettings  # a plain dataclass (no heavy imports): task.ruler's schema
-from .registry import active_compensations, sparsifier_kind, sparsifier_names
+from .registry import active_compensations, compensation_kinds, sparsifier_kind, sparsifier_names
 
 
 class Choice(str, Enum):
@@ -230,35 +230,7 @@ def check(cfg: Any) -> None:
         if not ok:
             problems.append(f"{key}={value!r}: {valid}")
 
-    k, target = get(sparsifier, "k"), get(sparsifier, "target_kept")
-    need(target is None or (isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target < 1),
-         "sparsifier.target_kept", target, "null (k decides) or a fraction in (0, 1), e.g. sparsifier.target_kept=0.1")
-    need(target is None or str(get(sparsifier, "name")) != "dense", "sparsifier.target_kept", target,
-         "null for dense attention (it keeps everything)")
-    name = str(get(sparsifier, "name"))
-    if name not in sparsifier_names():
-        raise ValueError(f"invalid configuration:\n  sparsifier.name={name!r}: one of {', '.join(sparsifier_names())} "
-                         "(or a sparsifier registered with toptheta.registry.register_sparsifier)")
-    kind = sparsifier_kind(name)
-    if kind.parameter is not None:
-        _check_parameter(kind, sparsifier, comp, get, need)
-    elif kind.drops and target is None:
-        need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
-    placement = get(sparsifier, "placement")
-    if kind.drops:
-        need(placement is not None and str(placement) in (*kind.placements, "auto"), "sparsifier.placement", placement,
-             f"use {', '.join(kind.placements)} or auto")
-    for other in map(sparsifier_kind, sparsifier_names()):  # another rule's parameter would silently mean nothing
-        if other.parameter is not None and other.parameter != kind.parameter:
-            key = other.parameter.key
-            need(get(sparsifier, key) is None, f"sparsifier.{key}", get(sparsifier, key),
-                 f"null: only sparsifier={other.name} reads it")
-    layer_ks = get(sparsifier, "layer_k")
-    need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
-         "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")
-    for layer, layer_k in (dict(layer_ks) if hasattr(layer_ks, "items") else {}).items():
-        need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
-             "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
+    problems.extend(sparsifier_problems(sparsifier, comp))
     need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")
     for key, minimum in (("num_samples", 1), ("num_fewshot", 0), ("cover_shots", 0)):
         value = get(calib, key)
@@ -279,13 +251,61 @@ def check(cfg: Any) -> None:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def _check_parameter(kind, sparsifier: Any, comp: Any, get, need) -> None:
+def sparsifier_problems(sparsifier: Any, comp: Any, fits_target: bool = True) -> list[str]:
+    """What is wrong with a run's sparsifier and comp settings (a DictConfig or plain dict each), asked of the registry:
+    the name, what the named rule needs (a budget k or its own parameter), its placements, and no setting that only
+    another rule or no registered compensation reads. ``toptheta-eval`` checks its model_args with this too (it has no
+    sparsifier.target_kept: ``fits_target=False`` leaves that fix out of the messages)."""
+    def get(node: Any, key: str) -> Any:
+        return node.get(key)
+
+    problems: list[str] = []
+
+    def need(ok: bool, key: str, value: Any, valid: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: {valid}")
+
+    name = str(get(sparsifier, "name"))
+    if name not in sparsifier_names():
+        return [f"sparsifier.name={name!r}: one of {', '.join(sparsifier_names())} (or a sparsifier registered with "
+                "toptheta.registry.register_sparsifier)"]
+    kind = sparsifier_kind(name)
+    k, target = get(sparsifier, "k"), get(sparsifier, "target_kept")
+    need(target is None or (isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target < 1),
+         "sparsifier.target_kept", target, "null (k decides) or a fraction in (0, 1), e.g. sparsifier.target_kept=0.1")
+    need(target is None or kind.drops, "sparsifier.target_kept", target, f"null for {name} (it keeps everything)")
+    if kind.parameter is not None:
+        _check_parameter(kind, sparsifier, comp, get, need, fits_target)
+    elif kind.drops and target is None:
+        need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
+    placement = get(sparsifier, "placement")
+    if kind.drops:
+        need(placement is not None and str(placement) in (*kind.placements, "auto"), "sparsifier.placement", placement,
+             f"use {', '.join(kind.placements)} or auto")
+    for other in map(sparsifier_kind, sparsifier_names()):  # another rule's parameter would silently mean nothing
+        if other.parameter is not None and other.parameter != kind.parameter:
+            key = other.parameter.key
+            need(get(sparsifier, key) is None, f"sparsifier.{key}", get(sparsifier, key),
+                 f"null: only sparsifier={other.name} reads it")
+    layer_ks = get(sparsifier, "layer_k")
+    need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
+         "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")
+    for layer, layer_k in (dict(layer_ks) if hasattr(layer_ks, "items") else {}).items():
+        need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
+             "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
+    known = {f.name for f in fields(CompConfig)} | {key for c in compensation_kinds() for key in (c.name, *c.keys)}
+    for key in comp.keys():  # a key added with +comp.<name>=... that no registered compensation reads: a typo
+        need(key in known, f"comp.{key}", get(comp, key), f"a registered compensation: {', '.join(sorted(known))}")
+    return problems
+
+
+def _check_parameter(kind, sparsifier: Any, comp: Any, get, need, fits_target: bool) -> None:
     """A rule with its own parameter (top-p's p, skip-softmax's λ): the parameter (unless target_kept fits it), an
     optional k, and no compensation that needs thresholds (they are calibrated at a budget k, which it has not)."""
     key, k, target = kind.parameter.key, get(sparsifier, "k"), get(sparsifier, "target_kept")
     value = get(sparsifier, key)
     need(target is not None or kind.parameter.accepts(value), f"sparsifier.{key}", value,
-         f"{kind.parameter.valid} (or sparsifier.target_kept=0.1 to fit it)")
+         kind.parameter.valid + (" (or sparsifier.target_kept=0.1 to fit it)" if fits_target else ""))
     need(k is None or is_int(k, 1), "sparsifier.k", k, "null (every row sparsified) or an integer >= 1 (rows with at "
          "most k keys kept whole)")
     plain = dict(comp.items())

@@ -82,6 +82,7 @@ class CompensationKind:
     needs_thresholds: Callable[[dict], bool] = lambda comp: False  # calibrated thresholds of a budget k (SDC calibrated)
     prefers: str | None = None  # the placement placement=auto picks when it is on (SDC: pre)
     without_thresholds: str = "null"  # comp.<name> values that need no thresholds, for messages ("null or exact")
+    on: Any = True  # comp.<name> when toptheta-eval's comp= names it without a value of its own (SDC: "exact")
 
     def active(self, comp: dict) -> bool:
         return bool(comp.get(self.name))
@@ -102,11 +103,12 @@ def register_sparsifier(name: str, *, label: str, parameter: Parameter | None = 
 
 
 def register_compensation(name: str, *, label: str, keys: tuple[str, ...] = (), prefers: str | None = None,
-                          needs_thresholds: Callable[[dict], bool] | None = None, without_thresholds: str = "null"):
+                          needs_thresholds: Callable[[dict], bool] | None = None, without_thresholds: str = "null",
+                          on: Any = True):
     """Class decorator: the class (with ``from_config(comp, thresholds)``) is compensation ``name``, on with comp.<name>."""
     def register(cls):
         kind = CompensationKind(name, label, cls.from_config, keys, needs_thresholds or (lambda comp: False), prefers,
-                                without_thresholds)
+                                without_thresholds, on)
         _add(_COMPENSATIONS, kind, cls)
         return cls
     return register

@@ -20,7 +20,7 @@ ESTIMATORS = ("exact", "exp-threshold", "calibrated")
 
 
 @register_compensation("sdc", label="SDC", keys=("sdc_scale",), prefers="pre",
-                       needs_thresholds=lambda comp: comp.get("sdc") == "calibrated", without_thresholds="null or exact")
+                       needs_thresholds=lambda comp: comp.get("sdc") == "calibrated", without_thresholds="null or exact", on="exact")
 @dataclass
 class SDC:
     """Softmax denominator compensation.
