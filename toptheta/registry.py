@@ -89,6 +89,7 @@ class CompensationKind:
 
 
 _SPARSIFIERS: dict[str, SparsifierKind] = {}
+_SPARSIFIER_CLASSES: dict[type, str] = {}  # class -> name, for the kernels' dispatch (exact classes only)
 _COMPENSATIONS: dict[str, CompensationKind] = {}
 
 
@@ -98,6 +99,7 @@ def register_sparsifier(name: str, *, label: str, parameter: Parameter | None = 
     def register(cls):
         _add(_SPARSIFIERS, SparsifierKind(name, label, cls.from_config, parameter, needs_thresholds, placements,
                                           options), cls)
+        _SPARSIFIER_CLASSES[cls] = name
         return cls
     return register
 
@@ -125,6 +127,8 @@ def unregister(name: str) -> None:
     """Remove a sparsifier or compensation registered under ``name`` (tests that register their own)."""
     _SPARSIFIERS.pop(name, None)
     _COMPENSATIONS.pop(name, None)
+    for cls in [cls for cls, registered in _SPARSIFIER_CLASSES.items() if registered == name]:
+        del _SPARSIFIER_CLASSES[cls]
 
 
 def _builtins() -> None:
@@ -139,6 +143,12 @@ def sparsifier_kind(name: str) -> SparsifierKind:
     if name not in _SPARSIFIERS:
         raise ValueError(f"sparsifier {name!r} is not registered; known: {', '.join(sparsifier_names())}")
     return _SPARSIFIERS[name]
+
+
+def name_of(sparsifier) -> str:
+    """The name a sparsifier object's class is registered under, or "other": an unregistered class, or a subclass of
+    a registered one (it may select differently, so fast kernels that serve the parent by name must not take it)."""
+    return _SPARSIFIER_CLASSES.get(type(sparsifier), "other")
 
 
 def sparsifier_names() -> list[str]:
