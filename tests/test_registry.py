@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 
 import toptheta
 from test_lm_eval_cli import _smoke_manager
@@ -80,7 +81,7 @@ def cfg(*overrides: str):
 
 
 # The new sparsifier and compensation as a command line: run.py sparsifier.name=recent +sparsifier.window=4 ...
-RECENT = ("sparsifier=topk", "sparsifier.name=recent", "+sparsifier.window=4", "sparsifier.k=null",
+RECENT = ("sparsifier=topk", "sparsifier.name=recent", "sparsifier.window=4", "sparsifier.k=null",
           "sparsifier.layer_k=null", "sparsifier.placement=auto")
 RUN = ("model=tiny-llama", "task=smoke", "task.limit=4", "baseline=false", "log_samples=false")
 
@@ -104,6 +105,8 @@ def test_a_typo_fails_before_anything_loads_listing_the_known_names(tmp_path):
         pipeline.plan(cfg(*RUN, "sparsifier=topk", "sparsifier.name=recnet", f"results_dir={tmp_path}"))
     with pytest.raises(ValueError, match="comp.halfsd=True: a registered compensation: halfsdc, sdc, sdc_scale, vmc"):
         pipeline.plan(cfg(*RUN, "sparsifier=topk", "+comp.halfsd=true", f"results_dir={tmp_path}"))
+    with pytest.raises(ConfigCompositionException):  # the schema has the registered keys only
+        cfg(*RUN, "sparsifier=topk", "comp.halfsd=true")
     with pytest.raises(ValueError, match="sparsifier.window=None: a number of keys >= 1"):
         pipeline.plan(cfg(*RUN, *RECENT[:2], f"results_dir={tmp_path}"))
     with pytest.raises(ValueError, match="sparsifier.p=0.9: null: only sparsifier=topp reads it"):
@@ -111,12 +114,27 @@ def test_a_typo_fails_before_anything_loads_listing_the_known_names(tmp_path):
 
 
 def test_the_new_kinds_plan_as_their_registrations_say(tmp_path):
-    (spec,) = pipeline.plan(cfg(*RUN, *RECENT, "comp=vmc", "+comp.halfsdc=true", f"results_dir={tmp_path}"))
+    (spec,) = pipeline.plan(cfg(*RUN, *RECENT, "comp=vmc", "comp.halfsdc=true", f"results_dir={tmp_path}"))
     assert spec.config["sparsifier"]["window"] == 4 and spec.config["comp"]["halfsdc"] is True
     assert spec.config["sparsifier"]["placement"] == "pre"  # placement=auto: HalfSDC prefers pre-softmax
     assert spec.label == "recent-pre" and spec.thresholds is None  # no thresholds: none asked for
     fitted = pipeline.plan(cfg(*RUN, *RECENT, "sparsifier.target_kept=0.5", f"results_dir={tmp_path}"))[-1]
     assert fitted.config["sparsifier"]["window"] is None  # sparsifier.target_kept fits the rule's own parameter
+
+
+def test_their_yaml_files_compose_into_the_schema(tmp_path):
+    """conf/sparsifier/recent.yaml and conf/comp/halfsdc+vmc.yaml, here in a folder on Hydra's search path."""
+    (tmp_path / "sparsifier").mkdir()
+    (tmp_path / "comp").mkdir()
+    (tmp_path / "sparsifier" / "recent.yaml").write_text(
+        "# python run.py sparsifier=recent comp=halfsdc+vmc\nname: recent\nplacement: auto\nwindow: 4\nk: null\n"
+        "layer_k: null\n")
+    (tmp_path / "comp" / "halfsdc+vmc.yaml").write_text("sdc: null\nsdc_scale: 1.0\nvmc: true\nhalfsdc: true\n")
+    c = cfg(*RUN, f"hydra.searchpath=[file://{tmp_path}]", "sparsifier=recent", "comp=halfsdc+vmc",
+            f"results_dir={tmp_path / 'results'}")
+    (spec,) = pipeline.plan(c)
+    (expected,) = pipeline.plan(cfg(*RUN, *RECENT, "comp=vmc", "comp.halfsdc=true", f"results_dir={tmp_path / 'results'}"))
+    assert spec.run_id == expected.run_id and spec.config["sparsifier"]["window"] == 4
 
 
 def _stored(results_dir) -> tuple[dict, dict, list]:
@@ -132,7 +150,7 @@ def _stored(results_dir) -> tuple[dict, dict, list]:
 def test_a_new_sparsifier_and_compensation_run_through_run_py_as_the_library_objects_do(tmp_path):
     """recent + HalfSDC + VMC through the pipeline gives what recent + SDC('exact', 0.5) + VMC gives."""
     run = (*RUN[:-1], "log_samples=true")
-    pipeline.run(cfg(*run, *RECENT, "comp=vmc", "+comp.halfsdc=true", f"results_dir={tmp_path / 'new'}"))
+    pipeline.run(cfg(*run, *RECENT, "comp=vmc", "comp.halfsdc=true", f"results_dir={tmp_path / 'new'}"))
     pipeline.run(cfg(*run, *RECENT, "comp=sdc+vmc", "comp.sdc_scale=0.5", f"results_dir={tmp_path / 'sdc'}"))
     (new, stored, new_loglik), (sdc, _, sdc_loglik) = _stored(tmp_path / "new"), _stored(tmp_path / "sdc")
     assert stored["sparsifier"]["window"] == 4 and stored["comp"]["halfsdc"] is True

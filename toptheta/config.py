@@ -16,7 +16,7 @@ known ones, and asks the registered sparsifier what it needs (a budget k or its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
@@ -113,6 +113,9 @@ class CompConfig:
     vmc: bool = False
 
 
+COMP_FIELDS = tuple(f.name for f in fields(CompConfig))  # always in a run's comp (run ids); a newer one's only when set
+
+
 @dataclass
 class CalibConfig:
     statistic: Statistic = Statistic["order"]
@@ -205,10 +208,27 @@ class Config:
 
 
 def register() -> None:
-    """Make `config_schema` (conf/config.yaml's first default) known to Hydra; idempotent."""
+    """Make `config_schema` (conf/config.yaml's first default) known to Hydra; idempotent. Call it after registering
+    a sparsifier or compensation of your own: the schema then has its settings (see `schema`)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="config_schema", node=Config)
+    ConfigStore.instance().store(name="config_schema", node=schema())
+
+
+def schema() -> type:
+    """`Config`, its sparsifier and comp groups grown by the settings of every registered sparsifier and compensation
+    that the classes above do not name (e.g. `window` of a sliding-window sparsifier, `comp.halfsdc`), typed Any and
+    null by default: so a new one's YAML composes and a typo in a key still fails. Null settings stay out of run ids
+    (pipeline.plan), so stored runs keep theirs."""
+    def grown(base: type, keys: list[str]) -> type:
+        new = [key for key in dict.fromkeys(keys) if key not in {f.name for f in fields(base)}]
+        return make_dataclass(base.__name__, [(key, Optional[Any], None) for key in new], bases=(base,)) if new else base
+
+    sparsifier = grown(SparsifierConfig, [key for name in sparsifier_names() for key in sparsifier_kind(name).keys])
+    comp = grown(CompConfig, [key for kind in compensation_kinds() for key in (kind.name, *kind.keys)])
+    if sparsifier is SparsifierConfig and comp is CompConfig:
+        return Config
+    return make_dataclass("Config", [("sparsifier", sparsifier, MISSING), ("comp", comp, MISSING)], bases=(Config,))
 
 
 # ---- ranges: what types cannot say --------------------------------------------------------------------------

@@ -65,12 +65,14 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     Types and choices were checked when Hydra composed `cfg` into toptheta.config's schema; ranges are
     checked here first, then combinations, tasks and data files, all before any model loads.
     """
-    from .config import OPTIONAL_TASK_FIELDS, check
+    from .config import COMP_FIELDS, OPTIONAL_TASK_FIELDS, check
     from .results.store import RunStore
 
     check(cfg)
     c = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     sparsifier, comp, task, calib = c["sparsifier"], dict(c["comp"]), c["task"], c["calib"]
+    # Settings of compensations registered after CompConfig's fields (null when off) stay out of the run identity.
+    comp = {key: v for key, v in comp.items() if not (v is None and key not in COMP_FIELDS)}
     # Fields only some task kinds use stay out of the run identity when unset (stable ids across schema growth).
     task = {key: v for key, v in task.items() if not (v is None and key in OPTIONAL_TASK_FIELDS)}
     prefix_cache = bool(task.pop("prefix_cache", True))  # how scoring runs, not what it scores: not in the run id
