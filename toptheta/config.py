@@ -11,7 +11,8 @@ error message all spell a value the same way; they are `str` subclasses, so `cfg
 holds, and pipeline turns them into plain strings (`OmegaConf.to_container(..., enum_to_str=True)`).
 Only the pipeline reads these classes; library objects take plain arguments. Sparsifier and compensation names are
 not Enums: they are whatever is registered (toptheta/registry.py), and `check` refuses an unknown name with the list of
-known ones, and asks the registered sparsifier what it needs (a budget k or its own parameter, thresholds).
+known ones, and asks the registered sparsifier what it needs (a budget k or its own parameter, thresholds); `schema()`
+adds each registered one's own settings to the sparsifier and comp groups.
 """
 
 from __future__ import annotations

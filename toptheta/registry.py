@@ -14,7 +14,9 @@ A registered class provides ``from_config(settings, thresholds)``: the object fr
 
 from __future__ import annotations
 
+import importlib
 import math
+import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -132,9 +134,19 @@ def unregister(name: str) -> None:
 
 
 def _builtins() -> None:
-    # The built-in classes register themselves on import; they import this module, so it cannot import them at
-    # its top (a circle). Importing them here makes every lookup see them whichever module asked first.
-    from . import compensation, sparsifiers  # noqa: F401
+    """Import every module of toptheta/sparsifiers/ and toptheta/compensation/ once: their classes register on import,
+    so a new one is a file there, with no list to edit. (They import this module, so it cannot import them at its top.)"""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for package in ("sparsifiers", "compensation"):
+        module = importlib.import_module(f"{__package__}.{package}")
+        for info in pkgutil.iter_modules(module.__path__):
+            importlib.import_module(f"{module.__name__}.{info.name}")
+
+
+_LOADED = False
 
 
 def sparsifier_kind(name: str) -> SparsifierKind:
@@ -157,7 +169,8 @@ def sparsifier_names() -> list[str]:
 
 
 def compensation_kinds() -> list[CompensationKind]:
-    """Every registered compensation, in registration order (the built-ins first: SDC, then VMC)."""
+    """Every registered compensation, in registration order: SDC, then VMC (compensation/__init__.py imports them in
+    that order, before any of its modules), then others; builders.compensation_objects builds them in this order."""
     _builtins()
     return list(_COMPENSATIONS.values())
 
