@@ -61,7 +61,7 @@ def enum_fields() -> list[tuple[str, str, type]]:
 
 def test_the_schema_has_the_choices_the_issue_names():
     fields = {f"{g}.{n}" for g, n, _ in enum_fields()}
-    assert {"calib.granularity", "sparsifier.placement", "sparsifier.name", "comp.sdc", "task.kind",
+    assert {"calib.granularity", "sparsifier.placement", "comp.sdc", "task.kind",
             "model.dtype", "calib.lookup", "calib.statistic", "logger.name"} <= fields
 
 

@@ -38,9 +38,9 @@ def test_import_toptheta_registers_the_model_without_importing_it():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ({"sparsifier": "topq"}, "valid: dense, topk, toptheta"),
+        ({"sparsifier": "topq"}, "one of dense, skipsoftmax, topk, topp, toptheta"),
         ({"k": 0}, "positive integer"),
-        ({"comp": "sdc+vmcc"}, "none, sdc, vmc or sdc\\+vmc"),
+        ({"comp": "sdc+vmcc"}, "from sdc, vmc"),
         ({"layer_k": "0-512"}, "layer_k=0:512\\+1:512"),
         ({"placement": "pre", "comp": "vmc"}, "VMC"),
         ({"placement": "middle"}, "pre, post or auto"),

@@ -9,17 +9,24 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+from .compensation import check_compensation
+from .registry import compensation_kinds, sparsifier_kind
+
 log = logging.getLogger("toptheta")
+
+
+def needs_thresholds(sparsifier: dict, comp: dict) -> bool:
+    """The run needs calibrated thresholds: its sparsifier's own (Top-θ), or a compensation's (calibrated SDC)."""
+    return sparsifier_kind(sparsifier["name"]).needs_thresholds or any(
+        kind.active(comp) and kind.needs_thresholds(comp) for kind in compensation_kinds())
 
 
 def check_combination(name: str, placement: str | None, comp: dict) -> None:
     """Build the compensation objects against a stand-in sparsifier: the library's own checks speak."""
-    from .compensation import check_compensation
-
-    if name == "dense":
+    if not sparsifier_kind(name).drops:
         return
     stand_in = SimpleNamespace(placement=placement)
-    if name == "toptheta" or comp.get("sdc") == "calibrated":
+    if needs_thresholds({"name": name}, comp):
         stand_in.thresholds = SimpleNamespace(sdc_mass=True)
     check_compensation(stand_in, compensation_objects(comp, thresholds=stand_in.__dict__.get("thresholds")))
 
@@ -30,7 +37,7 @@ def check_sparsifies(sparsifier: dict, num_layers: int, longest_row: int | None,
     Called once the model's depth is known, before it evaluates. Also warns when `layer_k` names every
     layer, so the global `sparsifier.k` applies to none.
     """
-    if sparsifier["name"] == "dense":
+    if not sparsifier_kind(sparsifier["name"]).drops:
         return
     layer_k = sparsifier.get("layer_k") or {}
     beyond = sorted(layer for layer in layer_k if not 0 <= int(layer) < num_layers)
@@ -53,25 +60,10 @@ def check_sparsifies(sparsifier: dict, num_layers: int, longest_row: int | None,
 
 
 def compensation_objects(comp: dict, thresholds=None) -> list:
-    from .compensation import SDC, VMC
-
-    out = []
-    if comp.get("sdc"):
-        out.append(SDC(comp["sdc"], scale=float(comp.get("sdc_scale", 1.0)), thresholds=thresholds))
-    if comp.get("vmc"):
-        out.append(VMC())
-    return out
+    """The compensations comp switches on, in registration order (SDC before VMC)."""
+    built = (kind.build(comp, thresholds) for kind in compensation_kinds())
+    return [c for c in built if c is not None]
 
 
 def build_sparsifier(sparsifier: dict, thresholds=None):
-    from . import Dense, SkipSoftmax, TopK, TopP, TopTheta
-
-    if sparsifier["name"] == "dense":
-        return Dense()
-    if sparsifier["name"] == "topk":
-        return TopK(sparsifier["k"], sparsifier["placement"], sparsifier.get("layer_k"))
-    if sparsifier["name"] == "topp":
-        return TopP(sparsifier["p"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
-    if sparsifier["name"] == "skipsoftmax":
-        return SkipSoftmax(sparsifier["lam"], sparsifier["placement"], sparsifier.get("k"), sparsifier.get("layer_k"))
-    return TopTheta(thresholds, sparsifier["placement"], empty_rows=sparsifier.get("empty_rows") or "keep-max")
+    return sparsifier_kind(sparsifier["name"]).build(sparsifier, thresholds)

@@ -9,18 +9,22 @@ OmegaConf's message lists the valid values. Ranges that types cannot express (`t
 Choices are Enums whose member names equal their values ("layer-head-n"), so a YAML, an override and an
 error message all spell a value the same way; they are `str` subclasses, so `cfg.task.kind == "lm_eval"`
 holds, and pipeline turns them into plain strings (`OmegaConf.to_container(..., enum_to_str=True)`).
-Only the pipeline reads these classes; library objects take plain arguments.
+Only the pipeline reads these classes; library objects take plain arguments. Sparsifier and compensation names are
+not Enums: they are whatever is registered (toptheta/registry.py), and `check` refuses an unknown name with the list of
+known ones, and asks the registered sparsifier what it needs (a budget k or its own parameter, thresholds); `schema()`
+adds each registered one's own settings to the sparsifier and comp groups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
 from .evaluation.ruler import RulerSettings  # a plain dataclass (no heavy imports): task.ruler's schema
+from .registry import active_compensations, compensation_kinds, sparsifier_kind, sparsifier_names
 
 
 class Choice(str, Enum):
@@ -38,8 +42,6 @@ def _choices(name: str, *values: str) -> type[Choice]:
 
 
 Dtype = _choices("Dtype", "float32", "float16", "bfloat16", "auto")
-SparsifierName = _choices("SparsifierName", "dense", "topk", "toptheta", "topp", "skipsoftmax")
-BASELINES = ("topp", "skipsoftmax")  # rules with a parameter of their own (p, λ) instead of a budget k
 Placement = _choices("Placement", "pre", "post", "auto")
 EmptyRows = _choices("EmptyRows", "keep-max", "reference")  # toptheta.sparsifiers.toptheta.EMPTY_ROWS
 SdcEstimator = _choices("SdcEstimator", "exact", "exp-threshold", "calibrated")
@@ -87,7 +89,7 @@ class ModelConfig:
 
 @dataclass
 class SparsifierConfig:
-    name: SparsifierName = MISSING
+    name: str = MISSING                    # a registered sparsifier (toptheta/registry.py), checked by `check`
     placement: Optional[Placement] = None  # null only for dense
     k: Optional[int] = None                # null only for dense
     # layer -> k overrides, on a node without the struct flag: a command-line dict may name layers the YAML's default
@@ -110,6 +112,9 @@ class CompConfig:
     sdc: Optional[SdcEstimator] = None
     sdc_scale: float = 1.0
     vmc: bool = False
+
+
+COMP_FIELDS = tuple(f.name for f in fields(CompConfig))  # always in a run's comp (run ids); a newer one's only when set
 
 
 @dataclass
@@ -204,10 +209,27 @@ class Config:
 
 
 def register() -> None:
-    """Make `config_schema` (conf/config.yaml's first default) known to Hydra; idempotent."""
+    """Make `config_schema` (conf/config.yaml's first default) known to Hydra; idempotent. Call it after registering
+    a sparsifier or compensation of your own: the schema then has its settings (see `schema`)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="config_schema", node=Config)
+    ConfigStore.instance().store(name="config_schema", node=schema())
+
+
+def schema() -> type:
+    """`Config`, its sparsifier and comp groups grown by the settings of every registered sparsifier and compensation
+    that the classes above do not name (e.g. `window` of a sliding-window sparsifier, `comp.halfsdc`), typed Any and
+    null by default: so a new one's YAML composes and a typo in a key still fails. Null settings stay out of run ids
+    (pipeline.plan), so stored runs keep theirs."""
+    def grown(base: type, keys: list[str]) -> type:
+        new = [key for key in dict.fromkeys(keys) if key not in {f.name for f in fields(base)}]
+        return make_dataclass(base.__name__, [(key, Optional[Any], None) for key in new], bases=(base,)) if new else base
+
+    sparsifier = grown(SparsifierConfig, [key for name in sparsifier_names() for key in sparsifier_kind(name).keys])
+    comp = grown(CompConfig, [key for kind in compensation_kinds() for key in (kind.name, *kind.keys)])
+    if sparsifier is SparsifierConfig and comp is CompConfig:
+        return Config
+    return make_dataclass("Config", [("sparsifier", sparsifier, MISSING), ("comp", comp, MISSING)], bases=(Config,))
 
 
 # ---- ranges: what types cannot say --------------------------------------------------------------------------
@@ -229,26 +251,7 @@ def check(cfg: Any) -> None:
         if not ok:
             problems.append(f"{key}={value!r}: {valid}")
 
-    k, target = get(sparsifier, "k"), get(sparsifier, "target_kept")
-    need(target is None or (isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target < 1),
-         "sparsifier.target_kept", target, "null (k decides) or a fraction in (0, 1), e.g. sparsifier.target_kept=0.1")
-    need(target is None or str(get(sparsifier, "name")) != "dense", "sparsifier.target_kept", target,
-         "null for dense attention (it keeps everything)")
-    name = str(get(sparsifier, "name"))
-    if name in BASELINES:
-        _check_baseline(name, sparsifier, comp, get, need)
-    elif name != "dense" and target is None:
-        need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
-        need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
-    for key, owner in (("p", "topp"), ("lam", "skipsoftmax")):
-        need(get(sparsifier, key) is None or name == owner, f"sparsifier.{key}", get(sparsifier, key),
-             f"null: only sparsifier={owner} reads it")
-    layer_ks = get(sparsifier, "layer_k")
-    need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
-         "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")
-    for layer, layer_k in (dict(layer_ks) if hasattr(layer_ks, "items") else {}).items():
-        need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
-             "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
+    problems.extend(sparsifier_problems(sparsifier, comp))
     need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")
     for key, minimum in (("num_samples", 1), ("num_fewshot", 0), ("cover_shots", 0)):
         value = get(calib, key)
@@ -269,21 +272,68 @@ def check(cfg: Any) -> None:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def _check_baseline(name: str, sparsifier: Any, comp: Any, get, need) -> None:
-    """topp and skipsoftmax: their parameter (unless target_kept fits it), an optional k, SDC only as the exact mass."""
-    k, target, p, lam = (get(sparsifier, key) for key in ("k", "target_kept", "p", "lam"))
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    if name == "topp":
-        need(target is not None or (number(p) and 0 < p <= 1), "sparsifier.p", p,
-             "a probability mass in (0, 1], e.g. sparsifier.p=0.9 (or sparsifier.target_kept=0.1 to fit it)")
-    else:
-        need(target is not None or (number(lam) and 0 < lam < float("inf")), "sparsifier.lam", lam,
-             "a finite λ > 0, e.g. sparsifier.lam=1.0 (or sparsifier.target_kept=0.1 to fit it)")
+def sparsifier_problems(sparsifier: Any, comp: Any, fits_target: bool = True) -> list[str]:
+    """What is wrong with a run's sparsifier and comp settings (a DictConfig or plain dict each), asked of the registry:
+    the name, what the named rule needs (a budget k or its own parameter), its placements, and no setting that only
+    another rule or no registered compensation reads. ``toptheta-eval`` checks its model_args with this too (it has no
+    sparsifier.target_kept: ``fits_target=False`` leaves that fix out of the messages)."""
+    def get(node: Any, key: str) -> Any:
+        return node.get(key)
+
+    problems: list[str] = []
+
+    def need(ok: bool, key: str, value: Any, valid: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: {valid}")
+
+    name = str(get(sparsifier, "name"))
+    if name not in sparsifier_names():
+        return [f"sparsifier.name={name!r}: one of {', '.join(sparsifier_names())} (or a sparsifier registered with "
+                "toptheta.registry.register_sparsifier)"]
+    kind = sparsifier_kind(name)
+    k, target = get(sparsifier, "k"), get(sparsifier, "target_kept")
+    need(target is None or (isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target < 1),
+         "sparsifier.target_kept", target, "null (k decides) or a fraction in (0, 1), e.g. sparsifier.target_kept=0.1")
+    need(target is None or kind.drops, "sparsifier.target_kept", target, f"null for {name} (it keeps everything)")
+    if kind.parameter is not None:
+        _check_parameter(kind, sparsifier, comp, get, need, fits_target)
+    elif kind.drops and target is None:
+        need(is_int(k, 1), "sparsifier.k", k, "give a positive integer, e.g. sparsifier.k=64")
+    placement = get(sparsifier, "placement")
+    if kind.drops:
+        need(placement is not None and str(placement) in (*kind.placements, "auto"), "sparsifier.placement", placement,
+             f"use {', '.join(kind.placements)} or auto")
+    for other in map(sparsifier_kind, sparsifier_names()):  # another rule's parameter would silently mean nothing
+        if other.parameter is not None and other.parameter != kind.parameter:
+            key = other.parameter.key
+            need(get(sparsifier, key) is None, f"sparsifier.{key}", get(sparsifier, key),
+                 f"null: only sparsifier={other.name} reads it")
+    layer_ks = get(sparsifier, "layer_k")
+    need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
+         "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")
+    for layer, layer_k in (dict(layer_ks) if hasattr(layer_ks, "items") else {}).items():
+        need(is_int(layer, 0) and is_int(layer_k, 1), "sparsifier.layer_k", {layer: layer_k},
+             "map a layer index >= 0 to a k >= 1, e.g. sparsifier.layer_k={0:512,1:512}")
+    known = {f.name for f in fields(CompConfig)} | {key for c in compensation_kinds() for key in (c.name, *c.keys)}
+    for key in comp.keys():  # a key added with +comp.<name>=... that no registered compensation reads: a typo
+        need(key in known, f"comp.{key}", get(comp, key), f"a registered compensation: {', '.join(sorted(known))}")
+    return problems
+
+
+def _check_parameter(kind, sparsifier: Any, comp: Any, get, need, fits_target: bool) -> None:
+    """A rule with its own parameter (top-p's p, skip-softmax's λ): the parameter (unless target_kept fits it), an
+    optional k, and no compensation that needs thresholds (they are calibrated at a budget k, which it has not)."""
+    key, k, target = kind.parameter.key, get(sparsifier, "k"), get(sparsifier, "target_kept")
+    value = get(sparsifier, key)
+    need(target is not None or kind.parameter.accepts(value), f"sparsifier.{key}", value,
+         kind.parameter.valid + (" (or sparsifier.target_kept=0.1 to fit it)" if fits_target else ""))
     need(k is None or is_int(k, 1), "sparsifier.k", k, "null (every row sparsified) or an integer >= 1 (rows with at "
          "most k keys kept whole)")
-    need(get(sparsifier, "placement") is not None, "sparsifier.placement", None, "use pre, post or auto")
-    need(get(comp, "sdc") in (None, "exact"), "comp.sdc", get(comp, "sdc"),
-         f"null or exact for sparsifier={name} (exp-threshold and calibrated SDC need Top-θ's or Top-k's thresholds)")
+    plain = dict(comp.items())
+    for comp_kind in active_compensations(plain):
+        need(not comp_kind.needs_thresholds(plain), f"comp.{comp_kind.name}", get(comp, comp_kind.name),
+             f"{comp_kind.without_thresholds} for sparsifier={kind.name} (this setting needs thresholds, calibrated at "
+             "a budget k, which the rule has not)")
 
 
 def _check_task(task: Any, get, need) -> None:

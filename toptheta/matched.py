@@ -9,6 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .builders import build_sparsifier, compensation_objects
+from .registry import sparsifier_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ log = logging.getLogger("toptheta")
 
 def kept_in_sparsified_layers(stats, sparsifier: dict) -> float | None:
     """The kept attention fraction over the layers sparsifier.k governs (those not in layer_k); None for dense."""
-    if sparsifier["name"] == "dense":
+    if not sparsifier_kind(sparsifier["name"]).drops:
         return None
     free = [layer for layer in range(stats.num_layers) if layer not in (sparsifier.get("layer_k") or {})]
     valid = float(stats.prefill_valid[free].sum()) if free else 0.0
@@ -42,7 +43,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
 
     from . import sparsify
     from .calibration.target_kept import resolve_k
-    from .calibration.target_param import PARAMETERS, fit_parameter
+    from .calibration.target_param import fit_parameter
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
 
     target = spec.config["sparsifier"].get("target_kept")
@@ -76,10 +77,10 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                  stats.kept_attention_fraction, min(len(sequences), MEASURE_SEQUENCES))
         return stats.kept_attention_fraction
 
-    name = spec.config["sparsifier"]["name"]
-    if name in PARAMETERS:  # a baseline: its own parameter (p, λ) is bisected, k keeps only rows whole
-        key = PARAMETERS[name].key
-        value, kept, tried = fit_parameter(target, PARAMETERS[name], lambda v: measure(v, key))
+    parameter = sparsifier_kind(spec.config["sparsifier"]["name"]).parameter
+    if parameter is not None:  # a rule with its own parameter (p, λ): that is bisected, k keeps only rows whole
+        key = parameter.key
+        value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key))
         log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
                  rows["task"])
         return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,

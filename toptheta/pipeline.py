@@ -19,8 +19,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .builders import build_sparsifier, check_combination, check_sparsifies, compensation_objects
+from .builders import build_sparsifier, check_combination, check_sparsifies, compensation_objects, needs_thresholds
 from .matched import kept_in_sparsified_layers, resolve_target
+from .registry import active_compensations, sparsifier_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 log = logging.getLogger("toptheta")
@@ -49,11 +50,12 @@ def resolve_data_dir(value) -> str | None:
 
 
 def resolve_placement(sparsifier: dict, comp: dict) -> str | None:
-    if sparsifier["name"] == "dense":
+    """The placement a run selects at: None for dense; auto is pre when a compensation on prefers it (SDC), else post."""
+    if not sparsifier_kind(sparsifier["name"]).drops:
         return None
-    placement = sparsifier.get("placement") or "auto"  # pre | post | auto (the schema allows nothing else)
+    placement = sparsifier.get("placement") or "auto"  # pre | post | auto (config.check allows nothing else)
     if placement == "auto":
-        return "pre" if comp.get("sdc") else "post"
+        return "pre" if any(kind.prefers == "pre" for kind in active_compensations(comp)) else "post"
     return placement
 
 
@@ -63,25 +65,28 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     Types and choices were checked when Hydra composed `cfg` into toptheta.config's schema; ranges are
     checked here first, then combinations, tasks and data files, all before any model loads.
     """
-    from .config import OPTIONAL_TASK_FIELDS, check
+    from .config import COMP_FIELDS, OPTIONAL_TASK_FIELDS, check
     from .results.store import RunStore
 
     check(cfg)
     c = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     sparsifier, comp, task, calib = c["sparsifier"], dict(c["comp"]), c["task"], c["calib"]
+    # Settings of compensations registered after CompConfig's fields (null when off) stay out of the run identity.
+    comp = {key: v for key, v in comp.items() if not (v is None and key not in COMP_FIELDS)}
     # Fields only some task kinds use stay out of the run identity when unset (stable ids across schema growth).
     task = {key: v for key, v in task.items() if not (v is None and key in OPTIONAL_TASK_FIELDS)}
     prefix_cache = bool(task.pop("prefix_cache", True))  # how scoring runs, not what it scores: not in the run id
     notes = []
-    if sparsifier["name"] == "dense" and (comp.get("sdc") or comp.get("vmc")):
+    kind = sparsifier_kind(sparsifier["name"])
+    if not kind.drops and active_compensations(comp):
         notes.append("dense attention drops nothing: compensation ignored (comp=none)")
         comp = {"sdc": None, "sdc_scale": 1.0, "vmc": False}
     placement = resolve_placement(sparsifier, comp)
     check_combination(sparsifier["name"], placement, comp)
 
     data_dir = resolve_data_dir(c.get("data_dir", "auto"))
-    needs_thresholds = sparsifier["name"] == "toptheta" or comp.get("sdc") == "calibrated"
-    calib_task = (calib.get("task") or task.get("calib_task")) if needs_thresholds else None
+    calibrated = needs_thresholds(sparsifier, comp)
+    calib_task = (calib.get("task") or task.get("calib_task")) if calibrated else None
     _check_tasks(task, calib_task, data_dir)
 
     model = {key: c["model"].get(key) for key in ("name", "source", "dtype", "device", "device_map", "revision",
@@ -90,14 +95,14 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     base = {"model": model, "task": evaluation, "data_dir": "local" if data_dir else "hub", "seed": c.get("seed")}
     store = RunStore(c["results_dir"])
     specs = []
-    if c.get("baseline", True) and sparsifier["name"] != "dense":
+    if c.get("baseline", True) and kind.drops:
         # Dense attention keeps every V row: its popularity is no record, and without it sparse runs recording
         # other layers share one baseline.
         dense_base = {**base, "task": {k: v for k, v in evaluation.items() if k != "vrow_popularity"}}
         specs.append(_spec(store, dense_base, {"name": "dense", "placement": None, "k": None, "layer_k": {}},
                            {"sdc": None, "sdc_scale": 1.0, "vmc": False}, None, "dense"))
     calib_cfg = None
-    if needs_thresholds:
+    if calibrated:
         calib_cfg = {**calib, "task": calib_task,
                      "num_fewshot": calib.get("num_fewshot") if calib.get("num_fewshot") is not None
                      else task.get("num_fewshot")}
@@ -106,16 +111,16 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         for key, before in (("beyond", "clamp"), ("cover_shots", 0)):  # options at what they did before they existed:
             if calib_cfg.get(key, before) == before:                     # run ids stay as they were
                 calib_cfg.pop(key, None)
-    label = sparsifier["name"] if sparsifier["name"] == "dense" else f"{sparsifier['name']}-{placement}"
+    label = f"{sparsifier['name']}-{placement}" if kind.drops else sparsifier["name"]
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}
-    for key in ("empty_rows", "p", "lam"):  # only Top-θ / the baselines have these: other run ids stay as they were
-        if sparse.get(key) is None:
-            sparse.pop(key, None)
+    for key in [key for key in sparse if key not in ("name", "placement", "k", "layer_k", "target_kept")]:
+        if sparse[key] is None:  # fields of other kinds (Top-θ's empty_rows, p, lam): run ids stay as they were
+            sparse.pop(key)
     target_rows = None
     if sparse.get("target_kept") is None:  # runs given by k keep the ids they had before the knob existed
         sparse.pop("target_kept", None)
     else:  # matched sparsity: k (a baseline's p or λ) is resolved on calibration rows built as the evaluated ones
-        sparse[_tuned_key(sparse["name"])] = None
+        sparse[kind.tuned_key] = None
         target_rows = {"task": calib_task or task.get("calib_task") or _evaluated_task(task),
                        "num_fewshot": calib_cfg["num_fewshot"] if calib_cfg else task.get("num_fewshot"),
                        "num_samples": calib.get("num_samples"), "seed": calib.get("seed", 0),
@@ -128,13 +133,6 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         spec.config["task"] = {**spec.config["task"], "prefix_cache": prefix_cache}  # nor this (after the id)
         spec.log_samples = bool(c["log_samples"])
     return specs
-
-
-def _tuned_key(name: str) -> str:
-    """The sparsifier field sparsifier.target_kept resolves: k, or a baseline's own parameter (p, lam)."""
-    from .calibration.target_param import PARAMETERS
-
-    return PARAMETERS[name].key if name in PARAMETERS else "k"
 
 
 def _evaluated_task(task: dict) -> str | None:

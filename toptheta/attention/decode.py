@@ -102,7 +102,7 @@ def attention(
     Kc = ke - ks
     if fused and observer is None and not softcap and bias is None and type(sparsifier) in (TopTheta, Dense):
         done = _fused(query, key[:, :, ks:ke], value, valid_row, n, ks, ke, scaling=scaling, layer=layer,
-                      sparsifier=sparsifier, sdc=sdc, vmc=vmc, stats=stats)
+                      sparsifier=sparsifier, lowered=lowered, stats=stats)
         if done is not None:
             return done
 
@@ -163,7 +163,7 @@ def attention(
     return out
 
 
-def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float, layer: int, sparsifier, sdc, vmc: bool,
+def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float, layer: int, sparsifier, lowered,
            stats) -> torch.Tensor | None:
     """Top-θ and dense decode in the C++ kernel (``fused_decode.py``); None where it does not apply (a float16 or
     bfloat16 cache, no compiler). ``key`` is the window [ks, ke); ``value`` the whole cache (v̄ reads it)."""
@@ -184,10 +184,10 @@ def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float,
     if sparse:
         theta, raw, rows.clamped_rows = prefill._row_thresholds(sparsifier, rows, cache=valid_row is None)
         theta, raw = theta.view(B, H), raw.view(B, H)
-        if sdc is not None and sdc.estimator == "calibrated":
-            source = sdc.thresholds or sparsifier.thresholds
-            cal = source.lookup_sdc(layer, n).expand(B, H, 1).reshape(B, H).float().contiguous()
-        if vmc:
+        mass = lowered.calibrated_mass(layer, n, sparsifier)  # (B, H|1, 1), None unless calibrated SDC
+        if mass is not None:
+            cal = mass.expand(B, H, 1).reshape(B, H).contiguous()
+        if lowered.vmc:
             vbar = _running_mean(layer, value, valid_row, ke, n).reshape(B, Hkv, -1).contiguous()
     valid = valid_row[:, ks:ke].contiguous() if valid_row is not None else prefill._NO_MASK
     # Keys per task: about four tasks per thread, so one sequence with three KV heads still fills the threads.
@@ -200,8 +200,8 @@ def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float,
     # its rowstats and vrows): a dozen tensor ops less per layer call, which at 16k keys is ~10 % of a decode step.
     srow, cols = (stats.decode_row(layer), stats.decode_columns()) if counting else (_NO_STATS, [])
     out, _, _ = ext.decode((query.float() * scaling).reshape(B, H, D).contiguous(), key, window, valid, theta, raw,
-                           cal, vbar, bool(vmc and sparse), prefill._SDC_MODES[sdc.estimator if sdc else None],
-                           float(sdc.scale) if sdc else 0.0, post, kb, srow, cols,
+                           cal, vbar, bool(lowered.vmc and sparse), lowered.sdc_mode, lowered.sdc_scale, post, kb,
+                           srow, cols,
                            sparsifier.k_for(layer) if sparse else 0)
     if counting:
         stats.count_clamped(rows.clamped_rows, query.device)

@@ -39,7 +39,6 @@ ENABLED = os.environ.get("TOPTHETA_FAST", "1") != "0"
 KEY_BLOCK = 512  # keys per GEMM block: the (G·rows, keys) logits block stays in L2
 MAX_QUERY_BLOCK = 64  # queries per task (times G heads = rows of one GEMM)
 KEEP_ALL = call.KEEP_ALL  # θ that keeps every valid key (the kernel's "no key" sentinel is −1e30)
-_SDC_MODES = call.SDC_MODES
 
 
 def supports(sparsifier, compensations: Sequence = (), *, observer=None, softcap=None, bias=None,
@@ -85,7 +84,7 @@ def attention(
     sparse = type(sparsifier) is TopTheta
     post = sparse and sparsifier.placement == "post"
     lowered = lower(compensations, sparsifier.placement if sparse else None)  # SDC: pre-softmax only
-    sdc, vmc = lowered.sdc, lowered.vmc
+    vmc = lowered.vmc
     counting = stats is not None and stats.enabled
 
     n = rows = None
@@ -103,9 +102,9 @@ def attention(
     vmc_mode = 0
     if sparse:
         theta, raw, rows.clamped_rows = _row_thresholds(sparsifier, rows, cache=valid is None)
-        if sdc is not None and sdc.estimator == "calibrated":
-            source = sdc.thresholds or sparsifier.thresholds
-            cal = source.lookup_sdc(layer, n).expand(B, H, Q).float().contiguous()
+        mass = lowered.calibrated_mass(layer, n, sparsifier)  # (B, H|1, Q), None unless calibrated SDC
+        if mass is not None:
+            cal = mass.expand(B, H, Q).contiguous()
         if vmc:  # v̄: float64 prefix means in the kernel when causal, else from the mask here (the same bits)
             vmc_mode = 2 if valid is None else 1
             if valid is not None:
@@ -117,8 +116,7 @@ def attention(
     tasks_wanted = 2 * torch.get_num_threads()
     qb = max(16, min(MAX_QUERY_BLOCK, Q // 16, -(-B * Hkv * Q // tasks_wanted)))
     out, rowstats = ext.prefill(q, kf, vf, mask, theta, raw, cal, vbar, vmc_mode,
-                                _SDC_MODES[sdc.estimator if sdc is not None else None],
-                                float(sdc.scale) if sdc is not None else 0.0, qb, KEY_BLOCK, post)
+                                lowered.sdc_mode, lowered.sdc_scale, qb, KEY_BLOCK, post)
     if counting:
         if sparse:
             rows.kept_counts = rowstats[..., 0].long()  # (B, H, Q)

@@ -10,31 +10,10 @@ refused (:class:`~.target_kept.Unreachable`), naming the fix.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Callable
 
+from ..registry import Parameter  # a sparsifier's parameter is part of its registration
 from .target_kept import TOLERANCE, Unreachable
-
-
-@dataclass(frozen=True)
-class Parameter:
-    """A sparsifier's tunable parameter: its config key, search range, and direction."""
-
-    key: str  # sparsifier.<key>
-    low: float
-    high: float
-    log: bool  # bisect log(value)
-    keeps_more_when_higher: bool
-
-    def between(self, a: float, b: float) -> float:
-        return math.sqrt(a * b) if self.log else (a + b) / 2
-
-
-PARAMETERS = {  # sparsifier name -> its parameter
-    "topp": Parameter("p", 1e-3, 1.0, log=False, keeps_more_when_higher=True),
-    "skipsoftmax": Parameter("lam", 1e-6, 1e4, log=True, keeps_more_when_higher=False),
-}
 
 
 def fit_parameter(target: float, parameter: Parameter, measure: Callable[[float], float], *,

@@ -13,12 +13,33 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
+SDC_MODES = {None: 0, "exact": 1, "exp-threshold": 2, "calibrated": 3}  # the compiled kernels' SDC argument
+
+
 @dataclass(frozen=True)
 class KernelCompensation:
     """The kernel inputs of a call's compensations."""
 
     sdc: Any = None  # an SDC: the dropped mass λ·E its estimator adds to a pre-softmax row's denominator
     vmc: bool = False  # add β·v̄ (β: the row's missing probability mass, v̄: the mean V row over its valid keys)
+
+    @property
+    def sdc_mode(self) -> int:
+        """The compiled kernels' SDC argument: 0 none, 1 exact, 2 exp-threshold, 3 calibrated."""
+        return SDC_MODES[self.sdc.estimator if self.sdc is not None else None]
+
+    @property
+    def sdc_scale(self) -> float:
+        """λ (0.0 without SDC)."""
+        return float(self.sdc.scale) if self.sdc is not None else 0.0
+
+    def calibrated_mass(self, layer: int, n, sparsifier):
+        """Calibrated SDC's dropped mass for rows of lengths n (B, 1, Q): (B, H|1, Q) float32; None for other modes.
+        Read from the SDC's own thresholds, else the sparsifier's (Top-θ)."""
+        if self.sdc_mode != SDC_MODES["calibrated"]:
+            return None
+        source = self.sdc.thresholds or sparsifier.thresholds
+        return source.lookup_sdc(layer, n).float()
 
 
 class Compensation(Protocol):

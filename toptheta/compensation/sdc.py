@@ -12,12 +12,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..registry import register_compensation
 from ..sparsifiers.base import RowBlock
 from .lowering import KernelCompensation
 
 ESTIMATORS = ("exact", "exp-threshold", "calibrated")
 
 
+@register_compensation("sdc", label="SDC", keys=("sdc_scale",), prefers="pre",
+                       needs_thresholds=lambda comp: comp.get("sdc") == "calibrated", without_thresholds="null or exact", on="exact")
 @dataclass
 class SDC:
     """Softmax denominator compensation.
@@ -42,6 +45,13 @@ class SDC:
             raise ValueError(f"SDC estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.scale < 0:
             raise ValueError(f"SDC scale λ must be ≥ 0, got {self.scale}")
+
+    @classmethod
+    def from_config(cls, comp: dict, thresholds=None) -> "SDC | None":
+        """comp.sdc names the estimator (null: off), comp.sdc_scale is λ."""
+        if not comp.get("sdc"):
+            return None
+        return cls(comp["sdc"], scale=float(comp.get("sdc_scale", 1.0)), thresholds=thresholds)
 
     @property
     def label(self) -> str:

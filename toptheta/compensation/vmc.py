@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..registry import register_compensation
 from .lowering import KernelCompensation, lower
 
 
+@register_compensation("vmc", label="VMC")
 @dataclass
 class VMC:
     """V-mean compensation. It has no parameters: β comes from the kernel's float32 weights."""
 
     label = "VMC"
+
+    @classmethod
+    def from_config(cls, comp: dict, thresholds=None) -> "VMC | None":
+        return cls() if comp.get("vmc") else None
 
     def lower(self, into: KernelCompensation, placement: str | None) -> KernelCompensation:
         return replace(into, vmc=placement is not None)

@@ -1,4 +1,4 @@
-"""The lm-eval model ``toptheta``: lm-eval's HFLM with Top-θ (or Top-k) attention and compensation.
+"""The lm-eval model ``toptheta``: lm-eval's HFLM with Top-θ (or any registered sparsifier's) attention and compensation.
 
 From the shell (``toptheta-eval`` is lm-eval's own command line with this model registered; it takes
 every ``lm_eval`` flag)::
@@ -14,11 +14,15 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
 
 ==================  =============================================================================================
 ``pretrained``      a packaged name (``smollm2-135m``), ``tiny-<arch>``, a local directory or a hub id (load_model)
-``sparsifier``      ``toptheta`` (default), ``topk`` or ``dense``
-``k``, ``layer_k``  k (64) and per-layer exceptions as ``0:512+1:512`` (the default) or ``none``
+``sparsifier``      a registered sparsifier (toptheta/registry.py): ``toptheta`` (default), ``topk``, ``dense``,
+                    ``topp`` (with ``p``, e.g. ``p=0.9``), ``skipsoftmax`` (with ``lam``, e.g. ``lam=1.0``)
+``k``, ``layer_k``  k and per-layer exceptions as ``0:512+1:512`` (the default) or ``none``; k is the budget of
+                    Top-k and Top-θ (default 64); for top-p and skip-softmax rows with at most k keys are kept whole
+                    (default: none)
 ``placement``       ``auto`` (pre-softmax with SDC, else post), ``pre``, ``post``
-``comp``            ``none``, ``sdc``, ``vmc`` (default), ``sdc+vmc``; ``sdc`` = ``exact`` | ``exp-threshold`` |
-                    ``calibrated`` picks the SDC estimator, ``sdc_scale`` scales it
+``comp``            ``none``, or registered compensations joined by ``+``: ``sdc``, ``vmc`` (default), ``sdc+vmc``;
+                    ``sdc`` = ``exact`` (default) | ``exp-threshold`` | ``calibrated`` picks the SDC estimator,
+                    ``sdc_scale`` scales it (a compensation's settings are its ``comp.`` keys in run.py)
 ``thresholds``      a thresholds file (``Thresholds.save``), refused when calibrated for another k, layer_k or
                     placement. Without one, a ``pretrained`` folder's own (``Thresholds.save_pretrained``) with these
                     settings is used; else Top-θ calibrates before the first request and caches the result (as
@@ -46,18 +50,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import torch
 from lm_eval.api.registry import register_model
 
+from ..config import CompConfig
+from ..registry import compensation_kinds, sparsifier_kind, sparsifier_names
 from .shared_context_lm import SharedContextHFLM, check_decode_batch
 
 log = logging.getLogger(__name__)
 
-SPARSIFIERS = ("dense", "topk", "toptheta")
-COMP_PARTS = ("sdc", "vmc")
-PLACEMENTS = ("auto", "pre", "post")
+DEFAULT_K = 64  # the budget of Top-k and Top-θ when k is not given
 SAMPLERS = (None, "default", "first_n")  # conf/task's fewshot_sampler
 BEYOND = ("clamp", "fit")  # conf/calib's beyond
 DEFAULT_LAYER_K = "0:512+1:512"  # conf/sparsifier/*.yaml's default: the paper keeps layers 0-1 dense
@@ -83,14 +88,24 @@ def parse_layer_k(value: Any) -> dict[int, int]:
     return {int(a): int(b) for a, b in items}
 
 
-def parse_comp(comp: Any, sdc: str, sdc_scale: float) -> dict:
-    """``sdc+vmc`` -> the pipeline's comp dict {"sdc": estimator or None, "sdc_scale", "vmc"}."""
+def parse_comp(comp: Any, settings: dict) -> dict:
+    """``sdc+vmc`` -> the pipeline's comp dict: run.py's defaults (conf/comp/none.yaml: {"sdc": None, "sdc_scale": 1.0,
+    "vmc": False}), each named compensation switched on (``comp.<name>``: its model_arg, e.g. ``sdc=calibrated``, else
+    the value it takes when on), and the settings it reads (``sdc_scale``) from ``settings`` (model_args)."""
     parts = [] if comp in (None, "", "none") else str(comp).split("+")
-    unknown = [p for p in parts if p not in COMP_PARTS]
+    kinds = {kind.name: kind for kind in compensation_kinds()}
+    unknown = [p for p in parts if p not in kinds]
     if unknown:
-        raise ValueError(f"comp={comp!r}: use none, sdc, vmc or sdc+vmc (the SDC estimator is the separate "
-                         f"model_arg sdc=exact|exp-threshold|calibrated)")
-    return {"sdc": sdc if "sdc" in parts else None, "sdc_scale": float(sdc_scale), "vmc": "vmc" in parts}
+        raise ValueError(f"comp={comp!r}: use none, or compensations joined by '+' from {', '.join(kinds)} "
+                         f"(e.g. sdc+vmc; the SDC estimator is the separate model_arg sdc=exact|exp-threshold|calibrated)")
+    out = {f.name: f.default for f in fields(CompConfig)}
+    for name in parts:
+        kind = kinds[name]
+        out[name] = settings.get(name, kind.on)
+        out.update({key: settings[key] for key in kind.keys if key in settings})
+    if "sdc_scale" in out:  # a number from the command line may arrive as an int
+        out["sdc_scale"] = float(out["sdc_scale"])
+    return out
 
 
 @register_model("toptheta")
@@ -100,8 +115,8 @@ class TopThetaLM(SharedContextHFLM):
     Multiple-choice requests are scored as ``run.py`` scores them (SharedContextHFLM: each context once, padded
     batches with a mask), so ``--batch_size`` > 1 never counts padded rows in the sparsity statistics."""
 
-    def __init__(self, pretrained: str, sparsifier: str = "toptheta", k: int = 64, layer_k: Any = DEFAULT_LAYER_K,
-                 placement: str = "auto", comp: str | None = "vmc", sdc: str = "exact", sdc_scale: float = 1.0,
+    def __init__(self, pretrained: str, sparsifier: str = "toptheta", k: int | None = None, layer_k: Any = DEFAULT_LAYER_K,
+                 placement: str = "auto", comp: str | None = "vmc",
                  thresholds: str | None = None, calib_task: str | None = None, calib_samples: int = 120,
                  calib_fewshot: int | None = None, calib_sampler: str | None = None, calib_cover_shots: int = 0,
                  beyond: str = "clamp", granularity: str = "layer-head-n", sigma_add: float = 0.1,
@@ -112,18 +127,11 @@ class TopThetaLM(SharedContextHFLM):
         from ..models import load_model
         from .tasks import resolve_data_dir
 
-        # Every setting is checked before the model loads.
-        if sparsifier not in SPARSIFIERS:
-            raise ValueError(f"sparsifier={sparsifier!r}; valid: {', '.join(SPARSIFIERS)}")
-        if sparsifier != "dense" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ValueError(f"k={k!r}: give a positive integer, e.g. k=64")
+        # Every setting is checked before the model loads, by the checks run.py's configuration meets
+        # (config.sparsifier_problems); the settings of sparsifiers and compensations are model_args named as their
+        # sparsifier.<key> and comp.<key> (p, lam, sdc, sdc_scale, ...), taken out of HFLM's.
+        self.sparse_cfg, self.comp = self._settings(sparsifier, k, layer_k, placement, comp, hflm_kwargs)
         check_decode_batch(hflm_kwargs.get("decode_batch"))
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement={placement!r}: use pre, post or auto (pre when SDC is on, else post)")
-        self.comp = parse_comp(comp, sdc, sdc_scale) if sparsifier != "dense" else parse_comp(None, sdc, 1.0)
-        self.sparse_cfg = {"name": sparsifier, "k": k if sparsifier != "dense" else None,
-                           "layer_k": parse_layer_k(layer_k) if sparsifier != "dense" else {},
-                           "placement": placement}
         self.sparse_cfg["placement"] = pipeline.resolve_placement(self.sparse_cfg, self.comp)
         builders.check_combination(sparsifier, self.sparse_cfg["placement"], self.comp)
         if calib_sampler not in SAMPLERS:
@@ -144,7 +152,7 @@ class TopThetaLM(SharedContextHFLM):
                                    ("beyond", beyond, "clamp")):
             if value not in (before, "default"):
                 self.calib[key] = value
-        self.needs_thresholds = sparsifier == "toptheta" or self.comp["sdc"] == "calibrated"
+        self.needs_thresholds = builders.needs_thresholds(self.sparse_cfg, self.comp)
         self.chunk_size = chunk_size
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device} but CUDA is not available on this machine (torch "
@@ -181,6 +189,30 @@ class TopThetaLM(SharedContextHFLM):
         self.task_stats: dict[str, Any] = {}
         self._warned: set[str] = set()  # tasks whose unintended-run warnings were given (guards.warn_unintended)
 
+    @staticmethod
+    def _settings(name: str, k, layer_k, placement: str, comp, model_args: dict) -> tuple[dict, dict]:
+        """(sparsifier, comp) settings as run.py's pipeline has them, checked; the model_args that name a
+        sparsifier's or compensation's setting are removed from ``model_args`` (HFLM's own remain)."""
+        from ..config import sparsifier_problems
+
+        sparse_keys = {key for kind in map(sparsifier_kind, sparsifier_names()) for key in kind.keys}
+        comp_keys = {key for kind in compensation_kinds() for key in (kind.name, *kind.keys)}
+        settings = {key: model_args.pop(key) for key in sorted((sparse_keys | comp_keys) & set(model_args))}
+        drops = name in sparsifier_names() and sparsifier_kind(name).drops
+        if drops:
+            budget = DEFAULT_K if sparsifier_kind(name).parameter is None else None
+            sparse = {"name": name, "k": budget if k is None else k, "layer_k": parse_layer_k(layer_k),
+                      "placement": placement}
+        else:  # dense (or a name the check below refuses): no budget, nothing to compensate
+            sparse, comp = {"name": name, "k": None, "layer_k": {}, "placement": placement}, None
+        sparse.update({key: value for key, value in settings.items() if key in sparse_keys})
+        comp = parse_comp(comp, {key: value for key, value in settings.items() if key in comp_keys})
+        problems = sparsifier_problems({**sparse, "target_kept": None}, comp, fits_target=False)
+        if problems:  # run.py's messages, in model_args' spelling (p=0.9, not sparsifier.p=0.9)
+            text = "; ".join(problems).replace("sparsifier.name=", "sparsifier=")
+            raise ValueError(text.replace("sparsifier.", "").replace("comp.", ""))
+        return sparse, comp
+
     def _k_per_layer(self, num_layers: int) -> list[int]:
         return [self.sparse_cfg["layer_k"].get(layer, self.sparse_cfg["k"]) for layer in range(num_layers)]
 
@@ -189,7 +221,7 @@ class TopThetaLM(SharedContextHFLM):
         k while the report names the requested one."""
         from ..calibration.checkpoint import check_settings
 
-        if self.sparse_cfg["name"] != "toptheta" and self.comp["sdc"] != "calibrated":
+        if not self.needs_thresholds:
             return
         meta = self.thresholds.metadata
         layer_k = "+".join(f"{a}:{b}" for a, b in (meta.get("layer_k") or {}).items()) or "none"

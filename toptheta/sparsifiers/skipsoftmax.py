@@ -29,9 +29,14 @@ import math
 
 import torch
 
+from ..registry import Parameter, register_sparsifier
 from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
 
+# sparsifier.target_kept bisects log λ over [1e-6, 1e4]: a larger λ keeps fewer keys.
+LAM = Parameter("lam", 1e-6, 1e4, log=True, keeps_more_when_higher=False, valid="a finite λ > 0, e.g. sparsifier.lam=1.0")
 
+
+@register_sparsifier("skipsoftmax", label="Skip-softmax", parameter=LAM)
 class SkipSoftmax(Sparsifier):
     """Drop s < m + ln(λ/n), per row; see the module docstring.
 
@@ -50,6 +55,10 @@ class SkipSoftmax(Sparsifier):
         self.lam = float(lam)
         self.placement = check_placement(placement)
         self.k, self.layer_k = check_budgets("SkipSoftmax", k, layer_k)
+
+    @classmethod
+    def from_config(cls, settings: dict, thresholds=None) -> "SkipSoftmax":
+        return cls(settings["lam"], settings["placement"], settings.get("k"), settings.get("layer_k"))
 
     def k_for(self, layer: int) -> int:
         return self.layer_k.get(layer, self.k or 0)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ..registry import register_sparsifier
 from .base import FusedRule, RowBlock, Sparsifier, check_placement, keep_whole_short_rows
 
 
+@register_sparsifier("topk", label="Top-k")
 class TopK(Sparsifier):
     """Exact per-row, per-head top-k.
 
@@ -26,6 +28,10 @@ class TopK(Sparsifier):
         self.k = k
         self.layer_k = layer_k
         self.placement = check_placement(placement)
+
+    @classmethod
+    def from_config(cls, settings: dict, thresholds=None) -> "TopK":
+        return cls(settings["k"], settings["placement"], settings.get("layer_k"))
 
     def k_for(self, layer: int) -> int:
         return self.layer_k.get(layer, self.k)

@@ -15,9 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from ..registry import Parameter, register_sparsifier
 from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
 
+# sparsifier.target_kept bisects p over [1e-3, 1]: more mass keeps more keys.
+P = Parameter("p", 1e-3, 1.0, log=False, keeps_more_when_higher=True,
+              valid="a probability mass in (0, 1], e.g. sparsifier.p=0.9")
 
+
+@register_sparsifier("topp", label="Top-p", parameter=P)
 class TopP(Sparsifier):
     """Per-row, per-head nucleus selection.
 
@@ -34,6 +40,10 @@ class TopP(Sparsifier):
         self.p = float(p)
         self.placement = check_placement(placement)
         self.k, self.layer_k = check_budgets("TopP", k, layer_k)
+
+    @classmethod
+    def from_config(cls, settings: dict, thresholds=None) -> "TopP":
+        return cls(settings["p"], settings["placement"], settings.get("k"), settings.get("layer_k"))
 
     def k_for(self, layer: int) -> int:
         return self.layer_k.get(layer, self.k or 0)

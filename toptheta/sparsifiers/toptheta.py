@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ..registry import register_sparsifier
 from .base import FusedRule, RowBlock, Sparsifier, check_placement, keep_whole_short_rows
 
 EMPTY_ROWS = ("keep-max", "reference")
 
 
+@register_sparsifier("toptheta", label="Top-θ", needs_thresholds=True, options=("empty_rows",))
 class TopTheta(Sparsifier):
     """Static-threshold selection with thresholds calibrated per layer, head and row length.
 
@@ -41,6 +43,10 @@ class TopTheta(Sparsifier):
             )
         self.thresholds = thresholds
         self.placement = placement
+
+    @classmethod
+    def from_config(cls, settings: dict, thresholds=None) -> "TopTheta":
+        return cls(thresholds, settings["placement"], empty_rows=settings.get("empty_rows") or "keep-max")
 
     def k_for(self, layer: int) -> int:
         return self.thresholds.k_for(layer)

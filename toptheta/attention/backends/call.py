@@ -4,7 +4,9 @@
 (``backends/__init__.py``). The translation of a sparsifier and its compensations into kernel inputs happens here,
 in one place, for every backend (method.md §2-3):
 
-* ``kind``: "dense", "topk", "toptheta" or "other" (a sparsifier only the plain kernel's ``select`` understands);
+* ``kind``: the name the sparsifier's class is registered under (toptheta/registry.py: "dense", "topk", "toptheta",
+  "topp", ...), or "other" for an unregistered class or a subclass; backends serve the kinds they know by name, and
+  the plain kernel's ``select`` serves every kind;
 * ``placement``, ``empty_rows`` (Top-θ's rule for rows where nothing passes θ);
 * ``sdc_mode`` (0 none, 1 exact, 2 exp-threshold, 3 calibrated; pre-softmax Top-θ/Top-k only), ``sdc_scale`` λ;
 * ``vmc``: whether β·v̄ is added (only where something can be dropped);
@@ -24,13 +26,13 @@ from typing import Callable
 
 import torch
 
-from ...compensation import SDC, lower
-from ...sparsifiers import Dense, TopK, TopTheta
+from ...compensation import SDC, lower, lowering
+from ...registry import name_of
+from ...sparsifiers import TopTheta
 from ...sparsifiers.base import Sparsifier
 
-SDC_MODES = {None: 0, "exact": 1, "exp-threshold": 2, "calibrated": 3}
+SDC_MODES = lowering.SDC_MODES
 KEEP_ALL = -1.0e29  # θ that keeps every valid key (the C++ kernels' "no key" sentinel is −1e30)
-_KINDS = {Dense: "dense", TopK: "topk", TopTheta: "toptheta"}  # exact types: a subclass may mean something else
 
 
 @dataclass
@@ -59,17 +61,17 @@ class AttentionCall:
     sdc: SDC | None = field(init=False)
     sdc_mode: int = field(init=False)
     sdc_scale: float = field(init=False)
+    lowered: lowering.KernelCompensation = field(init=False)
     vmc: bool = field(init=False)
 
     def __post_init__(self):
         self.compensations = tuple(self.compensations or ())
-        self.kind = _KINDS.get(type(self.sparsifier), "other")
+        self.kind = name_of(self.sparsifier)
         self.placement = self.sparsifier.placement
         self.empty_rows = getattr(self.sparsifier, "empty_rows", "keep-max")
-        lowered = lower(self.compensations, self.placement)  # each compensation says what it asks of a kernel
-        self.sdc, self.vmc = lowered.sdc, lowered.vmc
-        self.sdc_mode = SDC_MODES[self.sdc.estimator if self.sdc is not None else None]
-        self.sdc_scale = float(self.sdc.scale) if self.sdc is not None else 0.0
+        self.lowered = lower(self.compensations, self.placement)  # each compensation says what it asks of a kernel
+        self.sdc, self.vmc = self.lowered.sdc, self.lowered.vmc
+        self.sdc_mode, self.sdc_scale = self.lowered.sdc_mode, self.lowered.sdc_scale
 
     # --- shapes and places -------------------------------------------------------------------------
     @property
@@ -107,8 +109,7 @@ class AttentionCall:
 
     def sdc_mass(self, n: torch.Tensor) -> torch.Tensor:
         """Calibrated SDC's dropped mass per row (B, H|1, Q) float32 (only with ``sdc_mode == 3``)."""
-        source = self.sdc.thresholds or self.sparsifier.thresholds
-        return source.lookup_sdc(self.layer, n).float()
+        return self.lowered.calibrated_mass(self.layer, n, self.sparsifier)
 
 
 def row_thresholds(sparsifier: TopTheta, layer: int, n: torch.Tensor, H: int, memo_k: int | None = None):
