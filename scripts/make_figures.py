@@ -36,7 +36,7 @@ matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 from toptheta.results import (ablations, figures, informative, reduction, storage, threshold_plots,  # noqa: E402
                                tradeoff_panels, verdicts)
 from toptheta.results.render import FIGURE_FORMATS, latex, markdown, save_figure, write_text  # noqa: E402
-from toptheta.results.store import load_summary  # noqa: E402
+from toptheta.results.summary import load_summary  # noqa: E402
 
 # Floats in csv files to 10 significant digits: a sum's last bit depends on the order numpy adds in (SIMD width,
 # alignment), so 0.0008 and 0.0008000000000000001 must print alike for a rerun to rewrite the same bytes.

@@ -14,7 +14,9 @@ import pytest
 from matplotlib.figure import Figure
 
 from toptheta.results import figures
-from toptheta.results.store import RunStore, load_summary, summary_rows
+from toptheta.results.summary import load_summary
+from toptheta.store.rows import summary_rows
+from toptheta.store.runs import RunStore
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "ablations.ipynb"
@@ -423,7 +425,7 @@ def test_passkey_figure_draws_kept_fractions_per_length_where_runs_recorded_them
 
 def test_passkey_counts_and_wilson_intervals_come_from_the_samples(tmp_path):
     from toptheta.results import ablations
-    from toptheta.results.store import RunStore
+    from toptheta.store.runs import RunStore
 
     # 19 of 20 keys found at 2048 tokens, 20 of 20 at 4096; an older run's samples name only the real length.
     samples = ([{"target_tokens": 2048, "length_tokens": 2040, "correct": i > 0} for i in range(20)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from toptheta.results import paired
+from toptheta.store.samples import compress_json
 
 
 def test_mcnemar_known_answer():
@@ -89,7 +89,7 @@ def test_outcomes_from_each_sample_format(tmp_path):
     for name, outcomes in (("sparse", {0: 1, 1: 0, 2: 1, 3: 1}), ("dense", {1: 1, 2: 1, 3: 1, 9: 0})):
         (tmp_path / name).mkdir()
         samples = {"arc_easy": [{"doc_id": q, "acc_norm": float(v)} for q, v in outcomes.items()]}
-        (tmp_path / name / "samples.json").write_text(json.dumps(samples))
+        (tmp_path / name / "samples.json.gz").write_bytes(compress_json(samples))
     diff = paired.compare_runs(tmp_path / "sparse", tmp_path / "dense", "arc_easy", "acc_norm,none")
     assert diff.n == 3 and diff.diff == pytest.approx(-1 / 3) and (diff.a_only, diff.b_only) == (0, 1)
     assert paired.compare_runs(tmp_path / "sparse", tmp_path / "nowhere", "arc_easy", "acc_norm,none") is None
@@ -103,7 +103,8 @@ def _store_with_verdict_cases(root, small_setting: bool = False, small_pairs: bo
     claim 6's 4 candidates): dense; Top-θ and Top-k post + VMC at k=8 agreeing with dense on all but 2
     questions (claim 1 holds, claim 6 holds: kept 0.2); Top-k post at k=8 wrong on 60 questions Top-k pre gets
     right (claim 2 fails); layers 0-1 at k without per-sample outputs and wide stderrs (claim 5 undecided)."""
-    from toptheta.results.store import RunStore, summary_rows
+    from toptheta.store.rows import summary_rows
+    from toptheta.store.runs import RunStore
 
     store = RunStore(root)
     rng = np.random.default_rng(0)
@@ -157,7 +158,7 @@ def _store_with_verdict_cases(root, small_setting: bool = False, small_pairs: bo
 
 def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sample(tmp_path):
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _store_with_verdict_cases(tmp_path, small_setting=True)
     summary = load_summary(tmp_path)
@@ -187,7 +188,7 @@ def test_a_pair_measured_on_more_questions_counts_once(tmp_path):
     Top-θ lost 30 points): claim 1 pools the 800-question pair only, else those 100 questions would weigh twice.
     The k=4 pair, measured on the 100 only, still counts."""
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _store_with_verdict_cases(tmp_path, small_setting=True, small_pairs=True)
     summary = load_summary(tmp_path)
@@ -208,7 +209,7 @@ def test_a_pair_the_larger_sample_rejects_speaks_from_the_smaller(tmp_path):
     and on their first 100, but only the 100-question pair is comparable: it must count, not be left to a larger
     sample that has no pair."""
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _store_with_verdict_cases(tmp_path, small_setting=True, drift=True)
     claim2 = verdicts.verdicts(load_summary(tmp_path), tmp_path)[1]
@@ -221,7 +222,7 @@ def test_a_pair_the_larger_sample_rejects_speaks_from_the_smaller(tmp_path):
 
 def _theta_pair(root, limit: str):
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     rows = verdicts.store_rows(load_summary(root))
     rows = rows[(rows["g_limit"].astype(str) == limit) & (rows["sparsifier"] == "toptheta") & (rows["k"] == 8)]
@@ -293,7 +294,7 @@ def test_verdicts_on_a_synthetic_store(tmp_path, monkeypatch):
     import importlib.util
 
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _store_with_verdict_cases(tmp_path)
     found = {v.claim.split(".")[0]: v for v in verdicts.verdicts(load_summary(tmp_path), tmp_path)}
@@ -380,7 +381,9 @@ def test_a_claim_is_also_decided_per_setting():
 def test_humaneval_transfer_is_measured_against_code_calibration(tmp_path):
     """Verdict 4 for HumanEval (no train split): ARC-Challenge thresholds against HumanEval-disjoint code's."""
     from toptheta.results import verdicts
-    from toptheta.results.store import RunStore, load_summary, summary_rows
+    from toptheta.results.summary import load_summary
+    from toptheta.store.rows import summary_rows
+    from toptheta.store.runs import RunStore
 
     store = RunStore(tmp_path)
     rng = np.random.default_rng(1)

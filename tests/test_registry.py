@@ -14,7 +14,7 @@ from test_lm_eval_cli import _smoke_manager
 from toptheta import pipeline
 from toptheta.compensation import KernelCompensation
 from toptheta.registry import COMPENSATIONS, SPARSIFIERS, Registry
-from toptheta.results.store import load_summary
+from toptheta.results.summary import load_summary
 
 
 class HalfTopK(toptheta.TopK):

@@ -283,7 +283,7 @@ def test_a_tiny_llama_run_through_the_pipeline_reports_scores_per_length_and_sub
 
 def test_the_store_counts_a_runs_prompts_and_paired_outcomes_keep_each_views_own():
     from toptheta.results.paired import question_outcomes
-    from toptheta.results.store import summary_rows
+    from toptheta.store.rows import summary_rows
 
     config = {"model": {"name": "m"}, "task": {"name": "ruler", "kind": "ruler", "lengths": [500, 700],
                                                "prompts_per_length": 2}, "sparsifier": {"name": "dense"}}

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from toptheta.results import informative, paired, pooled, precision, reduction, verdicts
-from toptheta.results.store import RunStore, load_summary, summary_rows
+from toptheta.results.summary import load_summary
+from toptheta.store.rows import summary_rows
+from toptheta.store.runs import RunStore
 
 N = 400
 
@@ -171,7 +173,7 @@ def test_reduction_table_of_no_rows_is_empty():
 def load_summary_empty():
     import pandas as pd
 
-    from toptheta.results.store import SUMMARY_COLUMNS
+    from toptheta.store.rows import SUMMARY_COLUMNS
 
     return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
 

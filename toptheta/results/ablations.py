@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
+from ..store.samples import read_samples, samples_path
 from . import figures, paired
 
 SETTINGS = ("sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task", "calib_statistic",
@@ -264,7 +265,6 @@ def wilson_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, f
 def _passkey_counts(run_dir: Path, lengths: list[int]) -> dict[int, tuple[int, int]]:
     """length -> (correct, prompts) from a run's per-prompt samples; {} without them. Older samples carry only
     the prompt's real token count: they go to the nearest of the run's lengths."""
-    from .store import read_samples, samples_path
 
     path = samples_path(run_dir)
     if path is None or not lengths:

@@ -29,7 +29,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from ..registry import SPARSIFIERS
-from .store import DONE_MARKER, SUMMARY_FIELD_PATHS, comp_label
+from ..store.rows import SUMMARY_FIELD_PATHS, comp_label
+from ..store.runs import DONE_MARKER
+from ..store.samples import read_samples, samples_path
 
 DEFAULT_GRANULARITY = "layer-head-n"  # the paper's: one θ per (layer, head, row length)
 GRANULARITY_ORDER = ("layer", "layer-n", "layer-head", "layer-head-n")  # coarse to fine
@@ -593,7 +595,6 @@ def vrow_popularity_records(results_dir: str | os.PathLike[str]) -> list[dict[st
 def _first_problem(run_dir: str | os.PathLike[str]) -> str | None:
     """The id of a run's first generation (its first sample: HumanEval's task_id, passkey's id), which a V-row
     popularity recording follows; None without samples."""
-    from .store import read_samples, samples_path
 
     path = samples_path(run_dir)
     samples = read_samples(path) if path is not None else None

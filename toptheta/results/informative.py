@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..store.samples import read_samples, samples_path
 from . import figures
 
 MIN_ABOVE_CHANCE = 0.10
@@ -58,7 +59,6 @@ def _full(metric: str) -> str:
 
 @functools.lru_cache(maxsize=128)
 def _sample_chance(path: str, mtime_ns: int, task: str) -> float | None:
-    from .store import read_samples
 
     samples = read_samples(path)
     records = samples.get(task) if isinstance(samples, dict) else None
@@ -72,7 +72,6 @@ def _sample_chance(path: str, mtime_ns: int, task: str) -> float | None:
 def chance_level(task: str, metric: str, run_dir: str | Path | None = None) -> tuple[float | None, str]:
     """(chance, where it came from): the dense run's samples (its choices), the task table, or unknown."""
     if run_dir is not None and binary_metric(metric):
-        from .store import samples_path
 
         path = samples_path(run_dir)
         if path is not None:

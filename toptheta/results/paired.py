@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from ..store.samples import read_samples, samples_path
+
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
 
@@ -161,7 +163,6 @@ def question_outcomes(samples: Any, task: str, metric: str) -> dict[Any, float]:
 
 def read_outcomes(run_dir: str | Path, task: str, metric: str) -> dict[Any, float]:
     """question_outcomes of one run directory ({} when it kept no per-sample outputs)."""
-    from .store import samples_path
 
     path = samples_path(run_dir)
     if path is None:
@@ -173,7 +174,6 @@ def read_outcomes(run_dir: str | Path, task: str, metric: str) -> dict[Any, floa
 @functools.lru_cache(maxsize=256)
 def _read_outcomes(path: str, mtime_ns: int, size: int, task: str, metric: str) -> tuple[tuple[Any, float], ...]:
     """Cached by the file's identity: a verdict pass compares each run with many others."""
-    from .store import read_samples
 
     return tuple(question_outcomes(read_samples(path), task, metric).items())
 
