@@ -283,7 +283,7 @@ def test_the_readme_section_states_the_rule_the_excluded_settings_and_the_reduct
 def test_ablation_panels_save_the_same_bytes_twice(tmp_path):
     """Compensation cells (Top-k post with and without VMC, ...) drawn as small multiples: two saves of two builds
     of the figure are byte-identical, and no panel holds more than four curves."""
-    from toptheta.results import ablations, figures
+    from toptheta.results import ablations, selection
     from toptheta.results.render import save_figure
 
     store = RunStore(tmp_path)
@@ -298,7 +298,7 @@ def test_ablation_panels_save_the_same_bytes_twice(tmp_path):
     table = ablations.ablation_table(load_summary(tmp_path), "compensation", results_dir=tmp_path, **group)
     saved = []
     for i in range(2):
-        fig = ablations.ablation_figure(table, "compensation", figures.group_title(**group))
+        fig = ablations.ablation_figure(table, "compensation", selection.group_title(**group))
         curves = [len(ax.get_legend().get_texts()) - 1 for ax in fig.axes if ax.get_visible() and ax.get_legend()]
         assert curves and max(curves) <= 4 and sum(curves) == 7
         for fmt in ("png", "pdf"):

@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from ..store.samples import read_samples, samples_path
-from . import figures
+from . import figures, selection
 
 MIN_ABOVE_CHANCE = 0.10
 CEILING_01 = 0.95
@@ -94,9 +94,9 @@ def assess(dense: float, chance: float | None, metric: str) -> tuple[bool, str]:
 
 
 def settings_table(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
-    """Every trade-off group (figures.tradeoff_groups) with its dense score, chance, ceiling and the rule's answer."""
+    """Every trade-off group (selection.tradeoff_groups) with its dense score, chance, ceiling and the rule's answer."""
     rows = []
-    for group in figures.tradeoff_groups(summary):
+    for group in selection.tradeoff_groups(summary):
         table = figures.tradeoff_table(summary, **group)
         dense = table[table["series"] == "Baseline"]
         if dense.empty or pd.isna(dense["value"].iloc[0]):
@@ -105,7 +105,7 @@ def settings_table(summary: pd.DataFrame, results_dir: str | Path | None = None)
         run_dir = Path(results_dir) / "runs" / str(run_id) if results_dir is not None else None
         chance, source = chance_level(str(group["task"]), str(group["metric"]), run_dir)
         informative, reason = assess(value, chance, str(group["metric"]))
-        rows.append({"setting": figures.group_title(**group), "dense": value, "chance": chance,
+        rows.append({"setting": selection.group_title(**group), "dense": value, "chance": chance,
                      "chance_source": source, "ceiling": CEILING_01 if binary_metric(group["metric"]) else 1.0,
                      "informative": informative, "reason": reason, "run_id": run_id})
     return pd.DataFrame(rows, columns=COLUMNS)

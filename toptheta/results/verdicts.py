@@ -48,7 +48,7 @@ from typing import Any
 
 import pandas as pd
 
-from . import figures, informative, paired, precision, reduction, seeds
+from . import figures, informative, labels, paired, precision, reduction, seeds, selection
 
 MARGIN = 0.01
 LEVEL = 0.95
@@ -116,13 +116,13 @@ def precise_pool(kind: str, pairs: Sequence, levels: Sequence[float] = (LEVEL,))
 
 
 def store_rows(summary: pd.DataFrame) -> pd.DataFrame:
-    """Every run of every trade-off group with its group keys, series (figures.series_label) and settings."""
+    """Every run of every trade-off group with its group keys, series (labels.series_label) and settings."""
     frames = []
-    for group in figures.tradeoff_groups(summary):
+    for group in selection.tradeoff_groups(summary):
         if re.fullmatch(r"passkey_\d+|ruler_\w+", str(group["task"])):
             continue  # per-length (ruler: and per-sub-task) views of a run: its questions already count under the task
         table = figures.tradeoff_table(summary, **group)
-        frames.append(table.assign(group=figures.group_title(**group), **{f"g_{k}": v for k, v in group.items()}))
+        frames.append(table.assign(group=selection.group_title(**group), **{f"g_{k}": v for k, v in group.items()}))
     if not frames:
         return pd.DataFrame()
     rows = seeds.merge_seeds(pd.concat(frames, ignore_index=True))
@@ -190,7 +190,7 @@ def _pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir
                 d, data = _compare(a, b, results_dir)
                 if not usable(d):
                     continue
-                out.append({"group": a["group"], "a": a["series"], "b": b["series"], "k": figures._num(a["k"]),
+                out.append({"group": a["group"], "a": a["series"], "b": b["series"], "k": selection.as_number(a["k"]),
                             "diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "method": d.method,
                             "_d": data})
     return out
@@ -199,7 +199,7 @@ def _pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir
 def _is(sparsifier: str, placement: str | None = None, comp: str | None = None):
     def pick(row: pd.Series) -> bool:
         return (row["sparsifier"] == sparsifier and (placement is None or row["placement"] == placement)
-                and (comp is None or _norm(row["comp"]) == comp) and figures.main_series(str(row["series"])))
+                and (comp is None or _norm(row["comp"]) == comp) and labels.main_series(str(row["series"])))
     return pick
 
 
@@ -273,7 +273,7 @@ def _claim_pairs(rows: pd.DataFrame, results_dir: Path | None) -> list[tuple[lis
     if rows.empty:
         return [([], "")] * 5
     sizes = _sample_sizes(rows)  # a pair speaks from the largest sample holding both its runs' configurations
-    main = rows[[figures.main_series(str(s)) for s in rows["series"]]]
+    main = rows[[labels.main_series(str(s)) for s in rows["series"]]]
     out = []
     same = ["level", "fewshot_sampler"]  # equal k, or equal target_kept where runs were matched by sparsity
 
@@ -332,7 +332,7 @@ CONFIGURATION = ["series", "k", "target_kept", "fewshot_sampler", "calib_seed", 
 
 def _size(row: pd.Series) -> float:
     """The number of questions a run's group evaluates, as an order: its limit, or ∞ for the whole split."""
-    limit = figures._num(row["g_limit"])
+    limit = selection.as_number(row["g_limit"])
     return math.inf if limit is None else float(limit)
 
 
