@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toptheta.results import paired
+from toptheta.results import paired, pooled
 from toptheta.store.samples import compress_json
 
 
@@ -256,17 +256,17 @@ def test_one_pooled_pair_matches_the_plain_paired_bootstrap():
     a, b = (rng.random(600) < 0.6).astype(float), (rng.random(600) < 0.55).astype(float)
     plain = paired.paired_bootstrap(a, b)
     pair = paired.PairedOutcomes("t", tuple(range(600)), a - b)
-    mean, low, high = paired.pooled_bootstrap([pair])
+    mean, low, high = pooled.pooled_bootstrap([pair])
     assert mean == pytest.approx((a - b).mean()) and (low, high) == pytest.approx(plain, abs=0.004)
     part = paired.PairedOutcomes("t", tuple(range(300)), (a - b)[:300])
     plain_part = paired.paired_bootstrap(a[:300], b[:300])
     other = paired.PairedOutcomes("t", tuple(range(300, 600)), np.zeros(300))  # the universe's other questions
-    mean, low, high = paired.pooled_bootstrap([part, other])
+    mean, low, high = pooled.pooled_bootstrap([part, other])
     # half the weight on a pair of zeros: the interval is half the part's own
     assert mean == pytest.approx((a - b)[:300].mean() / 2)
     assert (low, high) == pytest.approx((plain_part[0] / 2, plain_part[1] / 2), abs=0.004)
-    _, intervals = paired.pooled_intervals([pair], levels=(0.95, 0.99))
-    assert intervals[0] == (low1 := paired.pooled_bootstrap([pair])[1], paired.pooled_bootstrap([pair])[2])
+    _, intervals = pooled.pooled_intervals([pair], levels=(0.95, 0.99))
+    assert intervals[0] == (low1 := pooled.pooled_bootstrap([pair])[1], pooled.pooled_bootstrap([pair])[2])
     assert intervals[1][0] < low1 and intervals[1][1] > intervals[0][1]
 
 
@@ -279,14 +279,14 @@ def test_pooling_resamples_shared_questions_together():
     one = paired.PairedOutcomes("arc_easy", tuple(range(300)), d)
     twin = paired.PairedOutcomes("arc_easy", tuple(range(300)), d.copy())
     other = paired.PairedOutcomes("hellaswag", tuple(range(300)), d.copy())
-    _, low1, high1 = paired.pooled_bootstrap([one])
-    _, low2, high2 = paired.pooled_bootstrap([one, twin])
-    _, low3, high3 = paired.pooled_bootstrap([one, other])
+    _, low1, high1 = pooled.pooled_bootstrap([one])
+    _, low2, high2 = pooled.pooled_bootstrap([one, twin])
+    _, low3, high3 = pooled.pooled_bootstrap([one, other])
     assert (low2, high2) == pytest.approx((low1, high1), abs=1e-12)
     assert (high3 - low3) < 0.8 * (high1 - low1)
     # a pair from two stderrs joins as a normal draw around its difference, weighing 0.25/se² = 100 questions
     wide = paired.unpaired(0.5, 0.05, 0.5, 0.0)
-    mean, low, high = paired.pooled_bootstrap([one, wide])
+    mean, low, high = pooled.pooled_bootstrap([one, wide])
     assert mean == pytest.approx(d.mean() * 300 / (300 + 0.25 / 0.05**2)) and low < mean < high
 
 

@@ -125,8 +125,8 @@ def test_seeds_that_disagree_widen_the_interval(tmp_path):
                                  "acc_norm,none")
     seeded = paired.seeded_outcomes("arc_easy", a_runs, [b_run])
     plain = paired.PairedOutcomes("arc_easy", seeded.ids, seeded.d)  # the seed means, questions resampled only
-    _, low_s, high_s = paired.pooled_bootstrap([seeded])
-    _, low_p, high_p = paired.pooled_bootstrap([plain])
+    _, low_s, high_s = pooled.pooled_bootstrap([seeded])
+    _, low_p, high_p = pooled.pooled_bootstrap([plain])
     assert seeded.diff == plain.diff == pytest.approx(0.0)
     assert high_s - low_s > 2 * (high_p - low_p)
     assert (pair["ci_low"], pair["ci_high"]) == pytest.approx((low_s, high_s))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import pandas as pd
@@ -255,7 +256,7 @@ def wilson_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, f
     of 20, it says how low the accuracy could be (0.84 there at 95 %)."""
     if n < 1:
         raise ValueError("an interval needs at least one prompt")
-    z = paired._normal_quantile(0.5 + level / 2)
+    z = NormalDist().inv_cdf(0.5 + level / 2)
     p, z2 = correct / n, z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * (p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5

@@ -5,7 +5,7 @@ shots, questions, k, calibration). A pair's difference in the task metric comes 
 paired per question when both runs kept per-sample outputs (paired.py), else from the two stderrs.
 A claim's effect is the mean of its pairs' differences weighted by their numbers of questions; its interval
 comes from one bootstrap that resamples each task's questions once for all pairs on that task
-(`paired.pooled_bootstrap`: the pairs share questions and baselines, so they are not independent). A pair
+(`pooled.pooled_bootstrap`: the pairs share questions and baselines, so they are not independent). A pair
 whose two configurations were also measured on more questions of the same setting (e.g. ARC-Easy's first
 500 and the whole split) speaks from the larger sample only, so no question weighs twice. The interval decides,
 with a margin δ of one point (0.01) where the claim is "no worse than":
@@ -48,7 +48,7 @@ from typing import Any
 
 import pandas as pd
 
-from . import figures, informative, labels, paired, precision, reduction, seeds, selection
+from . import figures, informative, labels, paired, pooled, precision, reduction, seeds, selection
 
 MARGIN = 0.01
 LEVEL = 0.95
@@ -99,7 +99,7 @@ def usable(d: paired.PairedDifference) -> bool:
 
 def pool(pairs: Sequence[paired.PairedOutcomes | paired.PairedDifference]) -> tuple[float, float, float]:
     """The claim's effect (mean pair difference) and its 95 % interval, shared questions resampled jointly."""
-    return paired.pooled_bootstrap(pairs, level=LEVEL)
+    return pooled.pooled_bootstrap(pairs, level=LEVEL)
 
 
 def boundary(kind: str, margin: float = MARGIN) -> float:
@@ -141,7 +141,7 @@ def _compare(a: pd.Series, b: pd.Series, results_dir: Path | None, level: float 
             d = paired.compare_runs(runs / a["run_id"], runs / b["run_id"], a["task"], a["metric"], level=level)
             return d, outcomes
         if outcomes is not None:
-            point, low, high = paired.pooled_bootstrap([outcomes], level=level)
+            point, low, high = pooled.pooled_bootstrap([outcomes], level=level)
             seeds_note = f"{len(_run_ids(a))} × {len(_run_ids(b))} calibration seeds"
             return paired.PairedDifference(n=len(outcomes.ids), mean_a=float(outcomes.sides()[0].mean()),
                                            mean_b=float(outcomes.sides()[1].mean()), diff=point, ci_low=low,
