@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toptheta.results import paired, pooled
+from toptheta.results import comparisons, paired, pooled
 from toptheta.store.samples import compress_json
 
 
@@ -162,25 +162,25 @@ def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sampl
 
     _store_with_verdict_cases(tmp_path, small_setting=True)
     summary = load_summary(tmp_path)
-    rows = verdicts.store_rows(summary)
+    rows = comparisons.store_rows(summary)
     small = rows[rows["g_limit"].astype(str) == "100"]
     theta_100 = small.loc[small["sparsifier"] == "toptheta", "run_id"].item()
     topk_100 = small.loc[small["sparsifier"] == "topk", "run_id"].item()
-    assert verdicts._superseded_runs(rows) == {theta_100}  # Top-k k=4 was measured on the 100 questions only
+    assert comparisons.superseded_runs(rows) == {theta_100}  # Top-k k=4 was measured on the 100 questions only
     claim6 = verdicts.verdicts(summary, tmp_path)[5]
     # One setting (model, task, shots, metric) whatever the number of questions: one line, decided by the best run.
     assert claim6.verdict == "holds" and [p["group"] for p in claim6.pairs] == ["tiny · arc_easy (0-shot, limit 800) · acc_norm"]
     assert "their configuration measured on more questions: tiny · arc_easy (0-shot, limit 100) · acc_norm" in claim6.note
     assert claim6.note.startswith("settings: 1 holds;")
     candidates = claim6.pairs[0]["runs"]
-    kept = verdicts._superseded_runs
+    kept = comparisons.superseded_runs
     try:  # without the rule the 100-question Top-θ run would be one more candidate
-        verdicts._superseded_runs = lambda rows: set()
+        comparisons.superseded_runs = lambda rows: set()
         again = verdicts.verdicts(summary, tmp_path)[5]
         assert again.pairs[0]["runs"] == candidates + 1
     finally:
-        verdicts._superseded_runs = kept
-    assert topk_100 not in verdicts._superseded_runs(rows)
+        comparisons.superseded_runs = kept
+    assert topk_100 not in comparisons.superseded_runs(rows)
 
 
 def test_a_pair_measured_on_more_questions_counts_once(tmp_path):
@@ -195,12 +195,12 @@ def test_a_pair_measured_on_more_questions_counts_once(tmp_path):
     claim1 = verdicts.verdicts(summary, tmp_path)[0]
     assert sorted((p["k"], p["group"].split("limit ")[1][:3]) for p in claim1.pairs) == [(4, "100"), (8, "800")]
     assert claim1.verdict == "holds"
-    kept = verdicts._pair_superseded
+    kept = comparisons.pair_superseded
     try:  # without the rule the 100-question k=8 pair enters too and drags the pooled effect below the margin
-        verdicts._pair_superseded = lambda a, b, sizes, accept=None: False
+        comparisons.pair_superseded = lambda a, b, sizes, accept=None: False
         again = verdicts.verdicts(summary, tmp_path)[0]
     finally:
-        verdicts._pair_superseded = kept
+        comparisons.pair_superseded = kept
     assert len(again.pairs) == 3 and again.effect < claim1.effect - 0.02 and again.verdict != "holds"
 
 
@@ -216,15 +216,15 @@ def test_a_pair_the_larger_sample_rejects_speaks_from_the_smaller(tmp_path):
     theta = [p for p in claim2.pairs if p["a"].startswith("Top-θ")]
     assert [(p["k"], p["group"].split("limit ")[1][:3]) for p in theta] == [(8, "100")]
     # accepting every pair, the 800-question pair supersedes the 100 one
-    assert verdicts._pair_superseded(*_theta_pair(tmp_path, "100"), verdicts._sample_sizes(
-        verdicts.store_rows(load_summary(tmp_path))))
+    assert comparisons.pair_superseded(*_theta_pair(tmp_path, "100"), comparisons.sample_sizes(
+        comparisons.store_rows(load_summary(tmp_path))))
 
 
 def _theta_pair(root, limit: str):
     from toptheta.results import verdicts
     from toptheta.results.summary import load_summary
 
-    rows = verdicts.store_rows(load_summary(root))
+    rows = comparisons.store_rows(load_summary(root))
     rows = rows[(rows["g_limit"].astype(str) == limit) & (rows["sparsifier"] == "toptheta") & (rows["k"] == 8)]
     return rows[rows["placement"] == "post"].iloc[0], rows[rows["placement"] == "pre"].iloc[0]
 

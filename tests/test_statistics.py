@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from toptheta.results import informative, paired, pooled, precision, reduction, verdicts
+from toptheta.results import comparisons, informative, paired, pooled, precision, reduction, verdicts
 from toptheta.results.summary import load_summary
 from toptheta.store.rows import summary_rows
 from toptheta.store.runs import RunStore
@@ -114,7 +114,7 @@ def test_seeds_that_disagree_widen_the_interval(tmp_path):
     for seed, outcomes in ((0, dense.copy()), (1, _flip(dense, 32, 0.0)), (2, _flip(dense, 32, 1.0))):
         _add(store, "arc_easy", "toptheta", "post", 8, "vmc", outcomes, 0.3, seed=seed)
     summary = load_summary(tmp_path)
-    rows = verdicts.store_rows(summary)
+    rows = comparisons.store_rows(summary)
     theta = rows[rows["sparsifier"] == "toptheta"]
     assert len(theta) == 1 and theta["seeds"].item() == 3 and theta["calib_seed"].item() == "0,1,2"
     claim1 = verdicts.verdicts(summary, tmp_path)[0]
@@ -167,7 +167,7 @@ def test_verdict_rows_report_the_monte_carlo_error(store):
 
 
 def test_reduction_table_of_no_rows_is_empty():
-    assert reduction.reduction_table(verdicts.store_rows(load_summary_empty()), None, set()).empty
+    assert reduction.reduction_table(comparisons.store_rows(load_summary_empty()), None, set()).empty
 
 
 def load_summary_empty():

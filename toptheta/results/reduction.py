@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import figures, labels, precision, selection, verdicts
+from . import comparisons, figures, labels, precision, selection, verdicts
 
 HOLDS_AT = 3.0
 PAPER_AT = 10.0
@@ -37,13 +37,13 @@ def _measure(family: pd.DataFrame) -> str:
 def reduction_table(rows: pd.DataFrame, results_dir: str | Path | None, superseded: set[str]) -> pd.DataFrame:
     """One row per (setting, series): the largest non-inferior reduction and the run that reaches it.
 
-    `rows`: verdicts.store_rows (seeds merged); `superseded`: runs whose configuration was measured on more questions."""
+    `rows`: comparisons.store_rows (seeds merged); `superseded`: runs whose configuration was measured on more questions."""
     results_dir = Path(results_dir) if results_dir is not None else None
     out = []
     if rows.empty:
         return pd.DataFrame(columns=COLUMNS)
     main = rows[[labels.main_series(str(s)) for s in rows["series"]]]
-    for _, family in rows.groupby(verdicts.FAMILY, dropna=False, sort=True):
+    for _, family in rows.groupby(comparisons.FAMILY, dropna=False, sort=True):
         dense = {g: grp.iloc[0] for g, grp in family[family["series"] == "Baseline"].groupby("group")}
         x = _measure(family)
         candidates = main[main["run_id"].isin(family["run_id"]) & (main["series"] != "Baseline")
@@ -54,8 +54,8 @@ def reduction_table(rows: pd.DataFrame, results_dir: str | Path | None, supersed
         for series, runs in candidates.groupby("series", sort=False):
             tested = []
             for _, run in runs.iterrows():
-                d, data = verdicts._compare(run, dense[run["group"]], results_dir)
-                if not verdicts.usable(d):
+                d, data = comparisons.compare_rows(run, dense[run["group"]], results_dir)
+                if not comparisons.usable(d):
                     continue
                 interval = _interval(d, data)
                 tested.append((run, interval))
@@ -72,13 +72,13 @@ def reduction_table(rows: pd.DataFrame, results_dir: str | Path | None, supersed
                            target_kept=selection.as_number(run.get("target_kept")), seeds=int(run.get("seeds", 1)),
                            diff=i.effect, ci_low=i.low, ci_high=i.high, mc_low=i.mc_low, mc_high=i.mc_high,
                            resamples=i.resamples, reaches_3x=reduction >= HOLDS_AT, reaches_10x=reduction >= PAPER_AT, group=run["group"],
-                           run_id=",".join(verdicts._run_ids(run)))
+                           run_id=",".join(comparisons.run_ids(run)))
             else:  # the weakest claim we can state: the closest call among the runs keeping the least
                 run, i = max(tested, key=lambda t: t[1].low)
                 row.update(kept=float(run[x]), k=selection.as_number(run["k"]), diff=i.effect, ci_low=i.low, ci_high=i.high,
                            mc_low=i.mc_low, mc_high=i.mc_high, resamples=i.resamples, seeds=int(run.get("seeds", 1)),
                            reaches_3x=False, reaches_10x=False, group=run["group"],
-                           run_id=",".join(verdicts._run_ids(run)))
+                           run_id=",".join(comparisons.run_ids(run)))
             row["_fails"] = all(i.high < -verdicts.MARGIN for run, i in tested if 1.0 / float(run[x]) >= HOLDS_AT)
             row["_tested_3x"] = largest >= HOLDS_AT
             out.append(row)

@@ -53,7 +53,8 @@ def select(summary: pd.DataFrame, model: str, task: str, metric: str, num_fewsho
         df = df[_is(df, "limit", limit)]
     settings = df[["num_fewshot", "limit"]].drop_duplicates()
     if len(settings) > 1:
-        choices = "; ".join(f"num_fewshot={as_number(a)}, limit={as_number(b)}" for a, b in settings.itertuples(index=False))
+        choices = "; ".join(f"num_fewshot={as_number(a)}, limit={as_number(b)}"
+                            for a, b in settings.itertuples(index=False))
         raise ValueError(f"{model} / {task} was evaluated in several settings ({choices}); "
                          "pass num_fewshot= and limit= (None = whole split) to choose one")
     return df

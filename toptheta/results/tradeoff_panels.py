@@ -6,7 +6,7 @@ series the k labels collide and the bars, about twice the paired uncertainty, hi
 * at most PANEL_SERIES (4) series a panel, panels side by side sharing both axes, each with the dense line and the
   non-inferiority margin (dense − 0.01, dotted);
 * each point's bar is the paired 95 % interval of its difference to dense, drawn around its accuracy
-  (accuracy ± the paired half-widths; calibration seeds resampled too, verdicts._compare); a run without
+  (accuracy ± the paired half-widths; calibration seeds resampled too, comparisons.compare_rows); a run without
   per-question outputs gets the interval from two stderrs, drawn hollow;
 * a log-scale kept-fraction axis; k labels placed where they overlap no other label; the legend under each panel,
   off the data; the full setting in the title, wrapped rather than cut.
@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from . import figures, labels, seeds, selection, verdicts
+from . import comparisons, figures, labels, seeds, selection, verdicts
 
 PANEL_SERIES = 4
 MARGIN = verdicts.MARGIN
@@ -49,7 +49,7 @@ def panel_table(summary: pd.DataFrame, *, model: str, task: str, metric: str, x:
     for row in table.to_dict("records"):
         row = dict(row, diff=None, ci_low=None, ci_high=None, method=None)
         if row["series"] != "Baseline" and len(dense):
-            d, _ = verdicts._compare(pd.Series(row), dense.iloc[0], results_dir)
+            d, _ = comparisons.compare_rows(pd.Series(row), dense.iloc[0], results_dir)
             row.update(diff=d.diff, ci_low=d.ci_low, ci_high=d.ci_high, method=d.method)
         out.append(row)
     return pd.DataFrame(out)
