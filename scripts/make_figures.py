@@ -33,10 +33,10 @@ import matplotlib
 
 matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 
-from toptheta.results import (ablations, figures, informative, reduction, storage, threshold_plots,  # noqa: E402
-                               tradeoff_panels, verdicts)
+from toptheta.results import (ablations, figures, informative, reduction, run_figures, selection, storage,  # noqa: E402
+                               threshold_plots, tradeoff_panels, verdicts)
 from toptheta.results.render import FIGURE_FORMATS, latex, markdown, save_figure, write_text  # noqa: E402
-from toptheta.results.store import load_summary  # noqa: E402
+from toptheta.results.summary import load_summary  # noqa: E402
 
 # Floats in csv files to 10 significant digits: a sum's last bit depends on the order numpy adds in (SIMD width,
 # alignment), so 0.0008 and 0.0008000000000000001 must print alike for a rerun to rewrite the same bytes.
@@ -129,8 +129,8 @@ EQUIVALENCE_NOTE = ("Top-k post (+VMC) is the same computation as Top-k pre (+SD
 
 
 def write_tradeoffs(outputs: Outputs, summary, results: Path) -> None:
-    for group in figures.tradeoff_groups(summary):
-        name, title = group_slug(group), figures.group_title(**group)
+    for group in selection.tradeoff_groups(summary):
+        name, title = group_slug(group), selection.group_title(**group)
         table = figures.tradeoff_table(summary, **group)
         outputs.table(f"tradeoff-{name}", table, f"Top-θ and Top-k: accuracy vs kept fraction, {title}",
                       EQUIVALENCE_NOTE)
@@ -142,11 +142,11 @@ def write_tradeoffs(outputs: Outputs, summary, results: Path) -> None:
 
 def write_ablations(outputs: Outputs, summary, results: Path) -> None:
     for ab in ablations.ABLATIONS.values():
-        for group in figures.tradeoff_groups(summary):
+        for group in selection.tradeoff_groups(summary):
             table = ablations.ablation_table(summary, ab, results_dir=results, **group)
             if table.empty:
                 continue
-            name, title = f"ablation-{ab.name}-{group_slug(group)}", figures.group_title(**group)
+            name, title = f"ablation-{ab.name}-{group_slug(group)}", selection.group_title(**group)
             notes = ("diff: the run minus the reference setting of its cell (same series and k), 95 % interval; "
                      "diff_method says whether it is paired per question or from two stderrs.\n\n")
             outputs.table(name, table, f"{ab.title}: {title}", notes)
@@ -205,22 +205,22 @@ def write_thresholds(outputs: Outputs, results: Path) -> None:
 
 
 def write_per_layer(outputs: Outputs, results: Path) -> None:
-    for group in figures.per_layer_groups(results):
-        table = figures.per_layer_table(group["run_dirs"])
+    for group in run_figures.per_layer_groups(results):
+        table = run_figures.per_layer_table(group["run_dirs"])
         name = slug("per_layer", group["model"], group["task"], group["series"].replace("θ", "theta"))
         outputs.table(name, table, f"Per-layer statistics: {group['title']}")
         for stat in ("kept_attention_fraction", "kept_vrow_fraction"):
             if table[stat].notna().any():
-                fig = figures.per_layer_figure(group["run_dirs"], stat=stat, title=group["title"])
+                fig = run_figures.per_layer_figure(group["run_dirs"], stat=stat, title=group["title"])
                 outputs.figure(f"{name}-{X_SHORT[stat]}", fig, f"{figures.X_LABELS[stat]} per layer: {group['title']}",
                                f"Numbers: `{name}.csv`.\n\n" + _runs_note(table))
 
 
 def write_vrow_popularity(outputs: Outputs, results: Path) -> None:
-    records = figures.vrow_popularity_records(results)
+    records = run_figures.vrow_popularity_records(results)
     if not records:
         return
-    table = figures.vrow_popularity_table(records)
+    table = run_figures.vrow_popularity_table(records)
     for model, rows in table.groupby("model", sort=True):
         outputs.table(slug("vrow_popularity", model), rows.drop(columns=["model"]),
                       f"V-row popularity in a GQA group during decoding: {model}")
@@ -231,7 +231,7 @@ def write_vrow_popularity(outputs: Outputs, results: Path) -> None:
                  f"KV group {rec['group']}")
         label = item["label"].replace("θ", "theta").replace(", ", " ")
         name = slug("vrow_popularity", item["model"], label, f"layer{rec['layer']}", f"group{rec['group']}")
-        outputs.figure(name, figures.vrow_popularity_figure(rec, title=title),
+        outputs.figure(name, run_figures.vrow_popularity_figure(rec, title=title),
                        f"V-row popularity: {title}", f"Run: `{item['run_id']}`.\n")
 
 

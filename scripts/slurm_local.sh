@@ -6,7 +6,7 @@
 # Everything lives in one temporary directory: its own slurm.conf (SLURM_CONF, ports 16817/16818, so a system Slurm
 # is left alone), state and logs, TOPTHETA_CACHE and results_dir. munged is started only when none runs, and every
 # daemon this script started is stopped on exit. Checks: one stored run per configuration (k = 4 and k = 8), one
-# dense baseline computed once for both jobs (the claims of toptheta/results/claims.py), every summary row present.
+# dense baseline computed once for both jobs (the claims of toptheta/store/claims.py), every summary row present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from toptheta.results import experiments, sweeps
-from toptheta.results.store import RunStore
+from toptheta.store.runs import RunStore
 
 
 def status(name: str, results: str | None = None) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from toptheta.results import experiments, figures, informative, reduction, regimes, sweeps, verdicts
 from toptheta.results.render import markdown, write_text
-from toptheta.results.store import load_summary
+from toptheta.results.summary import load_summary
 
 START, END = "<!-- verdicts:start -->", "<!-- verdicts:end -->"
 FIGURE_SUFFIX = re.compile(r"(-fig|-kept_attn|-kept_vrow|-bars)?\.(csv|md|tex|png|pdf)$")
@@ -141,7 +141,7 @@ def provenance(results: Path, owners: sweeps.Owners | None = None) -> list[str]:
              "the resolved configuration; the experiments: `python run.py -m experiment=<artefact>/<protocol>`, "
              "see `experiments/`).",
              "- `summary.csv` rebuilt from the run directories (new columns for older runs): "
-             "`python -m toptheta.results.migrate --results results`."]
+             "`python -m toptheta.store.migrate --results results`."]
     if found and owners is not None:
         lines += _runs_by_experiment(found, owners)
     for bench in sorted((results / "bench").glob("*.md")):

@@ -15,7 +15,7 @@ import toptheta
 from test_config import cfg
 from toptheta import pipeline, thresholds_cache
 from toptheta.calibration import Thresholds
-from toptheta.results.store import summary_rows
+from toptheta.store.rows import summary_rows
 
 LENGTHS = torch.arange(100, 1001, 25)  # calibrated row lengths
 

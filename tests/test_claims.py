@@ -1,4 +1,4 @@
-"""Claims (toptheta/results/claims.py): one job computes a run or thresholds file, the others wait and reuse."""
+"""Claims (toptheta/store/claims.py): one job computes a run or thresholds file, the others wait and reuse."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import filelock
 import pytest
 
-from toptheta.results import claims
-from toptheta.results.store import RunStore
+from toptheta.store import claims
+from toptheta.store.runs import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 

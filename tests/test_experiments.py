@@ -193,7 +193,7 @@ def fast_jobs(name):
 
 
 def _run_fast(name, tmp_path):
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _skip_unavailable(name)
     for job in fast_jobs(name):

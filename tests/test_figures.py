@@ -13,8 +13,10 @@ import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
-from toptheta.results import figures
-from toptheta.results.store import RunStore, load_summary, summary_rows
+from toptheta.results import figures, labels, run_figures, selection
+from toptheta.results.summary import load_summary
+from toptheta.store.rows import summary_rows
+from toptheta.store.runs import RunStore
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "ablations.ipynb"
@@ -108,7 +110,7 @@ def made(results):
 
 
 def test_series_labels():
-    label = figures.series_label
+    label = labels.series_label
     assert label({"sparsifier": "dense"}) == "Baseline"
     assert label({"sparsifier": "toptheta", "placement": "pre", "comp": "sdc=exact+vmc"}) == "Top-θ pre (+SDC +VMC)"
     assert label({"sparsifier": "toptheta", "placement": "post", "comp": "vmc"}) == "Top-θ post (+VMC)"
@@ -124,9 +126,9 @@ def test_series_labels():
 
 def test_metric_of_interest():
     summary = pd.DataFrame({"task": ["arc_easy", "arc_easy", "humaneval", "longbench_qmsum", "passkey"],
-                            "metric": ["acc,none", "acc_norm,none", "pass@1,none", "rouge_l,none", "accuracy,none"]})
-    assert [figures.metric_of_interest(summary, t) for t in ("arc_easy", "humaneval", "longbench_qmsum", "passkey")] \
-        == ["acc_norm,none", "pass@1,none", "rouge_l,none", "accuracy,none"]
+                            "metric": ["acc,none", "acc_norm,none", "pass@1,none", "rouge_score,none", "accuracy,none"]})
+    assert [selection.metric_of_interest(summary, t) for t in ("arc_easy", "humaneval", "longbench_qmsum", "passkey")] \
+        == ["acc_norm,none", "pass@1,none", "rouge_score,none", "accuracy,none"]
 
 
 def test_expected_files_and_commands(made):
@@ -153,7 +155,7 @@ def test_expected_files_and_commands(made):
 
 def test_vrow_popularity_heatmap_greys_out_keys_not_yet_generated():
     """Step 0 saw 3 keys and step 1 saw 4: the 4th key at step 0 is masked (grey), not drawn as 'no head keeps it'."""
-    image = figures.vrow_popularity_figure(POPULARITY).axes[0].images[0].get_array()
+    image = run_figures.vrow_popularity_figure(POPULARITY).axes[0].images[0].get_array()
     assert image.mask.tolist() == [[False, False, False, True], [False, False, False, False]]
     assert image.filled(-1).tolist() == [[2, 0, 1, -1], [2, 1, 0, 2]]
 
@@ -189,11 +191,11 @@ def test_figure_and_granularity(results):
     fig = figures.tradeoff_figure(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_xlim()[1] > 1 and ax.get_xlim()[0] < 0.1  # down to the lowest x
-    labels = ax.get_legend_handles_labels()[1]
+    legend = ax.get_legend_handles_labels()[1]
     # The paper's series only (the granularity ablation has its own figure); Top-k post (+VMC) is also the pre
     # (+SDC +VMC) computation, said in its label; the title uses the paper's names.
-    assert labels[0] == "Baseline (dense)" and "Top-k post (+VMC) ≡ pre (+SDC +VMC)" in labels and len(labels) == 5
-    assert not any("θ per layer" in label for label in labels)
+    assert legend[0] == "Baseline (dense)" and "Top-k post (+VMC) ≡ pre (+SDC +VMC)" in legend and len(legend) == 5
+    assert not any("θ per layer" in label for label in legend)
     assert sorted(t.get_text() for t in ax.texts) == sorted(["16", "32", "16", "32", "16", "16"])
     assert "Top-θ" in ax.get_title() and "Top-k" in ax.get_title()
     assert len(ax.containers) == 4  # one curve with error bars per sparse series
@@ -201,7 +203,7 @@ def test_figure_and_granularity(results):
     assert len(set(colors)) == 4
     # Series left out of the figure take no colour: ten others still get ten colours of their own.
     others = [f"series {i}" for i in range(10)]
-    assert len(set(figures.series_colors(others).values()) - set(figures.SERIES_COLORS.values())) == 10
+    assert len(set(labels.series_colors(others).values()) - set(labels.SERIES_COLORS.values())) == 10
     gran = figures.granularity_table(summary, model="tiny-llama", task="arc_easy", metric="acc_norm")
     assert list(gran["granularity"].fillna("")) == ["", "layer", "layer-head-n", "layer-head-n"]
     assert list(gran["series"]) == ["Baseline"] + ["Top-θ post (+VMC)"] * 3 and list(gran["k"][1:]) == [16, 16, 32]
@@ -266,12 +268,12 @@ def test_rerun_changes_no_file(made, results):
 
 
 def test_per_layer(results):
-    groups = figures.per_layer_groups(results)
+    groups = run_figures.per_layer_groups(results)
     assert [g["series"] for g in groups] == ["Top-θ post (+VMC)"]
-    table = figures.per_layer_table(groups[0]["run_dirs"])
+    table = run_figures.per_layer_table(groups[0]["run_dirs"])
     assert list(table["label"].unique()) == ["Top-θ post (+VMC), k=16", "Top-θ post (+VMC), k=32"]
     assert table["kept_attention_fraction"].tolist() == [1.0, 0.3, 0.1, 1.0, 0.5, 0.2]
-    fig = figures.per_layer_figure(groups[0]["run_dirs"])
+    fig = run_figures.per_layer_figure(groups[0]["run_dirs"])
     assert len(fig.axes[0].lines) == 2
 
 
@@ -423,7 +425,7 @@ def test_passkey_figure_draws_kept_fractions_per_length_where_runs_recorded_them
 
 def test_passkey_counts_and_wilson_intervals_come_from_the_samples(tmp_path):
     from toptheta.results import ablations
-    from toptheta.results.store import RunStore
+    from toptheta.store.runs import RunStore
 
     # 19 of 20 keys found at 2048 tokens, 20 of 20 at 4096; an older run's samples name only the real length.
     samples = ([{"target_tokens": 2048, "length_tokens": 2040, "correct": i > 0} for i in range(20)]

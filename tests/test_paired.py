@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from toptheta.results import paired
+from toptheta.results import comparisons, paired, pooled
+from toptheta.store.samples import compress_json
 
 
 def test_mcnemar_known_answer():
@@ -89,7 +89,7 @@ def test_outcomes_from_each_sample_format(tmp_path):
     for name, outcomes in (("sparse", {0: 1, 1: 0, 2: 1, 3: 1}), ("dense", {1: 1, 2: 1, 3: 1, 9: 0})):
         (tmp_path / name).mkdir()
         samples = {"arc_easy": [{"doc_id": q, "acc_norm": float(v)} for q, v in outcomes.items()]}
-        (tmp_path / name / "samples.json").write_text(json.dumps(samples))
+        (tmp_path / name / "samples.json.gz").write_bytes(compress_json(samples))
     diff = paired.compare_runs(tmp_path / "sparse", tmp_path / "dense", "arc_easy", "acc_norm,none")
     assert diff.n == 3 and diff.diff == pytest.approx(-1 / 3) and (diff.a_only, diff.b_only) == (0, 1)
     assert paired.compare_runs(tmp_path / "sparse", tmp_path / "nowhere", "arc_easy", "acc_norm,none") is None
@@ -103,7 +103,8 @@ def _store_with_verdict_cases(root, small_setting: bool = False, small_pairs: bo
     claim 6's 4 candidates): dense; Top-θ and Top-k post + VMC at k=8 agreeing with dense on all but 2
     questions (claim 1 holds, claim 6 holds: kept 0.2); Top-k post at k=8 wrong on 60 questions Top-k pre gets
     right (claim 2 fails); layers 0-1 at k without per-sample outputs and wide stderrs (claim 5 undecided)."""
-    from toptheta.results.store import RunStore, summary_rows
+    from toptheta.store.rows import summary_rows
+    from toptheta.store.runs import RunStore
 
     store = RunStore(root)
     rng = np.random.default_rng(0)
@@ -157,29 +158,29 @@ def _store_with_verdict_cases(root, small_setting: bool = False, small_pairs: bo
 
 def test_a_configuration_measured_on_more_questions_speaks_from_the_larger_sample(tmp_path):
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _store_with_verdict_cases(tmp_path, small_setting=True)
     summary = load_summary(tmp_path)
-    rows = verdicts.store_rows(summary)
+    rows = comparisons.store_rows(summary)
     small = rows[rows["g_limit"].astype(str) == "100"]
     theta_100 = small.loc[small["sparsifier"] == "toptheta", "run_id"].item()
     topk_100 = small.loc[small["sparsifier"] == "topk", "run_id"].item()
-    assert verdicts._superseded_runs(rows) == {theta_100}  # Top-k k=4 was measured on the 100 questions only
+    assert comparisons.superseded_runs(rows) == {theta_100}  # Top-k k=4 was measured on the 100 questions only
     claim6 = verdicts.verdicts(summary, tmp_path)[5]
     # One setting (model, task, shots, metric) whatever the number of questions: one line, decided by the best run.
     assert claim6.verdict == "holds" and [p["group"] for p in claim6.pairs] == ["tiny · arc_easy (0-shot, limit 800) · acc_norm"]
     assert "their configuration measured on more questions: tiny · arc_easy (0-shot, limit 100) · acc_norm" in claim6.note
     assert claim6.note.startswith("settings: 1 holds;")
     candidates = claim6.pairs[0]["runs"]
-    kept = verdicts._superseded_runs
+    kept = comparisons.superseded_runs
     try:  # without the rule the 100-question Top-θ run would be one more candidate
-        verdicts._superseded_runs = lambda rows: set()
+        comparisons.superseded_runs = lambda rows: set()
         again = verdicts.verdicts(summary, tmp_path)[5]
         assert again.pairs[0]["runs"] == candidates + 1
     finally:
-        verdicts._superseded_runs = kept
-    assert topk_100 not in verdicts._superseded_runs(rows)
+        comparisons.superseded_runs = kept
+    assert topk_100 not in comparisons.superseded_runs(rows)
 
 
 def test_a_pair_measured_on_more_questions_counts_once(tmp_path):
@@ -187,19 +188,19 @@ def test_a_pair_measured_on_more_questions_counts_once(tmp_path):
     Top-θ lost 30 points): claim 1 pools the 800-question pair only, else those 100 questions would weigh twice.
     The k=4 pair, measured on the 100 only, still counts."""
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _store_with_verdict_cases(tmp_path, small_setting=True, small_pairs=True)
     summary = load_summary(tmp_path)
     claim1 = verdicts.verdicts(summary, tmp_path)[0]
     assert sorted((p["k"], p["group"].split("limit ")[1][:3]) for p in claim1.pairs) == [(4, "100"), (8, "800")]
     assert claim1.verdict == "holds"
-    kept = verdicts._pair_superseded
+    kept = comparisons.pair_superseded
     try:  # without the rule the 100-question k=8 pair enters too and drags the pooled effect below the margin
-        verdicts._pair_superseded = lambda a, b, sizes, accept=None: False
+        comparisons.pair_superseded = lambda a, b, sizes, accept=None: False
         again = verdicts.verdicts(summary, tmp_path)[0]
     finally:
-        verdicts._pair_superseded = kept
+        comparisons.pair_superseded = kept
     assert len(again.pairs) == 3 and again.effect < claim1.effect - 0.02 and again.verdict != "holds"
 
 
@@ -208,22 +209,22 @@ def test_a_pair_the_larger_sample_rejects_speaks_from_the_smaller(tmp_path):
     and on their first 100, but only the 100-question pair is comparable: it must count, not be left to a larger
     sample that has no pair."""
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _store_with_verdict_cases(tmp_path, small_setting=True, drift=True)
     claim2 = verdicts.verdicts(load_summary(tmp_path), tmp_path)[1]
     theta = [p for p in claim2.pairs if p["a"].startswith("Top-θ")]
     assert [(p["k"], p["group"].split("limit ")[1][:3]) for p in theta] == [(8, "100")]
     # accepting every pair, the 800-question pair supersedes the 100 one
-    assert verdicts._pair_superseded(*_theta_pair(tmp_path, "100"), verdicts._sample_sizes(
-        verdicts.store_rows(load_summary(tmp_path))))
+    assert comparisons.pair_superseded(*_theta_pair(tmp_path, "100"), comparisons.sample_sizes(
+        comparisons.store_rows(load_summary(tmp_path))))
 
 
 def _theta_pair(root, limit: str):
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
-    rows = verdicts.store_rows(load_summary(root))
+    rows = comparisons.store_rows(load_summary(root))
     rows = rows[(rows["g_limit"].astype(str) == limit) & (rows["sparsifier"] == "toptheta") & (rows["k"] == 8)]
     return rows[rows["placement"] == "post"].iloc[0], rows[rows["placement"] == "pre"].iloc[0]
 
@@ -255,17 +256,17 @@ def test_one_pooled_pair_matches_the_plain_paired_bootstrap():
     a, b = (rng.random(600) < 0.6).astype(float), (rng.random(600) < 0.55).astype(float)
     plain = paired.paired_bootstrap(a, b)
     pair = paired.PairedOutcomes("t", tuple(range(600)), a - b)
-    mean, low, high = paired.pooled_bootstrap([pair])
+    mean, low, high = pooled.pooled_bootstrap([pair])
     assert mean == pytest.approx((a - b).mean()) and (low, high) == pytest.approx(plain, abs=0.004)
     part = paired.PairedOutcomes("t", tuple(range(300)), (a - b)[:300])
     plain_part = paired.paired_bootstrap(a[:300], b[:300])
     other = paired.PairedOutcomes("t", tuple(range(300, 600)), np.zeros(300))  # the universe's other questions
-    mean, low, high = paired.pooled_bootstrap([part, other])
+    mean, low, high = pooled.pooled_bootstrap([part, other])
     # half the weight on a pair of zeros: the interval is half the part's own
     assert mean == pytest.approx((a - b)[:300].mean() / 2)
     assert (low, high) == pytest.approx((plain_part[0] / 2, plain_part[1] / 2), abs=0.004)
-    _, intervals = paired.pooled_intervals([pair], levels=(0.95, 0.99))
-    assert intervals[0] == (low1 := paired.pooled_bootstrap([pair])[1], paired.pooled_bootstrap([pair])[2])
+    _, intervals = pooled.pooled_intervals([pair], levels=(0.95, 0.99))
+    assert intervals[0] == (low1 := pooled.pooled_bootstrap([pair])[1], pooled.pooled_bootstrap([pair])[2])
     assert intervals[1][0] < low1 and intervals[1][1] > intervals[0][1]
 
 
@@ -278,14 +279,14 @@ def test_pooling_resamples_shared_questions_together():
     one = paired.PairedOutcomes("arc_easy", tuple(range(300)), d)
     twin = paired.PairedOutcomes("arc_easy", tuple(range(300)), d.copy())
     other = paired.PairedOutcomes("hellaswag", tuple(range(300)), d.copy())
-    _, low1, high1 = paired.pooled_bootstrap([one])
-    _, low2, high2 = paired.pooled_bootstrap([one, twin])
-    _, low3, high3 = paired.pooled_bootstrap([one, other])
+    _, low1, high1 = pooled.pooled_bootstrap([one])
+    _, low2, high2 = pooled.pooled_bootstrap([one, twin])
+    _, low3, high3 = pooled.pooled_bootstrap([one, other])
     assert (low2, high2) == pytest.approx((low1, high1), abs=1e-12)
     assert (high3 - low3) < 0.8 * (high1 - low1)
     # a pair from two stderrs joins as a normal draw around its difference, weighing 0.25/se² = 100 questions
     wide = paired.unpaired(0.5, 0.05, 0.5, 0.0)
-    mean, low, high = paired.pooled_bootstrap([one, wide])
+    mean, low, high = pooled.pooled_bootstrap([one, wide])
     assert mean == pytest.approx(d.mean() * 300 / (300 + 0.25 / 0.05**2)) and low < mean < high
 
 
@@ -293,7 +294,7 @@ def test_verdicts_on_a_synthetic_store(tmp_path, monkeypatch):
     import importlib.util
 
     from toptheta.results import verdicts
-    from toptheta.results.store import load_summary
+    from toptheta.results.summary import load_summary
 
     _store_with_verdict_cases(tmp_path)
     found = {v.claim.split(".")[0]: v for v in verdicts.verdicts(load_summary(tmp_path), tmp_path)}
@@ -380,7 +381,9 @@ def test_a_claim_is_also_decided_per_setting():
 def test_humaneval_transfer_is_measured_against_code_calibration(tmp_path):
     """Verdict 4 for HumanEval (no train split): ARC-Challenge thresholds against HumanEval-disjoint code's."""
     from toptheta.results import verdicts
-    from toptheta.results.store import RunStore, load_summary, summary_rows
+    from toptheta.results.summary import load_summary
+    from toptheta.store.rows import summary_rows
+    from toptheta.store.runs import RunStore
 
     store = RunStore(tmp_path)
     rng = np.random.default_rng(1)

@@ -283,7 +283,7 @@ def test_a_tiny_llama_run_through_the_pipeline_reports_scores_per_length_and_sub
 
 def test_the_store_counts_a_runs_prompts_and_paired_outcomes_keep_each_views_own():
     from toptheta.results.paired import question_outcomes
-    from toptheta.results.store import summary_rows
+    from toptheta.store.rows import summary_rows
 
     config = {"model": {"name": "m"}, "task": {"name": "ruler", "kind": "ruler", "lengths": [500, 700],
                                                "prompts_per_length": 2}, "sparsifier": {"name": "dense"}}
@@ -309,11 +309,11 @@ def test_verdicts_compare_a_ruler_run_once_not_once_per_view():
 
     import pandas as pd
 
-    from toptheta.results import verdicts
+    from toptheta.results import comparisons
 
     summary = pd.read_csv(Path(__file__).resolve().parents[1] / "results" / "summary.csv")
     rows = summary[summary["task"].astype(str).str.fullmatch(r"passkey(_\d+)?")].copy()
     assert {"passkey", "passkey_2048"} <= set(rows["task"]) and set(rows["sparsifier"]) >= {"dense", "topk"}
     rows["task"] = rows["task"].str.replace("passkey", "ruler").str.replace("ruler_2048", "ruler_2048_vt")
     rows["metric"] = "score,none"
-    assert set(verdicts.store_rows(rows)["g_task"]) == {"ruler"}
+    assert set(comparisons.store_rows(rows)["g_task"]) == {"ruler"}

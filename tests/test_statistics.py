@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from toptheta.results import informative, paired, pooled, precision, reduction, verdicts
-from toptheta.results.store import RunStore, load_summary, summary_rows
+from toptheta.results import comparisons, informative, paired, pooled, precision, reduction, verdicts
+from toptheta.results.summary import load_summary
+from toptheta.store.rows import summary_rows
+from toptheta.store.runs import RunStore
 
 N = 400
 
@@ -115,7 +117,7 @@ def test_seeds_that_disagree_widen_the_interval(tmp_path):
     for seed, outcomes in ((0, dense.copy()), (1, _flip(dense, 32, 0.0)), (2, _flip(dense, 32, 1.0))):
         _add(store, "arc_easy", "toptheta", "post", 8, "vmc", outcomes, 0.3, seed=seed)
     summary = load_summary(tmp_path)
-    rows = verdicts.store_rows(summary)
+    rows = comparisons.store_rows(summary)
     theta = rows[rows["sparsifier"] == "toptheta"]
     assert len(theta) == 1 and theta["seeds"].item() == 3 and theta["calib_seed"].item() == "0,1,2"
     claim1 = verdicts.verdicts(summary, tmp_path)[0]
@@ -126,8 +128,8 @@ def test_seeds_that_disagree_widen_the_interval(tmp_path):
                                  "acc_norm,none")
     seeded = paired.seeded_outcomes("arc_easy", a_runs, [b_run])
     plain = paired.PairedOutcomes("arc_easy", seeded.ids, seeded.d)  # the seed means, questions resampled only
-    _, low_s, high_s = paired.pooled_bootstrap([seeded])
-    _, low_p, high_p = paired.pooled_bootstrap([plain])
+    _, low_s, high_s = pooled.pooled_bootstrap([seeded])
+    _, low_p, high_p = pooled.pooled_bootstrap([plain])
     assert seeded.diff == plain.diff == pytest.approx(0.0)
     assert high_s - low_s > 2 * (high_p - low_p)
     assert (pair["ci_low"], pair["ci_high"]) == pytest.approx((low_s, high_s))
@@ -168,13 +170,13 @@ def test_verdict_rows_report_the_monte_carlo_error(store):
 
 
 def test_reduction_table_of_no_rows_is_empty():
-    assert reduction.reduction_table(verdicts.store_rows(load_summary_empty()), None, set()).empty
+    assert reduction.reduction_table(comparisons.store_rows(load_summary_empty()), None, set()).empty
 
 
 def load_summary_empty():
     import pandas as pd
 
-    from toptheta.results.store import SUMMARY_COLUMNS
+    from toptheta.store.rows import SUMMARY_COLUMNS
 
     return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
 
@@ -284,7 +286,7 @@ def test_the_readme_section_states_the_rule_the_excluded_settings_and_the_reduct
 def test_ablation_panels_save_the_same_bytes_twice(tmp_path):
     """Compensation cells (Top-k post with and without VMC, ...) drawn as small multiples: two saves of two builds
     of the figure are byte-identical, and no panel holds more than four curves."""
-    from toptheta.results import ablations, figures
+    from toptheta.results import ablations, selection
     from toptheta.results.render import save_figure
 
     store = RunStore(tmp_path)
@@ -299,7 +301,7 @@ def test_ablation_panels_save_the_same_bytes_twice(tmp_path):
     table = ablations.ablation_table(load_summary(tmp_path), "compensation", results_dir=tmp_path, **group)
     saved = []
     for i in range(2):
-        fig = ablations.ablation_figure(table, "compensation", figures.group_title(**group))
+        fig = ablations.ablation_figure(table, "compensation", selection.group_title(**group))
         curves = [len(ax.get_legend().get_texts()) - 1 for ax in fig.axes if ax.get_visible() and ax.get_legend()]
         assert curves and max(curves) <= 4 and sum(curves) == 7
         for fmt in ("png", "pdf"):

@@ -10,8 +10,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from toptheta.results import store as store_mod
-from toptheta.results.store import SUMMARY_COLUMNS, RunStore, comp_label, git_commit, load_summary, summary_rows
+from toptheta.store import runs as store_mod
+from toptheta.results.summary import load_summary
+from toptheta.store.provenance import git_commit
+from toptheta.store.rows import SUMMARY_COLUMNS, comp_label, summary_rows
+from toptheta.store.runs import RunStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,11 +169,11 @@ def test_append_summary_is_atomic_on_error(tmp_path):
 
 def test_concurrent_appends_from_two_processes_keep_every_row(tmp_path):
     n = 40
-    # The children import the store as users do (store.py now imports its claims module, so it no
+    # The children import the store as users do (the store imports its claims module, so it no
     # longer loads on its own by path).
     script = (
         "import sys\n"
-        "from toptheta.results.store import RunStore\n"
+        "from toptheta.store.runs import RunStore\n"
         "store = RunStore(sys.argv[1])\n"
         f"for i in range({n}):\n"
         "    store.append_summary([{'run_id': f'{sys.argv[2]}-{i}', 'value': i}])\n"
@@ -231,7 +234,7 @@ def test_sub_task_rows_get_only_their_own_statistics():
 def test_an_old_summary_still_loads_and_migrates(tmp_path):
     """A summary.csv written before the new columns loads (empty columns); the migration command rebuilds its
     rows from the run directories (passkey accuracy in percent becomes a fraction), keeping orphan rows."""
-    from toptheta.results.migrate import migrate
+    from toptheta.store.migrate import migrate
 
     old_columns = ["run_id", "model", "sparsifier", "placement", "k", "comp", "granularity", "task", "num_fewshot",
                    "limit", "metric", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction",
@@ -262,12 +265,9 @@ def test_an_old_summary_still_loads_and_migrates(tmp_path):
     assert new.loc["arc_easy", "run_id"] == "orphan"  # no run directory: kept as it was
 
 
-def test_per_sample_logs_are_gzipped_and_old_ones_migrate(tmp_path):
-    """New runs write samples.json.gz (the same bytes for the same samples); an older run's samples.json reads
-    the same and the migration gzips it in place without changing what the paired statistics see."""
-    from toptheta.results import paired
-    from toptheta.results.migrate import migrate
-    from toptheta.results.store import read_samples, samples_path
+def test_per_sample_logs_are_gzipped(tmp_path):
+    """Runs write samples.json.gz: the same samples give the same bytes, and they read back unchanged."""
+    from toptheta.store.samples import read_samples, samples_path
 
     samples = {"arc_easy": [{"doc_id": i, "acc_norm": float(i % 2), "arguments": "Question: " * 50} for i in range(200)]}
     store = RunStore(tmp_path)
@@ -278,11 +278,5 @@ def test_per_sample_logs_are_gzipped_and_old_ones_migrate(tmp_path):
     store.write_run("new", config=CONFIG, lm_eval_results={**LM_EVAL, "samples": samples}, stats={},
                     thresholds_ref=None)
     assert (new / "samples.json.gz").read_bytes() == first  # no timestamp in the gzip header
-
-    old = store.write_run("old", config=CONFIG, lm_eval_results={"results": {}}, stats={}, thresholds_ref=None)
-    (old / "samples.json").write_text(json.dumps(samples))  # as runs before the gzip wrote it
-    before = paired.read_outcomes(old, "arc_easy", "acc_norm,none")
-    assert len(before) == 200
-    migrate(tmp_path)
-    assert not (old / "samples.json").exists() and read_samples(old / "samples.json.gz") == samples
-    assert paired.read_outcomes(old, "arc_easy", "acc_norm,none") == before
+    assert samples_path(store.write_run("none", config=CONFIG, lm_eval_results={"results": {}}, stats={},
+                                        thresholds_ref=None)) is None

@@ -66,7 +66,7 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     checked here first, then combinations, tasks and data files, all before any model loads.
     """
     from .config import COMP_FIELDS, OPTIONAL_TASK_FIELDS, check
-    from .results.store import RunStore
+    from .store.runs import RunStore
 
     check(cfg)
     c = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -248,7 +248,7 @@ def _popularity_recorder(task: dict, model):
 def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, invocation: dict | None = None) -> list[dict]:
     from . import sparsify
     from .guards import warn_unintended
-    from .results.store import summary_rows
+    from .store.rows import summary_rows
 
     recorder, group = _popularity_recorder(spec.config["task"], model)  # bad settings fail before calibration
     planned, (spec, target) = spec, resolve_target(spec, model, tokenizer)  # matched sparsity: k resolved here
@@ -310,7 +310,7 @@ def stop_requested(results_dir: str | Path) -> bool:
 def _restore_summary(store, spec: RunSpec, held: bool = False) -> None:
     """A stored run whose summary rows are missing (its job was killed between the two writes) gets them back from
     its directory, under its claim (a job still writing the run holds it: then nothing is done here)."""
-    from .results.migrate import restore_summary
+    from .store.migrate import restore_summary
 
     with contextlib.nullcontext(True) if held else store.claim(spec.run_id, wait=False) as mine:
         restored = restore_summary(store, spec.run_id) if mine else 0
@@ -323,7 +323,8 @@ def run(cfg: DictConfig):
     """The main flow of ``python run.py``; returns the comparison table (a pandas DataFrame)."""
     from .attention.backend import check_supported
     from .models import load_model
-    from .results.store import RunStore, load_summary
+    from .results.summary import load_summary
+    from .store.runs import RunStore
     from .results.tables import comparison_table
     from .results.wandb_logger import make_logger
 

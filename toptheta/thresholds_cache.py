@@ -143,7 +143,7 @@ def checkpoint_thresholds(spec: RunSpec, model, options: dict):
 def thresholds_claim(spec: RunSpec, model):
     """The claim on calibrating this thresholds key: parallel jobs calibrate it once, the others wait and reuse."""
     from .calibration import model_fingerprint
-    from .results.claims import claim
+    from .store.claims import claim
 
     key = thresholds_key(spec, model_fingerprint(model))
     return claim(thresholds_dir() / spec.config["model"]["name"] / f"{key}.lock", f"thresholds {key}")

@@ -1,1 +1,4 @@
-"""The results store, tables and loggers."""
+"""The analysis of the results store: tables, figures and verdicts from summary.csv and the run directories.
+
+What a run writes (the run store, summary rows, claims) is toptheta.store; this package only reads it.
+"""

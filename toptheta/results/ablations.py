@@ -15,12 +15,14 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import pandas as pd
 from matplotlib.figure import Figure
 
-from . import figures, paired
+from ..store.samples import read_samples, samples_path
+from . import figures, labels, paired, selection
 
 SETTINGS = ("sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task", "calib_statistic",
             "sigma_add", "tac", "calib_documents", "calib_compensation", "empty_rows", "k", "target_kept", "calib_seed",
@@ -59,7 +61,7 @@ def _prepared(summary: pd.DataFrame, model: str, task: str, metric: str, num_few
     if "empty_rows" in df:  # stores from before the option: the rule was keep-max
         df.loc[theta & df["empty_rows"].isna(), "empty_rows"] = "keep-max"
     if "granularity" in df:
-        df.loc[theta & df["granularity"].isna(), "granularity"] = figures.DEFAULT_GRANULARITY
+        df.loc[theta & df["granularity"].isna(), "granularity"] = labels.DEFAULT_GRANULARITY
     return df
 
 
@@ -72,7 +74,7 @@ def _key_frame(df: pd.DataFrame, ablation: Ablation) -> pd.DataFrame:
 
 
 def ablation_table(summary: pd.DataFrame, ablation: str | Ablation, *, model: str, task: str, metric: str,
-                   num_fewshot: Any = figures._ANY, limit: Any = figures._ANY,
+                   num_fewshot: Any = selection.ANY, limit: Any = selection.ANY,
                    results_dir: str | Path | None = None) -> pd.DataFrame:
     """The runs of one evaluation setting that vary `ablation`'s column, with differences to the reference."""
     ab = ABLATIONS[ablation] if isinstance(ablation, str) else ablation
@@ -101,7 +103,7 @@ def ablation_table(summary: pd.DataFrame, ablation: str | Ablation, *, model: st
             table[col] = None
     order = sorted(table["setting"].astype(str).unique(), key=lambda v: (_num_or_inf(v), v))
     table["_order"] = table["setting"].astype(str).map({v: i for i, v in enumerate(order)})
-    table = table.sort_values(["series", "k", "_order"], key=figures._sort_key, kind="stable")
+    table = table.sort_values(["series", "k", "_order"], key=figures.sort_key, kind="stable")
     return table[COLUMNS].reset_index(drop=True)
 
 
@@ -126,11 +128,11 @@ def _reference(cell: pd.DataFrame, ab: Ablation) -> Any:
 
 
 def _base_label(row: dict, ab: Ablation) -> str:
-    label = {"topk": "Top-k", "toptheta": "Top-θ"}.get(row["sparsifier"], row["sparsifier"])
+    label = labels.sparsifier_label(row["sparsifier"])
     if ab.column != "placement":
         label += f" {row.get('placement') or ''}".rstrip()
     if ab.column not in ("comp",):
-        parts = figures._comp_parts(figures._text(row.get("comp")))
+        parts = labels.comp_parts(labels.cell_text(row.get("comp")))
         if ab.column == "placement":
             parts = [p for p in parts if p == "VMC"]
         label += (" (" + " ".join(f"+{p}" for p in parts) + ")") if parts else ""
@@ -158,8 +160,8 @@ def _zero(value: Any) -> float:
 
 
 def ablation_groups(summary: pd.DataFrame, ablation: str) -> list[dict[str, Any]]:
-    """The trade-off groups (figures.tradeoff_groups) holding at least one cell of this ablation."""
-    return [g for g in figures.tradeoff_groups(summary) if len(ablation_table(summary, ablation, **g))]
+    """The trade-off groups (selection.tradeoff_groups) holding at least one cell of this ablation."""
+    return [g for g in selection.tradeoff_groups(summary) if len(ablation_table(summary, ablation, **g))]
 
 
 PANEL_CURVES = 4
@@ -175,7 +177,7 @@ def ablation_figure(table: pd.DataFrame, ablation: str | Ablation, title: str) -
     sparse = table[table["setting"] != "dense"]
     keys = ["series", "k"] if by_docs else ["series", "setting"]
     curves = list(sparse.groupby(keys, sort=False))
-    colors = figures.series_colors([f"{a} · {b}" for (a, b), _ in curves])
+    colors = labels.series_colors([f"{a} · {b}" for (a, b), _ in curves])
     panels = [curves] if by_docs else _panels(curves)
     ncols = 3 if by_docs else min(len(panels), 3)
     nrows = 1 if by_docs else -(-len(panels) // ncols)
@@ -195,7 +197,7 @@ def ablation_figure(table: pd.DataFrame, ablation: str | Ablation, title: str) -
             color = colors[f"{a} · {b}"]
             ax.errorbar(xs.iloc[order], rows["value"].iloc[order], yerr=rows["stderr"].fillna(0.0).iloc[order],
                         marker="o", ms=4, capsize=3, lw=1.2, color=color,
-                        label=f"{a}, k={figures._num(b)}" if by_docs else f"{a} · {ab.column}={b}")
+                        label=f"{a}, k={selection.as_number(b)}" if by_docs else f"{a} · {ab.column}={b}")
             if by_docs:
                 for other, column in zip(axes[1:], ("kept_attention_fraction", "clamped_rows")):
                     ys = pd.to_numeric(rows[column], errors="coerce").iloc[order]
@@ -254,7 +256,7 @@ def wilson_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, f
     of 20, it says how low the accuracy could be (0.84 there at 95 %)."""
     if n < 1:
         raise ValueError("an interval needs at least one prompt")
-    z = paired._normal_quantile(0.5 + level / 2)
+    z = NormalDist().inv_cdf(0.5 + level / 2)
     p, z2 = correct / n, z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * (p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5
@@ -264,7 +266,6 @@ def wilson_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, f
 def _passkey_counts(run_dir: Path, lengths: list[int]) -> dict[int, tuple[int, int]]:
     """length -> (correct, prompts) from a run's per-prompt samples; {} without them. Older samples carry only
     the prompt's real token count: they go to the nearest of the run's lengths."""
-    from .store import read_samples, samples_path
 
     path = samples_path(run_dir)
     if path is None or not lengths:
@@ -285,12 +286,12 @@ def passkey_table(summary: pd.DataFrame, model: str, results_dir: str | Path | N
     """Per-length passkey rows (task passkey_<n>) of one model: series, k, the run's prompt count (its limit: runs
     over other lengths or depths are other settings), length, accuracy and its statistics. With `results_dir`,
     the correct and total prompts per length come from each run's samples, with a 95 % Wilson interval."""
-    df = figures.latest(summary)
+    df = selection.latest(summary)
     df = df[(df["model"] == model) & df["task"].astype(str).str.fullmatch(r"passkey_\d+")].copy()
     if df.empty:
         return pd.DataFrame(columns=PASSKEY_COLUMNS)
     df["length"] = df["task"].str.removeprefix("passkey_").astype(int)
-    df["series"] = [figures.series_label(r) for r in df.to_dict("records")]
+    df["series"] = [labels.series_label(r) for r in df.to_dict("records")]
     df["prompts"] = pd.to_numeric(df["limit"], errors="coerce").astype("Int64") if "limit" in df else pd.NA
     counts = {run: _passkey_counts(Path(results_dir) / "runs" / str(run), sorted(rows["length"]))
               for run, rows in df.groupby("run_id")} if results_dir is not None else {}
@@ -299,7 +300,7 @@ def passkey_table(summary: pd.DataFrame, model: str, results_dir: str | Path | N
     df["prompts_at_length"] = pd.array([c[1] if c else None for c in cells], dtype="Int64")
     intervals = [wilson_interval(*c) if c else (float("nan"), float("nan")) for c in cells]
     df["ci_low"], df["ci_high"] = [i[0] for i in intervals], [i[1] for i in intervals]
-    df = df.sort_values(["series", "k", "prompts", "length"], key=figures._sort_key, kind="stable")
+    df = df.sort_values(["series", "k", "prompts", "length"], key=figures.sort_key, kind="stable")
     return df[[c for c in PASSKEY_COLUMNS if c in df]].reset_index(drop=True)
 
 
@@ -320,9 +321,9 @@ def passkey_figure(table: pd.DataFrame, title: str) -> Figure:
     groups = list(table.groupby(["series", "k", "prompts"], sort=False, dropna=False))
     names = []
     for (series, k, prompts), _ in groups:
-        name = series if pd.isna(k) else f"{series}, k={figures._num(k)}"
-        names.append(f"{name} ({figures._num(prompts)} prompts)" if several and not pd.isna(prompts) else name)
-    colors = figures.series_colors(names)
+        name = series if pd.isna(k) else f"{series}, k={selection.as_number(k)}"
+        names.append(f"{name} ({selection.as_number(prompts)} prompts)" if several and not pd.isna(prompts) else name)
+    colors = labels.series_colors(names)
     markers = "osD^vP*X"
     for i, (((series, _, _), rows), name) in enumerate(zip(groups, names)):
         # Series often coincide (all keys found): each sits a little to the side of the true length.

@@ -22,7 +22,8 @@ from typing import Any
 
 import pandas as pd
 
-from . import figures
+from ..store.samples import read_samples, samples_path
+from . import figures, selection
 
 MIN_ABOVE_CHANCE = 0.10
 CEILING_01 = 0.95
@@ -58,7 +59,6 @@ def _full(metric: str) -> str:
 
 @functools.lru_cache(maxsize=128)
 def _sample_chance(path: str, mtime_ns: int, task: str) -> float | None:
-    from .store import read_samples
 
     samples = read_samples(path)
     records = samples.get(task) if isinstance(samples, dict) else None
@@ -72,7 +72,6 @@ def _sample_chance(path: str, mtime_ns: int, task: str) -> float | None:
 def chance_level(task: str, metric: str, run_dir: str | Path | None = None) -> tuple[float | None, str]:
     """(chance, where it came from): the dense run's samples (its choices), the task table, or unknown."""
     if run_dir is not None and binary_metric(metric):
-        from .store import samples_path
 
         path = samples_path(run_dir)
         if path is not None:
@@ -95,9 +94,9 @@ def assess(dense: float, chance: float | None, metric: str) -> tuple[bool, str]:
 
 
 def settings_table(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
-    """Every trade-off group (figures.tradeoff_groups) with its dense score, chance, ceiling and the rule's answer."""
+    """Every trade-off group (selection.tradeoff_groups) with its dense score, chance, ceiling and the rule's answer."""
     rows = []
-    for group in figures.tradeoff_groups(summary):
+    for group in selection.tradeoff_groups(summary):
         table = figures.tradeoff_table(summary, **group)
         dense = table[table["series"] == "Baseline"]
         if dense.empty or pd.isna(dense["value"].iloc[0]):
@@ -106,7 +105,7 @@ def settings_table(summary: pd.DataFrame, results_dir: str | Path | None = None)
         run_dir = Path(results_dir) / "runs" / str(run_id) if results_dir is not None else None
         chance, source = chance_level(str(group["task"]), str(group["metric"]), run_dir)
         informative, reason = assess(value, chance, str(group["metric"]))
-        rows.append({"setting": figures.group_title(**group), "dense": value, "chance": chance,
+        rows.append({"setting": selection.group_title(**group), "dense": value, "chance": chance,
                      "chance_source": source, "ceiling": CEILING_01 if binary_metric(group["metric"]) else 1.0,
                      "informative": informative, "reason": reason, "run_id": run_id})
     return pd.DataFrame(rows, columns=COLUMNS)

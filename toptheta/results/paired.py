@@ -12,7 +12,7 @@ model that tracks the dense one.
 
 Per-question outcomes come from a run directory's samples.json.gz (`question_outcomes`): lm-eval's
 per-sample logs (`{task: [{doc_id, acc_norm, ...}]}`), our HumanEval samples (`task_id`, `passed`) or
-passkey samples (`id`, `correct`). Plain numpy; no scipy, no Hydra.
+passkey samples (`id`, `correct`). numpy, scipy's binomial test; no Hydra.
 """
 
 from __future__ import annotations
@@ -23,12 +23,19 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+from scipy.stats import binomtest
+
+from ..store.samples import read_samples, samples_path
 
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
+
+
+_STANDARD_NORMAL = NormalDist()  # z quantiles of normal intervals: _STANDARD_NORMAL.inv_cdf(0.975) = 1.96
 
 
 @dataclass(frozen=True)
@@ -80,12 +87,8 @@ def mcnemar(a: Sequence[float], b: Sequence[float]) -> tuple[float, int, int]:
 
 
 def binomial_two_sided(k: int, n: int) -> float:
-    """P(X ≤ k or X ≥ n − k) for X ~ Binomial(n, 1/2) with k ≤ n/2 (1 when n = 0), computed exactly."""
-    if n == 0:
-        return 1.0
-    k = min(k, n - k)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
-    return min(1.0, 2.0 * tail)
+    """P(X ≤ k or X ≥ n − k) for X ~ Binomial(n, 1/2) (1 when n = 0): scipy's exact binomial test."""
+    return 1.0 if n == 0 else float(binomtest(k, n, 0.5).pvalue)
 
 
 def compare(a: Sequence[float], b: Sequence[float], *, resamples: int = DEFAULT_RESAMPLES, level: float = 0.95,
@@ -102,23 +105,11 @@ def compare(a: Sequence[float], b: Sequence[float], *, resamples: int = DEFAULT_
 
 def unpaired(mean_a: float, se_a: float, mean_b: float, se_b: float, *, level: float = 0.95) -> PairedDifference:
     """Fallback without per-question outcomes: a normal CI from two independent stderrs (wider, conservative)."""
-    z = _normal_quantile(1 - (1 - level) / 2)
+    z = _STANDARD_NORMAL.inv_cdf(1 - (1 - level) / 2)
     se = math.sqrt((se_a or 0.0) ** 2 + (se_b or 0.0) ** 2)
     diff = mean_a - mean_b
     return PairedDifference(n=0, mean_a=mean_a, mean_b=mean_b, diff=diff, ci_low=diff - z * se, ci_high=diff + z * se,
                             p_mcnemar=None, level=level, method="independent stderrs")
-
-
-def _normal_quantile(p: float) -> float:
-    """Inverse standard normal CDF by bisection on erf (accurate to 1e-10; no scipy)."""
-    lo, hi = -10.0, 10.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 # ---------------------------------------------------------------- per-question outcomes from a run directory
@@ -161,7 +152,6 @@ def question_outcomes(samples: Any, task: str, metric: str) -> dict[Any, float]:
 
 def read_outcomes(run_dir: str | Path, task: str, metric: str) -> dict[Any, float]:
     """question_outcomes of one run directory ({} when it kept no per-sample outputs)."""
-    from .store import samples_path
 
     path = samples_path(run_dir)
     if path is None:
@@ -173,7 +163,6 @@ def read_outcomes(run_dir: str | Path, task: str, metric: str) -> dict[Any, floa
 @functools.lru_cache(maxsize=256)
 def _read_outcomes(path: str, mtime_ns: int, size: int, task: str, metric: str) -> tuple[tuple[Any, float], ...]:
     """Cached by the file's identity: a verdict pass compares each run with many others."""
-    from .store import read_samples
 
     return tuple(question_outcomes(read_samples(path), task, metric).items())
 
@@ -257,15 +246,12 @@ def compare_runs(run_a: str | Path, run_b: str | Path, task: str, metric: str, *
     return compare([a[q] for q in common], [b[q] for q in common], **kwargs)
 
 
-def _se_of(d: PairedDifference) -> float:
+def se_of(d: PairedDifference) -> float:
     """The standard error behind a normal interval."""
-    return (d.ci_high - d.ci_low) / (2 * _normal_quantile(1 - (1 - d.level) / 2))
+    return (d.ci_high - d.ci_low) / (2 * _STANDARD_NORMAL.inv_cdf(1 - (1 - d.level) / 2))
 
 
 def rule_of_three(level: float, n: int) -> float:
     """The least half-width an interval on n 0/1 outcomes keeps: no event among n ⇒ rate < −ln(1 − level)/n."""
     return -math.log(1 - level) / n
 
-
-# The pooled (claim-level) bootstrap lives in pooled.py; these names stay importable from here.
-from .pooled import pooled_bootstrap, pooled_draws, pooled_intervals  # noqa: E402,F401

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .paired import DEFAULT_RESAMPLES, DEFAULT_SEED, PairedDifference, PairedOutcomes, _se_of, rule_of_three
+from .paired import DEFAULT_RESAMPLES, DEFAULT_SEED, PairedDifference, PairedOutcomes, rule_of_three, se_of
 
 
 def pooled_bootstrap(pairs: Sequence[PairedOutcomes | PairedDifference], *, resamples: int = DEFAULT_RESAMPLES,
@@ -105,7 +105,7 @@ def pooled_draws(pairs: Sequence[PairedOutcomes | PairedDifference], *, resample
             seen = set(known)
             known.extend(q for q in p.ids if q not in seen and not seen.add(q))
     index = {u: {q: i for i, q in enumerate(ids)} for u, ids in universes.items()}
-    weights = np.array([len(p.ids) if isinstance(p, PairedOutcomes) else 0.25 / max(_se_of(p), 1e-6) ** 2
+    weights = np.array([len(p.ids) if isinstance(p, PairedOutcomes) else 0.25 / max(se_of(p), 1e-6) ** 2
                         for p in pairs])
     weights = weights / weights.sum()
     point = float(weights @ np.array([p.diff for p in pairs]))
@@ -145,7 +145,7 @@ def pooled_draws(pairs: Sequence[PairedOutcomes | PairedDifference], *, resample
                     side_means.append((per_seed * chosen).sum(1))
                 total += weight * (side_means[0] - side_means[1])
         for p, weight in unpaired:
-            total += weight * rng.normal(p.diff, _se_of(p), size=size)
+            total += weight * rng.normal(p.diff, se_of(p), size=size)
         means[start:start + size] = total
     binary = [len(ids) for u, ids in universes.items()
               if all(p.binary for p in pairs if isinstance(p, PairedOutcomes) and p.universe == u)]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import figures, precision, verdicts
+from . import comparisons, figures, labels, precision, selection, verdicts
 
 HOLDS_AT = 3.0
 PAPER_AT = 10.0
@@ -37,25 +37,25 @@ def _measure(family: pd.DataFrame) -> str:
 def reduction_table(rows: pd.DataFrame, results_dir: str | Path | None, superseded: set[str]) -> pd.DataFrame:
     """One row per (setting, series): the largest non-inferior reduction and the run that reaches it.
 
-    `rows`: verdicts.store_rows (seeds merged); `superseded`: runs whose configuration was measured on more questions."""
+    `rows`: comparisons.store_rows (seeds merged); `superseded`: runs whose configuration was measured on more questions."""
     results_dir = Path(results_dir) if results_dir is not None else None
     out = []
     if rows.empty:
         return pd.DataFrame(columns=COLUMNS)
-    main = rows[[figures.main_series(str(s)) for s in rows["series"]]]
-    for _, family in rows.groupby(verdicts.FAMILY, dropna=False, sort=True):
+    main = rows[[labels.main_series(str(s)) for s in rows["series"]]]
+    for _, family in rows.groupby(comparisons.FAMILY, dropna=False, sort=True):
         dense = {g: grp.iloc[0] for g, grp in family[family["series"] == "Baseline"].groupby("group")}
         x = _measure(family)
         candidates = main[main["run_id"].isin(family["run_id"]) & (main["series"] != "Baseline")
                           & ~main["run_id"].isin(superseded) & main["group"].isin(list(dense))
                           & main[x].notna() & (main[x] > 0)]
         first = family.iloc[0]
-        setting = figures.group_title(first["g_model"], first["g_task"], first["g_metric"], first["g_num_fewshot"])
+        setting = selection.group_title(first["g_model"], first["g_task"], first["g_metric"], first["g_num_fewshot"])
         for series, runs in candidates.groupby("series", sort=False):
             tested = []
             for _, run in runs.iterrows():
-                d, data = verdicts._compare(run, dense[run["group"]], results_dir)
-                if not verdicts.usable(d):
+                d, data = comparisons.compare_rows(run, dense[run["group"]], results_dir)
+                if not comparisons.usable(d):
                     continue
                 interval = _interval(d, data)
                 tested.append((run, interval))
@@ -68,17 +68,17 @@ def reduction_table(rows: pd.DataFrame, results_dir: str | Path | None, supersed
             if good:
                 run, i = max(good, key=lambda t: (1.0 / float(t[0][x]), t[1].low))
                 reduction = 1.0 / float(run[x])
-                row.update(reduction=reduction, kept=float(run[x]), k=figures._num(run["k"]),
-                           target_kept=figures._num(run.get("target_kept")), seeds=int(run.get("seeds", 1)),
+                row.update(reduction=reduction, kept=float(run[x]), k=selection.as_number(run["k"]),
+                           target_kept=selection.as_number(run.get("target_kept")), seeds=int(run.get("seeds", 1)),
                            diff=i.effect, ci_low=i.low, ci_high=i.high, mc_low=i.mc_low, mc_high=i.mc_high,
                            resamples=i.resamples, reaches_3x=reduction >= HOLDS_AT, reaches_10x=reduction >= PAPER_AT, group=run["group"],
-                           run_id=",".join(verdicts._run_ids(run)))
+                           run_id=",".join(comparisons.run_ids(run)))
             else:  # the weakest claim we can state: the closest call among the runs keeping the least
                 run, i = max(tested, key=lambda t: t[1].low)
-                row.update(kept=float(run[x]), k=figures._num(run["k"]), diff=i.effect, ci_low=i.low, ci_high=i.high,
+                row.update(kept=float(run[x]), k=selection.as_number(run["k"]), diff=i.effect, ci_low=i.low, ci_high=i.high,
                            mc_low=i.mc_low, mc_high=i.mc_high, resamples=i.resamples, seeds=int(run.get("seeds", 1)),
                            reaches_3x=False, reaches_10x=False, group=run["group"],
-                           run_id=",".join(verdicts._run_ids(run)))
+                           run_id=",".join(comparisons.run_ids(run)))
             row["_fails"] = all(i.high < -verdicts.MARGIN for run, i in tested if 1.0 / float(run[x]) >= HOLDS_AT)
             row["_tested_3x"] = largest >= HOLDS_AT
             out.append(row)

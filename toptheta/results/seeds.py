@@ -2,7 +2,7 @@
 
 A Top-θ configuration calibrated on several disjoint draws of calibration documents (`calib.seed`, summary
 column `calib_seed`) is one series point whose spread over the draws belongs in its interval. `merge_seeds`
-folds such runs of a trade-off table (or verdicts.store_rows) into one row: the means of the measured columns,
+folds such runs of a trade-off table (or comparisons.store_rows) into one row: the means of the measured columns,
 `run_ids` listing the runs (one per seed) and `seeds` their number. paired.seeded_outcomes and the pooled
 bootstrap then resample the seeds as well as the questions.
 """

@@ -6,7 +6,7 @@ series the k labels collide and the bars, about twice the paired uncertainty, hi
 * at most PANEL_SERIES (4) series a panel, panels side by side sharing both axes, each with the dense line and the
   non-inferiority margin (dense − 0.01, dotted);
 * each point's bar is the paired 95 % interval of its difference to dense, drawn around its accuracy
-  (accuracy ± the paired half-widths; calibration seeds resampled too, verdicts._compare); a run without
+  (accuracy ± the paired half-widths; calibration seeds resampled too, comparisons.compare_rows); a run without
   per-question outputs gets the interval from two stderrs, drawn hollow;
 * a log-scale kept-fraction axis; k labels placed where they overlap no other label; the legend under each panel,
   off the data; the full setting in the title, wrapped rather than cut.
@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from . import figures, seeds, verdicts
+from . import comparisons, figures, labels, seeds, selection, verdicts
 
 PANEL_SERIES = 4
 MARGIN = verdicts.MARGIN
@@ -31,7 +31,7 @@ OFFSETS = ((4, 4), (4, -10), (-14, 4), (-14, -10), (4, 12), (4, -18), (-14, 12),
 
 
 def panel_table(summary: pd.DataFrame, *, model: str, task: str, metric: str, x: str = "kept_attention_fraction",
-                num_fewshot: Any = figures._ANY, limit: Any = figures._ANY, results_dir: str | Path | None = None,
+                num_fewshot: Any = selection.ANY, limit: Any = selection.ANY, results_dir: str | Path | None = None,
                 series: list[str] | None = None) -> pd.DataFrame:
     """The drawn points: one row per (series, configuration; calibration seeds merged) with its paired difference
     to dense, the interval and how it was computed; the baseline first."""
@@ -41,7 +41,7 @@ def panel_table(summary: pd.DataFrame, *, model: str, task: str, metric: str, x:
         return table.assign(diff=None, ci_low=None, ci_high=None, method=None)
     table = seeds.merge_seeds(table)
     drawn = [s for s in dict.fromkeys(table["series"]) if s == "Baseline"
-             or (s in series if series is not None else figures.main_series(s))]
+             or (s in series if series is not None else labels.main_series(s))]
     table = table[table["series"].isin(drawn)].reset_index(drop=True)
     dense = table[table["series"] == "Baseline"]
     results_dir = Path(results_dir) if results_dir is not None else None
@@ -49,7 +49,7 @@ def panel_table(summary: pd.DataFrame, *, model: str, task: str, metric: str, x:
     for row in table.to_dict("records"):
         row = dict(row, diff=None, ci_low=None, ci_high=None, method=None)
         if row["series"] != "Baseline" and len(dense):
-            d, _ = verdicts._compare(pd.Series(row), dense.iloc[0], results_dir)
+            d, _ = comparisons.compare_rows(pd.Series(row), dense.iloc[0], results_dir)
             row.update(diff=d.diff, ci_low=d.ci_low, ci_high=d.ci_high, method=d.method)
         out.append(row)
     return pd.DataFrame(out)
@@ -63,7 +63,7 @@ def _chunks(names: list[str]) -> list[list[str]]:
 
 
 def tradeoff_panels_figure(summary: pd.DataFrame, *, model: str, task: str, metric: str,
-                           x: str = "kept_attention_fraction", num_fewshot: Any = figures._ANY, limit: Any = figures._ANY,
+                           x: str = "kept_attention_fraction", num_fewshot: Any = selection.ANY, limit: Any = selection.ANY,
                            results_dir: str | Path | None = None, series: list[str] | None = None) -> Figure:
     """The metric against the kept fraction `x`, small multiples of ≤ 4 series with paired bars (module docstring)."""
     if x not in figures.X_LABELS:
@@ -73,7 +73,7 @@ def tradeoff_panels_figure(summary: pd.DataFrame, *, model: str, task: str, metr
     sparse = table[(table["series"] != "Baseline") & table[x].notna() & (table[x] > 0)] if len(table) else table
     names = list(dict.fromkeys(sparse["series"])) if len(sparse) else []
     panels = _chunks(names)
-    colors = figures.series_colors(names)
+    colors = labels.series_colors(names)
     ncols = min(len(panels), 3)
     nrows = math.ceil(len(panels) / ncols)
     fig = Figure(figsize=(3.6 * ncols + 0.8, 3.3 * nrows + 1.0), layout="constrained")
@@ -92,7 +92,7 @@ def tradeoff_panels_figure(summary: pd.DataFrame, *, model: str, task: str, metr
             low = (rows["diff"] - rows["ci_low"]).astype(float).clip(lower=0).fillna(0.0)
             high = (rows["ci_high"] - rows["diff"]).astype(float).clip(lower=0).fillna(0.0)
             color = colors[name]
-            ax.plot(rows[x], rows["value"], color=color, lw=1.2, label=figures.EQUIVALENT_SERIES.get(name, name))
+            ax.plot(rows[x], rows["value"], color=color, lw=1.2, label=labels.EQUIVALENT_SERIES.get(name, name))
             for mask, face in ((paired_rows, color), (~paired_rows, "white")):
                 if mask.any():
                     ax.errorbar(rows[x][mask], rows["value"][mask], yerr=[low[mask], high[mask]], fmt="o", ms=4,
@@ -108,7 +108,7 @@ def tradeoff_panels_figure(summary: pd.DataFrame, *, model: str, task: str, metr
         _label_points(ax, sparse[sparse["series"].isin(members)], x, colors)
     fig.supxlabel(figures.X_LABELS[x] + " (log scale)", fontsize=9)
     fig.supylabel(f"{label} (bars: paired 95 % interval of the difference to dense)", fontsize=8)
-    title = "Top-θ and Top-k (SDC, VMC): " + figures.group_title(model, task, _full(metric), *figures._setting(table))
+    title = "Top-θ and Top-k (SDC, VMC): " + selection.group_title(model, task, _full(metric), *selection.setting_of(table))
     fig.suptitle("\n".join(textwrap.wrap(title, width=int(30 * ncols + 20))), fontsize=9)
     return fig
 

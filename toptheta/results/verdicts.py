@@ -5,7 +5,7 @@ shots, questions, k, calibration). A pair's difference in the task metric comes 
 paired per question when both runs kept per-sample outputs (paired.py), else from the two stderrs.
 A claim's effect is the mean of its pairs' differences weighted by their numbers of questions; its interval
 comes from one bootstrap that resamples each task's questions once for all pairs on that task
-(`paired.pooled_bootstrap`: the pairs share questions and baselines, so they are not independent). A pair
+(`pooled.pooled_bootstrap`: the pairs share questions and baselines, so they are not independent). A pair
 whose two configurations were also measured on more questions of the same setting (e.g. ARC-Easy's first
 500 and the whole split) speaks from the larger sample only, so no question weighs twice. The interval decides,
 with a margin δ of one point (0.01) where the claim is "no worse than":
@@ -39,7 +39,6 @@ it.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,11 +47,10 @@ from typing import Any
 
 import pandas as pd
 
-from . import figures, informative, paired, precision, reduction, seeds
+from . import comparisons, informative, labels, paired, pooled, precision, reduction
+from .comparisons import CALIBRATION, IN_DOMAIN, LEVEL, as_text, close, find_pairs, pick
 
 MARGIN = 0.01
-LEVEL = 0.95
-Z = 1.959963984540054  # the two-sided 95 % normal quantile
 
 
 @dataclass
@@ -92,14 +90,9 @@ def decide(kind: str, low: float, high: float, margin: float = MARGIN) -> str:
     return "undecided"
 
 
-def usable(d: paired.PairedDifference) -> bool:
-    """A comparison from two stderrs of 0 (all right or all wrong, no per-question data) says nothing."""
-    return d.n > 0 or d.ci_high > d.ci_low
-
-
 def pool(pairs: Sequence[paired.PairedOutcomes | paired.PairedDifference]) -> tuple[float, float, float]:
     """The claim's effect (mean pair difference) and its 95 % interval, shared questions resampled jointly."""
-    return paired.pooled_bootstrap(pairs, level=LEVEL)
+    return pooled.pooled_bootstrap(pairs, level=LEVEL)
 
 
 def boundary(kind: str, margin: float = MARGIN) -> float:
@@ -110,97 +103,6 @@ def boundary(kind: str, margin: float = MARGIN) -> float:
 def precise_pool(kind: str, pairs: Sequence, levels: Sequence[float] = (LEVEL,)) -> list[precision.Interval]:
     """pool() at each level, resampled until the bounds the verdict depends on are precise (precision.py)."""
     return precision.precise(pairs, levels=levels, boundary=boundary(kind))
-
-
-# ---------------------------------------------------------------- the store as comparable rows
-
-
-def store_rows(summary: pd.DataFrame) -> pd.DataFrame:
-    """Every run of every trade-off group with its group keys, series (figures.series_label) and settings."""
-    frames = []
-    for group in figures.tradeoff_groups(summary):
-        if re.fullmatch(r"passkey_\d+|ruler_\w+", str(group["task"])):
-            continue  # per-length (ruler: and per-sub-task) views of a run: its questions already count under the task
-        table = figures.tradeoff_table(summary, **group)
-        frames.append(table.assign(group=figures.group_title(**group), **{f"g_{k}": v for k, v in group.items()}))
-    if not frames:
-        return pd.DataFrame()
-    rows = seeds.merge_seeds(pd.concat(frames, ignore_index=True))
-    rows["level"] = [f"target {_norm(t)}" if _norm(t) else f"k {_norm(k)}" for t, k in zip(rows["target_kept"], rows["k"])]
-    return rows
-
-
-def _compare(a: pd.Series, b: pd.Series, results_dir: Path | None, level: float = LEVEL):
-    """(a − b with its interval, the pair's data for pooling): per question when both runs kept samples; a side
-    measured with several calibration seeds (run_ids) resamples its seeds too."""
-    if results_dir is not None:
-        runs = results_dir / "runs"
-        a_runs, b_runs = ([paired.read_outcomes(runs / r, a["task"], a["metric"]) for r in _run_ids(x)] for x in (a, b))
-        outcomes = paired.seeded_outcomes(a["task"], a_runs, b_runs) if all(a_runs) and all(b_runs) else None
-        if outcomes is not None and not outcomes.seeded:
-            d = paired.compare_runs(runs / a["run_id"], runs / b["run_id"], a["task"], a["metric"], level=level)
-            return d, outcomes
-        if outcomes is not None:
-            point, low, high = paired.pooled_bootstrap([outcomes], level=level)
-            seeds_note = f"{len(_run_ids(a))} × {len(_run_ids(b))} calibration seeds"
-            return paired.PairedDifference(n=len(outcomes.ids), mean_a=float(outcomes.sides()[0].mean()),
-                                           mean_b=float(outcomes.sides()[1].mean()), diff=point, ci_low=low,
-                                           ci_high=high, p_mcnemar=None, level=level,
-                                           method=f"paired bootstrap over questions and {seeds_note}"), outcomes
-    d = paired.unpaired(float(a["value"]), _se(a), float(b["value"]), _se(b), level=level)
-    return d, d
-
-
-def _run_ids(row: pd.Series) -> tuple[str, ...]:
-    ids = row.get("run_ids")
-    return tuple(ids) if isinstance(ids, tuple) else (row["run_id"],)
-
-
-def _se(row: pd.Series) -> float:
-    return 0.0 if pd.isna(row["stderr"]) else float(row["stderr"])
-
-
-def _same(a: pd.Series, b: pd.Series, columns: Sequence[str]) -> bool:
-    return all(_norm(a.get(c)) == _norm(b.get(c)) for c in columns)
-
-
-def _norm(value: Any) -> str:
-    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
-
-
-CALIBRATION = ("calib_task", "calib_statistic", "sigma_add", "tac", "calib_documents", "granularity", "empty_rows",
-               "layer_k")
-# The in-domain calibration set of a task without a train split: HumanEval's is HumanEval-disjoint Python code.
-IN_DOMAIN = {"humaneval": "python_code"}
-
-
-def _pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir, accept=None,
-           sizes: dict[tuple, dict[float, list[pd.Series]]] | None = None) -> list[dict]:
-    """Every (a, b) in one group picked by pick_a / pick_b, equal on `match` and passing `accept`; with `sizes`
-    (_sample_sizes of all rows) a pair whose two configurations also make an accepted pair on more questions of
-    the setting is left to that larger sample (the same questions must not count twice)."""
-    out = []
-    for _, group in rows.groupby("group", sort=True):
-        for _, a in group[group.apply(pick_a, axis=1)].iterrows():
-            for _, b in group[group.apply(pick_b, axis=1)].iterrows():
-                if a["run_id"] == b["run_id"] or not _same(a, b, match) or (accept and not accept(a, b)):
-                    continue
-                if sizes is not None and _pair_superseded(a, b, sizes, accept):
-                    continue
-                d, data = _compare(a, b, results_dir)
-                if not usable(d):
-                    continue
-                out.append({"group": a["group"], "a": a["series"], "b": b["series"], "k": figures._num(a["k"]),
-                            "diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "method": d.method,
-                            "_d": data})
-    return out
-
-
-def _is(sparsifier: str, placement: str | None = None, comp: str | None = None):
-    def pick(row: pd.Series) -> bool:
-        return (row["sparsifier"] == sparsifier and (placement is None or row["placement"] == placement)
-                and (comp is None or _norm(row["comp"]) == comp) and figures.main_series(str(row["series"])))
-    return pick
 
 
 def _verdict(claim: str, kind: str, pairs: list[dict], note: str = "") -> Verdict:
@@ -249,7 +151,7 @@ def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> li
     """Every claim, pooled over the informative settings (informative.py); each Verdict's `uninformative` holds the
     claim in each excluded setting, decided on its own (reported apart, never pooled)."""
     results_dir = Path(results_dir) if results_dir is not None else None
-    rows = store_rows(summary)
+    rows = comparisons.store_rows(summary)
     if rows.empty:
         return [Verdict(c, k) for c, k in CLAIMS]
     admitted = informative.informative_groups(informative.settings_table(summary, results_dir))
@@ -259,7 +161,7 @@ def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> li
     apart = _claim_pairs(rows[~chosen], results_dir) if (~chosen).any() else [([], "")] * len(found)
     for v, (pairs, _) in zip(found, apart):
         v.uninformative = per_setting(v.kind, pairs) if pairs else []
-    superseded = _superseded_runs(rows)
+    superseded = comparisons.superseded_runs(rows)
     left_out = sorted(set(rows.loc[rows["run_id"].isin(superseded) & chosen, "group"]))
     table = reduction.reduction_table(rows[chosen], results_dir, superseded)
     six = reduction.claim_verdict(CLAIMS[5], table, left_out)
@@ -272,8 +174,8 @@ def _claim_pairs(rows: pd.DataFrame, results_dir: Path | None) -> list[tuple[lis
     """The pairs of claims 1-5 among `rows`, each with its note."""
     if rows.empty:
         return [([], "")] * 5
-    sizes = _sample_sizes(rows)  # a pair speaks from the largest sample holding both its runs' configurations
-    main = rows[[figures.main_series(str(s)) for s in rows["series"]]]
+    sizes = comparisons.sample_sizes(rows)  # a pair speaks from the largest sample holding both runs' configurations
+    main = rows[[labels.main_series(str(s)) for s in rows["series"]]]
     out = []
     same = ["level", "fewshot_sampler"]  # equal k, or equal target_kept where runs were matched by sparsity
 
@@ -282,19 +184,19 @@ def _claim_pairs(rows: pd.DataFrame, results_dir: Path | None) -> list[tuple[lis
     for placement, comp_theta, comp_k in (("post", "vmc", "vmc"), ("post", "none", "none"), ("pre", "none", "none"),
                                           ("pre", "sdc=exact+vmc", None)):
         if comp_k is None:  # Top-k pre + exact SDC + VMC is Top-k post + VMC (run once)
-            pairs += _pairs(main, _is("toptheta", "pre", comp_theta), _is("topk", "post", "vmc"), same, results_dir,
-                            sizes=sizes)
+            pairs += find_pairs(main, pick("toptheta", "pre", comp_theta), pick("topk", "post", "vmc"), same,
+                                results_dir, sizes=sizes)
         else:
-            pairs += _pairs(main, _is("toptheta", placement, comp_theta), _is("topk", placement, comp_k), same,
-                            results_dir, sizes=sizes)
+            pairs += find_pairs(main, pick("toptheta", placement, comp_theta), pick("topk", placement, comp_k), same,
+                                results_dir, sizes=sizes)
     out.append((pairs, "Top-θ − Top-k at equal k (or equal target_kept)"))
 
-    close = lambda a, b: _close(a["kept_attention_fraction"], b["kept_attention_fraction"])  # noqa: E731
-    pairs = _pairs(main, _is("topk", "post", "none"), _is("topk", "pre", "none"), same, results_dir, sizes=sizes)
-    pairs += _pairs(main, _is("toptheta", "post", "vmc"), _is("toptheta", "pre", "sdc=exact+vmc"), same_k, results_dir,
-                    close, sizes=sizes)
-    pairs += _pairs(main, _is("toptheta", "post", "none"), _is("toptheta", "pre", "none"), same_k, results_dir, close,
-                    sizes=sizes)
+    near = lambda a, b: close(a["kept_attention_fraction"], b["kept_attention_fraction"])  # noqa: E731
+    pairs = find_pairs(main, pick("topk", "post", "none"), pick("topk", "pre", "none"), same, results_dir, sizes=sizes)
+    pairs += find_pairs(main, pick("toptheta", "post", "vmc"), pick("toptheta", "pre", "sdc=exact+vmc"), same_k,
+                        results_dir, near, sizes=sizes)
+    pairs += find_pairs(main, pick("toptheta", "post", "none"), pick("toptheta", "pre", "none"), same_k,
+                        results_dir, near, sizes=sizes)
     out.append((pairs, "post − pre; Top-θ pairs only where kept fractions are within ×1.25"))
 
     smallest = main.groupby(["group", "sparsifier"])["k"].transform("min")
@@ -304,76 +206,27 @@ def _claim_pairs(rows: pd.DataFrame, results_dir: Path | None) -> list[tuple[lis
                                                     ("toptheta", "vmc", "none", "post"),
                                                     ("topk", "vmc", "none", "pre"), ("topk", "vmc", "none", "post")):
         placement_a = "pre" if "sdc" in a_comp else "post"
-        pairs += _pairs(aggressive, _is(sparsifier, placement_a, a_comp), _is(sparsifier, placement_b, b_comp),
-                        same_k, results_dir, sizes=sizes)
+        pairs += find_pairs(aggressive, pick(sparsifier, placement_a, a_comp), pick(sparsifier, placement_b, b_comp),
+                            same_k, results_dir, sizes=sizes)
     out.append((pairs, "compensated − uncompensated at each setting's smallest k"))
 
     theta = rows[rows["sparsifier"] == "toptheta"]
-    own = lambda r: _norm(r["calib_task"]) in (_norm(r["task"]), IN_DOMAIN.get(_norm(r["task"]), ""))  # noqa: E731
-    cross = lambda r: _norm(r["calib_task"]) != "" and not own(r)  # noqa: E731
+    own = lambda r: (as_text(r["calib_task"])  # noqa: E731
+                     in (as_text(r["task"]), IN_DOMAIN.get(as_text(r["task"]), "")))
+    cross = lambda r: as_text(r["calib_task"]) != "" and not own(r)  # noqa: E731
     # the pair differs in the calibration task only: the rest of the calibration (rule, statistic, σ_add, TAC,
     # granularity, documents, seeds) is equal
-    pairs = _pairs(theta, cross, own, [*same, "placement", "comp", *(c for c in CALIBRATION if c != "calib_task"),
-                                       "calib_compensation", "calib_seed"], results_dir, sizes=sizes)
+    pairs = find_pairs(theta, cross, own, [*same, "placement", "comp", *(c for c in CALIBRATION if c != "calib_task"),
+                                           "calib_compensation", "calib_seed"], results_dir, sizes=sizes)
     out.append((pairs, "cross-dataset − self-calibrated Top-θ, equal in all else of the calibration"))
 
-    protected = lambda r: _norm(r["layer_k"]) not in ("", "none")  # noqa: E731
-    unprotected = lambda r: _norm(r["layer_k"]) == "none"  # noqa: E731
-    pairs = _pairs(rows[rows["sparsifier"] != "dense"], protected, unprotected,
-                   [*same, "sparsifier", "placement", "comp", "calib_task", "granularity", "calib_documents",
-                    "calib_seed"], results_dir, sizes=sizes)
+    protected = lambda r: as_text(r["layer_k"]) not in ("", "none")  # noqa: E731
+    unprotected = lambda r: as_text(r["layer_k"]) == "none"  # noqa: E731
+    pairs = find_pairs(rows[rows["sparsifier"] != "dense"], protected, unprotected,
+                       [*same, "sparsifier", "placement", "comp", "calib_task", "granularity", "calib_documents",
+                        "calib_seed"], results_dir, sizes=sizes)
     out.append((pairs, "layers 0-1 at a larger k − at k"))
     return out
-
-
-FAMILY = ["g_model", "g_task", "g_num_fewshot", "g_metric"]  # a setting up to its number of questions
-CONFIGURATION = ["series", "k", "target_kept", "fewshot_sampler", "calib_seed", *CALIBRATION]  # what a run computes, whatever it is evaluated on
-
-
-def _size(row: pd.Series) -> float:
-    """The number of questions a run's group evaluates, as an order: its limit, or ∞ for the whole split."""
-    limit = figures._num(row["g_limit"])
-    return math.inf if limit is None else float(limit)
-
-
-def _configuration(row: pd.Series) -> tuple:
-    """(setting, configuration): what a run computes and where, whatever number of questions it saw."""
-    return tuple(_norm(row.get(c)) for c in FAMILY), tuple(_norm(row.get(c)) for c in CONFIGURATION)
-
-
-def _sample_sizes(rows: pd.DataFrame) -> dict[tuple, dict[float, list[pd.Series]]]:
-    """_configuration → number of questions (_size) → the runs that measured it on that many."""
-    out: dict[tuple, dict[float, list[pd.Series]]] = {}
-    for _, row in rows.iterrows():
-        out.setdefault(_configuration(row), {}).setdefault(_size(row), []).append(row)
-    return out
-
-
-def _superseded_runs(rows: pd.DataFrame) -> set[str]:
-    """Runs whose configuration was also measured on more questions of the same setting (a larger limit; none =
-    all): a first small run (e.g. 20 problems) decides nothing beside the same configuration at 80."""
-    sparse = rows[rows["series"] != "Baseline"]
-    sizes = _sample_sizes(sparse)
-    return {row["run_id"] for _, row in sparse.iterrows() if _size(row) < max(sizes[_configuration(row)])}
-
-
-def _pair_superseded(a: pd.Series, b: pd.Series, sizes: dict[tuple, dict[float, list[pd.Series]]],
-                     accept=None) -> bool:
-    """Both configurations of a pair were also measured on more questions of the setting, and make a pair there
-    that `accept` (if given) takes: the pair speaks from there. (The larger sample usually contains the smaller
-    one, e.g. ARC-Easy's first 500 questions and the whole split: pooling both would count those 500 twice.) A
-    pair the larger sample rejects (say, kept fractions drifting apart) still speaks from the smaller one."""
-    at_a, at_b = sizes.get(_configuration(a), {}), sizes.get(_configuration(b), {})
-    return any(n > _size(a) and (accept is None or any(accept(x, y) for x in at_a[n] for y in at_b[n]))
-               for n in at_a.keys() & at_b.keys())
-
-
-def _close(x: Any, y: Any, ratio: float = 1.25) -> bool:
-    try:
-        x, y = float(x), float(y)
-    except (TypeError, ValueError):
-        return False
-    return x > 0 and y > 0 and max(x, y) / min(x, y) <= ratio
 
 
 CLAIMS = (

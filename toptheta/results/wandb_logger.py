@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..store.rows import STAT_COLUMNS
+
 MODES = ("offline", "online", "disabled", "dryrun", "run")  # the last two: wandb's legacy names
 NOT_CONFIG = {"metric", "value", "stderr", "timestamp"}  # row columns that are results, not settings
 
@@ -63,7 +65,6 @@ def run_metrics(rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -
 
 def run_config(spec, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Flat settings (the summary-row columns, plus SDC/VMC) and the whole run config under ``run``."""
-    from .store import STAT_COLUMNS
 
     first = rows[0] if rows else {}
     flat = {k: v for k, v in first.items() if k not in NOT_CONFIG and k not in STAT_COLUMNS}

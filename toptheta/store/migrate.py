@@ -1,14 +1,13 @@
 """Rebuild summary.csv from the run directories, so older rows gain the columns added since.
 
-    python -m toptheta.results.migrate [--results results] [--dry-run]
+    python -m toptheta.store.migrate [--results results] [--dry-run]
 
 Every complete run directory (DONE present) is read back (config.json, lm_eval.json, stats.json,
 meta.json) and turned into summary rows by the current `summary_rows`, with the run's own commit and
 timestamp from meta.json. Rows of summary.csv whose run directory is gone are kept as they were. One
 conversion of old data: passkey accuracy was stored in percent before it became a fraction like every
 other accuracy; a passkey `accuracy` above 1 is divided by 100 (its stderr too). Nothing is recomputed;
-the file is replaced atomically under the store's lock. Per-sample logs of older runs (samples.json)
-are gzipped in place (samples.json.gz, same content) unless --keep-samples.
+the file is replaced atomically under the store's lock.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .store import (DONE_MARKER, STAT_COLUMNS, SUMMARY_COLUMNS, RunStore, _write_text_atomic, compress_samples,
-                    summary_rows)
+from .rows import STAT_COLUMNS, SUMMARY_COLUMNS, summary_rows
+from .runs import DONE_MARKER, RunStore, _write_text_atomic
 
 
 def _read(path: Path) -> Any:
@@ -102,14 +101,9 @@ def restore_summary(store: RunStore, run_id: str) -> int:
     return len(rows)
 
 
-def migrate(results_dir: str | Path, *, dry_run: bool = False, compress: bool = True) -> int:
+def migrate(results_dir: str | Path, *, dry_run: bool = False) -> int:
     """Rewrite summary.csv from the run directories; returns the number of rows written."""
     store = RunStore(results_dir)
-    if compress and not dry_run:
-        done = [d for d in sorted(Path(results_dir, "runs").glob("*/"))
-                if not d.name.startswith(".") and (d / DONE_MARKER).is_file() and compress_samples(d)]
-        if done:
-            print(f"gzipped the per-sample logs of {len(done)} runs (samples.json -> samples.json.gz)")
     with store._summary_lock():
         old_rows = []
         if store.summary_path.exists():
@@ -135,12 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="results", help="the results store (holds summary.csv and runs/)")
     parser.add_argument("--dry-run", action="store_true", help="report, write nothing")
-    parser.add_argument("--keep-samples", action="store_true", help="leave older runs' samples.json uncompressed")
     args = parser.parse_args(argv)
     if not Path(args.results, "runs").is_dir():
         print(f"{args.results} has no runs/ directory: nothing to rebuild from", file=sys.stderr)
         return 1
-    migrate(args.results, dry_run=args.dry_run, compress=not args.keep_samples)
+    migrate(args.results, dry_run=args.dry_run)
     return 0
 
 

@@ -1,0 +1,120 @@
+"""How tables and figures name things: sparsifiers, series (the paper's legend labels), their colours.
+
+A series label is built from a summary row: sparsifier, placement, compensation, plus tags for any setting
+that differs from the paper's protocol, so distinct configurations never merge into one curve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .. import registry
+
+DEFAULT_GRANULARITY = "layer-head-n"  # the paper's: one θ per (layer, head, row length)
+GRANULARITY_ORDER = ("layer", "layer-n", "layer-head", "layer-head-n")  # coarse to fine
+SERIES_ORDER = ("Baseline", "Top-θ pre (+SDC +VMC)", "Top-θ post (+VMC)", "Top-k pre (+SDC +VMC)", "Top-k post (+VMC)")
+SERIES_COLORS = dict(zip(SERIES_ORDER, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red")))
+OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray", "gold", "navy", "teal",
+                "magenta")
+EQUIVALENT_SERIES = {"Top-k post (+VMC)": "Top-k post (+VMC) ≡ pre (+SDC +VMC)",
+                     "Top-k post": "Top-k post ≡ pre (+SDC)"}  # the same computation (method.md §3.2)
+
+
+
+def cell_text(value: Any) -> str:
+    """A summary cell as text: '' for None/NaN/empty."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value).strip()
+
+
+def comp_parts(comp: str) -> list[str]:
+    """`sdc=exact+vmc` -> ['SDC', 'VMC']; a non-exact estimator or a scale is shown: 'SDC[calibrated]'."""
+    parts = []
+    for part in filter(None, comp.split("+")):
+        if part == "none":
+            continue
+        if part.startswith("sdc="):
+            how = part[4:].replace("*", "×")
+            parts.append("SDC" if how == "exact" else f"SDC[{how}]")
+        else:
+            parts.append(part.upper())
+    return parts
+
+
+def sparsifier_label(name) -> str:
+    """How tables and figures name a sparsifier: its registered label (Top-k, Top-θ, ...), else the stored name."""
+    return registry.sparsifier_kind(name).label if name in registry.sparsifier_names() else str(name)
+
+
+def series_label(row: Mapping[str, Any], *, granularity: bool = True) -> str:
+    """The paper's legend label of a summary row, e.g. 'Top-θ pre (+SDC +VMC)' or 'Baseline'.
+
+    Top-θ runs calibrated at a granularity other than DEFAULT_GRANULARITY get it appended
+    ('Top-θ post (+VMC) [θ per layer]') unless `granularity=False`, so distinct configurations
+    never merge into one series.
+    """
+    name = cell_text(row.get("sparsifier"))
+    if name in ("", "dense"):
+        return "Baseline"
+    label = " ".join(filter(None, (sparsifier_label(name), cell_text(row.get("placement")))))
+    comps = comp_parts(cell_text(row.get("comp")))
+    if comps:
+        label += " (" + " ".join(f"+{c}" for c in comps) + ")"
+    gran = cell_text(row.get("granularity"))
+    if granularity and name == "toptheta" and gran and gran != DEFAULT_GRANULARITY:
+        label += f" [θ per {gran}]"
+    return label + "".join(f" [{tag}]" for tag in setting_tags(row))
+
+
+def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
+    """Tags for settings that differ from the paper's protocol, so distinct configurations never merge:
+    a cross-dataset calibration ('cal. arc_challenge', the paper's "Top-θ(cal.arcc)"), no larger k for
+    layers 0-1, another calibration statistic, σ_add, no TAC, the reference code's empty-row rule.
+    The number of calibration documents is tagged by the tables that compare it (calib_documents column)."""
+    if cell_text(row.get("sparsifier")) in ("", "dense"):
+        return []
+    tags = []
+    task, calib_task = cell_text(row.get("task")), cell_text(row.get("calib_task"))
+    if calib_task and task and "calib_task" not in skip and calib_task != task \
+            and not task.startswith(calib_task + "_"):
+        tags.append(f"cal. {calib_task}")
+    if cell_text(row.get("layer_k")) == "none" and "layer_k" not in skip:
+        tags.append("layers 0-1 at k")
+    statistic = cell_text(row.get("calib_statistic"))
+    if statistic and statistic != "order" and "calib_statistic" not in skip:
+        tags.append(statistic)
+    sigma = cell_text(row.get("sigma_add"))
+    if sigma and "sigma_add" not in skip and _float(sigma) not in (None, 0.1):
+        tags.append(f"σ={_float(sigma):g}")
+    if cell_text(row.get("tac")).lower() == "false" and "tac" not in skip:
+        tags.append("no TAC")
+    if cell_text(row.get("empty_rows")) == "reference" and "empty_rows" not in skip:
+        tags.append("empty rows as [R]")
+    return tags
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def series_key(label: str) -> tuple[int, str]:
+    return (SERIES_ORDER.index(label) if label in SERIES_ORDER else len(SERIES_ORDER), label)
+
+
+def series_colors(labels: Sequence[str]) -> dict[str, str]:
+    """Fixed colours for the paper's five series, the rest in a stable order of their own."""
+    others = sorted(set(labels) - set(SERIES_COLORS))
+    return {**SERIES_COLORS, **{lab: OTHER_COLORS[i % len(OTHER_COLORS)] for i, lab in enumerate(others)}}
+
+
+def main_series(series: str) -> bool:
+    """Whether a series is one of the paper's curves (no ablation tag such as '[θ per layer]'); a
+    cross-dataset calibration ('[cal. arc_challenge]', the paper's "Top-θ(cal.arcc)") is one too."""
+    tags = [t for t in series.split(" [")[1:]]
+    return all(t.startswith("cal. ") for t in tags)

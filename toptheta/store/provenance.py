@@ -1,0 +1,32 @@
+"""Provenance of a stored run: the commit of the code that ran it and when (meta.json, summary rows)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+from pathlib import Path
+
+
+def git_commit(path: str | os.PathLike[str] | None = None) -> str | None:
+    """HEAD's commit hash of the checkout holding `path` (default: this code), or None.
+
+    "-dirty" is appended when tracked files have uncommitted changes, since the hash alone
+    would then not identify the code that ran. None when git or the checkout is missing.
+    """
+    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if dirty else head
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
