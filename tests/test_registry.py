@@ -158,6 +158,7 @@ def test_a_new_sparsifier_and_compensation_run_through_run_py_as_the_library_obj
     assert new_loglik == sdc_loglik and len(new_loglik) == 16  # the same kernel inputs: the same bits
     for metric, row in new.items():
         assert row["sparsifier"] == "recent" and row["run_id"] != sdc[metric]["run_id"]
+        assert row["comp"] == "vmc+halfsdc" and sdc[metric]["comp"] == "sdc=exact*0.5+vmc"  # the summary names it
         for column in ("value", "kept_attention_fraction"):
             assert row[column] == sdc[metric][column], column
         assert 0 < float(row["kept_attention_fraction"]) < 1

@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .. import registry
 from .provenance import git_commit, now
 
 SUMMARY_COLUMNS: tuple[str, ...] = (
@@ -111,7 +112,8 @@ def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
 def comp_label(comp: Mapping[str, Any]) -> str:
     """A compensation config as a short label: `none`, `sdc=exact`, `vmc`, `sdc=exact*0.9+vmc`.
 
-    Reads the keys `sdc` (estimator or None), `sdc_scale` (shown when not 1) and `vmc` (bool).
+    Reads the keys `sdc` (estimator or None), `sdc_scale` (shown when not 1) and `vmc` (bool), then adds the name of
+    every other registered compensation the settings switch on (`comp.<name>`, toptheta.registry), e.g. `vmc+halfsdc`.
     """
     parts = []
     if comp.get("sdc"):
@@ -119,7 +121,7 @@ def comp_label(comp: Mapping[str, Any]) -> str:
         parts.append(f"sdc={comp['sdc']}" + ("" if scale in (None, 1, 1.0) else f"*{scale}"))
     if comp.get("vmc"):
         parts.append("vmc")
-    parts += list(comp.get("extra") or [])  # registered compensations by name (comp.extra)
+    parts += [kind.name for kind in registry.active_compensations(dict(comp)) if kind.name not in ("sdc", "vmc")]
     return "+".join(parts) or "none"
 
 
