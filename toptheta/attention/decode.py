@@ -198,11 +198,10 @@ def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float,
     counting = stats is not None and stats.enabled
     # The kernel adds the step's statistics to the layer's packed counters itself (what stats.update would add from
     # its rowstats and vrows): a dozen tensor ops less per layer call, which at 16k keys is ~10 % of a decode step.
-    srow, cols = (stats.decode_row(layer), stats.decode_columns()) if counting else (_NO_STATS, [])
+    srow, cols = (stats.decode_row(layer), stats.decode_columns) if counting else (_NO_STATS, [])
     out, _, _ = ext.decode((query.float() * scaling).reshape(B, H, D).contiguous(), key, window, valid, theta, raw,
                            cal, vbar, bool(lowered.vmc and sparse), lowered.sdc_mode, lowered.sdc_scale, post, kb,
-                           srow, cols,
-                           sparsifier.k_for(layer) if sparse else 0)
+                           srow, cols, sparsifier.k_for(layer) if sparse else 0)
     if counting:
         stats.count_clamped(rows.clamped_rows, query.device)
     return out.view(B, 1, H, -1).to(query.dtype)

@@ -13,6 +13,7 @@ nothing (lm-eval's batch-size probe, warm-up forwards).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -72,8 +73,10 @@ class SparsityStats:
                  for (name, shape), (a, w) in zip(self._shapes().items(), layout.values())}
         return packed, views
 
+    @functools.cached_property
     def decode_columns(self) -> list[int]:
-        """The first column of each of DECODE_COLUMNS in a packed row (the decode kernel's ``cols``)."""
+        """The first column of each of DECODE_COLUMNS in a packed row (the decode kernel's ``cols``; the layout is
+        fixed by the shape, so it is worked out once, not on every decode step)."""
         layout = self.layout()
         return [layout[name][0] for name in DECODE_COLUMNS]
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import registry
-from .regimes import LONG_ROW_SHOTS
+from . import regimes
 
 DEFAULT_GRANULARITY = "layer-head-n"  # the paper's: one θ per (layer, head, row length)
 GRANULARITY_ORDER = ("layer", "layer-n", "layer-head", "layer-head-n")  # coarse to fine
@@ -94,8 +94,7 @@ def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
         tags.append("no TAC")
     if cell_text(row.get("empty_rows")) == "reference" and "empty_rows" not in skip:
         tags.append("empty rows as [R]")
-    shots, clamped = _float(cell_text(row.get("num_fewshot"))), _float(cell_text(row.get("clamped_rows")))
-    if (shots or 0) >= LONG_ROW_SHOTS and cell_text(row.get("fewshot_sampler")) == "first_n" and (clamped or 0) > 0:
+    if regimes.broke_protocol(row):
         tags.append("rows past calibration")  # a long-row run that broke its protocol (regimes.py): never merged
     return tags
 

@@ -11,21 +11,36 @@ broke the protocol (its thresholds did not cover the rows it met) and is left ou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pandas as pd
 
 LONG_ROW_SHOTS = 10  # HellaSwag's 10 shots, the shorter of the paper's two long-row QA protocols
 
 
-def is_long_row(summary: pd.DataFrame) -> pd.Series:
-    """Per summary row: whether it is a run of the long-row protocol (many fixed exemplars)."""
-    shots = pd.to_numeric(summary["num_fewshot"], errors="coerce").fillna(0)
-    sampler = summary["fewshot_sampler"].fillna("").astype(str) if "fewshot_sampler" in summary else ""
-    return (shots >= LONG_ROW_SHOTS) & (sampler == "first_n")
+def _number(value) -> float:
+    """A summary cell as a number; 0 for empty, NaN or text."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return 0.0 if number != number else number
+
+
+def long_row(run: Mapping[str, Any]) -> bool:
+    """Whether a summary row is a run of the long-row protocol (many fixed exemplars)."""
+    return _number(run.get("num_fewshot")) >= LONG_ROW_SHOTS and str(run.get("fewshot_sampler")) == "first_n"
+
+
+def broke_protocol(run: Mapping[str, Any]) -> bool:
+    """A long-row run with rows past its calibrated length."""
+    return long_row(run) and _number(run.get("clamped_rows")) > 0
 
 
 def split(summary: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(long-row runs, long-row runs that broke the protocol (clamped rows), the rest) of a summary table."""
-    long_rows = is_long_row(summary)
-    clamped = (pd.to_numeric(summary["clamped_rows"], errors="coerce").fillna(0) > 0 if "clamped_rows" in summary
-               else pd.Series(False, index=summary.index))
-    return summary[long_rows & ~clamped], summary[long_rows & clamped], summary[~long_rows]
+    runs = summary.to_dict("records")
+    long_rows = pd.Series([long_row(r) for r in runs], index=summary.index, dtype=bool)
+    broken = pd.Series([broke_protocol(r) for r in runs], index=summary.index, dtype=bool)
+    return summary[long_rows & ~broken], summary[broken], summary[~long_rows]
