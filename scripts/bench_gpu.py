@@ -248,3 +248,169 @@ def run(kind: str, device_name: str, lengths: list[int] | None, fractions: list[
     bench_report.write(out, command, meta, {kind: rows}, lines)
     return rows
 
+
+
+# ---- tile and launch settings: which the wrappers should default to ------------------------------------------------
+
+PREFILL_CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2), (64, 64, 4, 1),
+                   (64, 64, 2, 2), (64, 128, 4, 2)]  # BLOCK_M, BLOCK_N, warps, stages
+DECODE_CONFIGS = [(64, 4, 2, None), (64, 2, 2, None), (128, 2, 2, None), (64, 2, 2, 17), (64, 2, 2, 33),
+                  (64, 2, 2, 132), (128, 4, 2, 33), (32, 2, 2, None)]  # BLOCK_N, warps, stages, chunks (None: default)
+
+
+def tune(prefill_len: int, decode_len: int, u: float, repeats: int, out: str, command: str,
+         device_name: str = "cuda") -> list[dict]:
+    """Our kernels alone (v̄ given, θ per row precomputed) under each launch setting, against flash of the same
+    shapes: LLaMA-3-8B, bf16, Top-θ pre + exact SDC + VMC and post + VMC at kept fraction u."""
+    from toptheta.attention.triton import lowering
+    from toptheta.attention.triton.common import row_bounds, value_means
+    from toptheta.attention.triton.decode import decode_attention
+    from toptheta.attention.triton.prefill import prefill_attention
+
+    device = resolve_device(device_name)
+    interpret = device.type == "cpu"  # a dry run in the interpreter: tiny shapes, float32
+    shape, dtype = ("tiny", torch.float32) if interpret else ("llama3-8b", torch.bfloat16)
+    H, Hkv, D = SHAPES[shape]
+    scaling = D ** -0.5
+    rows = []
+    meta = bench_report.machine(device=device_name, gpu=None if interpret else torch.cuda.get_device_name(),
+                                dtype=str(dtype), batch=1, shape=dict(zip(("heads", "kv_heads", "head_dim"),
+                                                                          SHAPES[shape])))
+    for kind, n in (("prefill", prefill_len), ("decode", decode_len)):
+        g = torch.Generator().manual_seed(0)
+        Q = n if kind == "prefill" else 1
+        q = torch.randn(1, H, Q, D, generator=g).to(device, dtype)
+        k = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+        v = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        lo, hi = row_bounds(zero, zero + n, zero + n - Q, Q, None, True)
+        v_mean = value_means(v, lo, hi)
+        flash, _ = flash_call(q, k, v, scaling, causal=kind == "prefill")
+        if kind == "prefill":
+            pre, post = prefill_thresholds(q, k, scaling, u)
+            settings = [("pre", pre, "exact"), ("post", post, None)]
+            configs = PREFILL_CONFIGS
+        else:
+            settings = [("post", decode_thresholds(q, k, scaling, u), None)]
+            configs = DECODE_CONFIGS
+        for placement, thresholds, sdc in settings:
+            theta, _ = lowering.row_thresholds(toptheta.TopTheta(thresholds), 0, hi - lo)
+            calls = {"flash": flash}
+            for cfg in configs:
+                if kind == "prefill":
+                    bm, bn, warps, stages = cfg
+                    kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+                    fn = prefill_attention
+                else:
+                    bn, warps, stages, splits = cfg
+                    kw = dict(block_n=bn, num_warps=warps, num_stages=stages, splits=splits)
+                    fn = decode_attention
+                calls[str(cfg)] = (lambda fn=fn, kw=kw: fn(q, k, v, scaling=scaling, theta=theta, placement=placement,
+                                                           sdc=sdc, vmc=True, v_mean=v_mean, **kw))
+            timing = time_calls(calls, device, repeats)
+            for name, t in timing.items():
+                rows.append({"phase": kind, "length": n, "placement": placement, "config": name, **t,
+                             "time_ratio": t["time_s"] / timing["flash"]["time_s"]})
+                print(f"tune {kind} n={n} {placement} {name:18s} {t['time_s'] * 1e3:8.3f} ms "
+                      f"({rows[-1]['time_ratio']:.2f}x flash)", flush=True)
+        del q, k, v
+        if not interpret:
+            torch.cuda.empty_cache()
+    bench_report.finish(meta)
+    lines = ["# Launch settings of our Triton kernels (kernel alone, v̄ given) against FlashAttention", "",
+             f"{bench_report.describe(meta)} {meta['gpu'] or 'Triton interpreter (a dry run)'}; kept fraction {u:.3f}. Prefill configs are (BLOCK_M, "
+             "BLOCK_N, warps, stages), decode (BLOCK_N, warps, stages, key chunks per (sequence, KV head); "
+             "None: the default, 4 programs per SM).", "",
+             "| phase | length | placement | config | median ms | ×flash |", "|---|---:|---|---|---:|---:|"]
+    lines += [f"| {r['phase']} | {r['length']} | {r['placement']} | {r['config']} | {r['time_s'] * 1e3:.3f} | "
+              f"{r['time_ratio']:.2f} |" for r in rows]
+    bench_report.write(out, command, meta, {"tune": rows}, lines)
+    return rows
+
+
+def profile(prefill_len: int, decode_len: int, u: float, out: str, command: str, device_name: str = "cuda") -> list[dict]:
+    """Where one layer call's device time goes, through ``toptheta.sparse_attention`` as in a run (statistics on):
+    torch.profiler's kernels of 3 calls after a warm-up, prefill (Top-θ pre + exact SDC + VMC) and decode (post +
+    VMC), LLaMA-3-8B shapes; the kernels alone against the wrapper's own torch ops."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    device = resolve_device(device_name)
+    interpret = device.type == "cpu"
+    shape, dtype = ("tiny", torch.float32) if interpret else ("llama3-8b", torch.bfloat16)
+    H, Hkv, D = SHAPES[shape]
+    scaling = D ** -0.5
+    meta = bench_report.machine(device=device_name, gpu=None if interpret else torch.cuda.get_device_name(),
+                                dtype=str(dtype), batch=1, shape=dict(zip(("heads", "kv_heads", "head_dim"),
+                                                                          SHAPES[shape])))
+    activities = [ProfilerActivity.CPU] + ([] if interpret else [ProfilerActivity.CUDA])
+    rows, lines = [], []
+    for kind, n in (("prefill", prefill_len), ("decode", decode_len)):
+        g = torch.Generator().manual_seed(0)
+        Q = n if kind == "prefill" else 1
+        q = torch.randn(1, H, Q, D, generator=g).to(device, dtype)
+        k = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+        v = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+        if kind == "prefill":
+            sparsifier, comp = toptheta.TopTheta(prefill_thresholds(q, k, scaling, u)[0]), [toptheta.SDC("exact"),
+                                                                                           toptheta.VMC()]
+        else:
+            sparsifier, comp = toptheta.TopTheta(decode_thresholds(q, k, scaling, u)), [toptheta.VMC()]
+        call = ours_call(q, k, v, scaling, sparsifier, comp, kind, SparsityStats(1, H, Hkv))
+        with Forced(device):
+            call()
+            if not interpret:
+                torch.cuda.synchronize()
+            with torch_profile(activities=activities) as prof:
+                for _ in range(3):
+                    call()
+                if not interpret:
+                    torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if (e.self_device_time_total if not interpret else e.self_cpu_time_total) > 0]
+        time_of = (lambda e: e.self_cpu_time_total) if interpret else (lambda e: e.self_device_time_total)
+        events.sort(key=time_of, reverse=True)
+        total = sum(time_of(e) for e in events)
+        lines += ["", f"## {kind}, {n} keys, {sparsifier.placement}-softmax: {total / 3 / 1e3:.3f} ms of device time "
+                      f"per call", "", "| kernel or op | calls per layer call | µs per layer call | share |",
+                  "|---|---:|---:|---:|"]
+        for e in events[:25]:
+            rows.append({"phase": kind, "length": n, "name": e.key, "count": e.count / 3, "us": time_of(e) / 3,
+                         "share": time_of(e) / total})
+            lines.append(f"| `{e.key[:70]}` | {e.count / 3:g} | {time_of(e) / 3:.1f} | {time_of(e) / total:.1%} |")
+        print("\n".join(lines[-min(len(events), 25) - 4:]), flush=True)
+        del q, k, v
+    bench_report.finish(meta)
+    head = ["# Where a layer call's device time goes (torch.profiler, self time per kernel)", "",
+            f"{bench_report.describe(meta)} {meta['gpu'] or 'Triton interpreter (CPU time of a dry run)'}; kept "
+            f"fraction {u:.3f}; through toptheta.sparse_attention with statistics on."]
+    bench_report.write(out, command, meta, {"profile": rows}, head + lines)
+    return rows
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Launch settings of the Triton kernels on a GPU (--tune); the "
+                                            "benchmarks themselves run from bench_attention.py / bench_decode.py")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--tune", action="store_true", help="the kernels alone under several launch settings")
+    what.add_argument("--profile", action="store_true", help="torch.profiler's kernel table of one layer call")
+    p.add_argument("--prefill-len", type=int, default=16384)
+    p.add_argument("--decode-len", type=int, default=65536)
+    p.add_argument("--fraction", type=float, default=1 / 3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="output stem (default results/bench/gpu_tune or gpu_profile)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu-interpret"])
+    args = p.parse_args(argv)
+    command = bench_report.command_line("bench_gpu.py", argv)
+    if args.profile:
+        profile(args.prefill_len, args.decode_len, args.fraction, args.out or "results/bench/gpu_profile", command,
+                args.device)
+    else:
+        tune(args.prefill_len, args.decode_len, args.fraction, args.repeats, args.out or "results/bench/gpu_tune",
+             command, args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

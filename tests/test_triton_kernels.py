@@ -29,7 +29,7 @@ from toptheta.calibration import Thresholds  # noqa: E402
 _want = os.environ["TRITON_INTERPRET"] not in ("", "0")
 for _name in ("toptheta.attention.triton.prefill", "toptheta.attention.triton.decode"):
     _module = sys.modules.get(_name) or importlib.import_module(_name)
-    _kernel = getattr(_module, "_prefill_kernel", None) or getattr(_module, "_decode_kernel")
+    _kernel = getattr(_module, "_prefill_kernel", None) or getattr(_module, "_decode_select")
     if interpreted(_kernel) != _want:
         importlib.reload(_module)
 from toptheta.attention.triton.decode import decode_attention  # noqa: E402
@@ -354,7 +354,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-m", "toptheta.attention.triton.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 8, done.stdout
+    assert done.stdout.count("ok ") == 16, done.stdout  # prefill and the three decode launches × 2 × 2
 
 
 # ---- compiled kernels on a GPU: realistic shapes ------------------------------------------------------
@@ -426,3 +426,29 @@ def test_compiled_kernels_on_realistic_shapes(monkeypatch, dtype, name):
         for counter in ("prefill_valid", "decode_valid", "vrow_valid", "rows"):
             assert torch.equal(getattr(ref_stats, counter), getattr(stats, counter)), counter
         assert 0 < float(stats.prefill_kept.sum() + stats.decode_kept.sum()) < float(n.sum() * Hq)
+
+
+def test_the_running_value_sum_adds_new_rows_and_restarts_on_another_cache():
+    """VMC's v̄ in a decode step on the Triton path: Σ V over [key_start, K) kept per layer, the new rows of a cache
+    that grows in place added, a cache in another tensor summed afresh (no host read either way)."""
+    from toptheta.attention import decode as plain
+    from toptheta.attention.backends.triton import running_value_sum
+
+    plain.reset()
+    g = torch.Generator().manual_seed(3)
+    buffer = torch.randn(2, HKV, 64, 8, generator=g)  # a cache with room to grow, as cache.GrowingLayer's
+    key_start = torch.tensor([0, 5], dtype=torch.int32)
+
+    def expected(v):
+        keys = torch.arange(v.shape[2])
+        return (v.double() * (keys[None, :] >= key_start[:, None])[:, None, :, None]).sum(2)
+
+    for K in (20, 21, 22, 30):
+        view = buffer[:, :, :K]
+        torch.testing.assert_close(running_value_sum(0, view, key_start), expected(view), rtol=1e-12, atol=1e-12)
+    assert plain._VSUMS[("triton", 0, 2, HKV, 8, torch.float32, torch.device("cpu"))][2] == 30
+    other = buffer[:, :, :31].clone()  # same values, another tensor: summed whole; then its rows changed
+    other[:, :, :3] += 1.0
+    torch.testing.assert_close(running_value_sum(0, other, key_start), expected(other), rtol=1e-12, atol=1e-12)
+    plain.reset()
+    assert not plain._VSUMS

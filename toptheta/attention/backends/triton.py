@@ -57,6 +57,8 @@ class TritonBackend(Backend):
             return f"dense and Top-θ only, not {call.kind}"
         if call.observer is not None or call.softcap or call.bias is not None:
             return "no observers, soft-capping or additive biases"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
+            return "inference only (the kernels have no backward): run under torch.no_grad() or inference_mode()"
         B, H, Hkv, Q, K = call.shape
         if K == 0 or (call.valid is None and K < Q):
             return "an empty cache, or a causal call with fewer keys than queries"
@@ -97,7 +99,9 @@ class TritonBackend(Backend):
         result = kernel(call.query, call.key, call.value, scaling=call.scaling, theta=theta,
                         placement=call.placement if sparse else None, key_start=key_start, key_end=K,
                         q_offset=q_offset, causal=True, window=None, sdc=call.sdc.estimator if call.sdc else None,
-                        sdc_scale=call.sdc_scale if call.sdc else 1.0, sdc_mass=mass, vmc=call.vmc, empty_rows=call.empty_rows)
+                        sdc_scale=call.sdc_scale if call.sdc else 1.0, sdc_mass=mass, vmc=call.vmc, empty_rows=call.empty_rows,
+                        **({"v_sum": running_value_sum(call.layer, call.value, key_start)}
+                           if which == "decode" and sparse and call.vmc and Q == 1 else {}))
         if call.counting:
             rows = RowBlock(call.layer, call.phase, torch.zeros((), device=call.device).expand(B, H, Q, K), n)
             rows.kept_counts = result.kept.long()
@@ -110,6 +114,36 @@ class TritonBackend(Backend):
             call.stats.update(rows)
         out = result.out.transpose(1, 2)  # (B, Q, H, Dv)
         return out if out.dtype == call.query.dtype else out.to(call.query.dtype)
+
+
+def running_value_sum(layer: int, value: torch.Tensor, key_start: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, Dv) float64 Σ V over each sequence's keys [key_start, K) for VMC's v̄ in a decode step, without
+    reading all of V each step (which would cost what the kept V rows save) and without a host read.
+
+    The sum is kept per layer in ``decode._VSUMS`` (cleared when a ``generate`` call starts) with the tensor that
+    owns V's memory (a weak reference) and the length summed: a cache that grows in place (``cache.GrowingLayer``,
+    whose V is a view of one buffer) adds only its new rows; another tensor (a cache that reallocates, grows its
+    buffer, or was cropped or reordered) is summed whole once. Rows before the length seen last are taken to be
+    unchanged while the owner is the same: true of appends within one generation, the only place decode steps
+    come from.
+    """
+    from .. import decode
+
+    B, Hkv, K, Dv = value.shape
+    slot = ("triton", layer, B, Hkv, Dv, value.dtype, value.device)
+    owner = value if value._base is None else value._base
+    where = (value.storage_offset(), value.stride())
+    state = decode._VSUMS.get(slot)
+    if state is not None and state[0]() is owner and state[1] == where and state[2] <= K:
+        upto, total = state[2], state[3]
+    else:
+        upto, total = 0, torch.zeros(B, Hkv, Dv, dtype=torch.float64, device=value.device)
+    if upto < K:
+        keys = torch.arange(upto, K, device=value.device)
+        rows = value[:, :, upto:] * (keys[None, :] >= key_start[:, None]).to(value.dtype)[:, None, :, None]
+        total = total + rows.sum(2, dtype=torch.float64)
+    decode._VSUMS[slot] = (weakref.ref(owner), where, K, total)
+    return total
 
 
 def _which(call: AttentionCall) -> str:

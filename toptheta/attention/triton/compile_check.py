@@ -6,7 +6,8 @@ This lowers each kernel through TTIR → TTGIR → PTX → cubin with the ptxas 
 
     TRITON_INTERPRET=0 python -m toptheta.attention.triton.compile_check [--quick] [--arch 90]
 
-About 10 s of CPU per variant; ``--quick`` compiles one pre- and one post-softmax variant per kernel and dtype.
+About 10 s of CPU per variant; ``--quick`` compiles one pre- and one post-softmax variant per kernel and dtype
+(16 kernels).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90 (H100/H200)
 _POINTERS = {"KS_ptr": "*i32", "KE_ptr": "*i32", "QO_ptr": "*i32", "KEPT_ptr": "*i32", "VROWS_ptr": "*i32",
-             "TILES_ptr": "*i32", "SKIP_ptr": "*i32", "EMPTY_ptr": "*i8"}
+             "TILES_ptr": "*i32", "SKIP_ptr": "*i32", "EMPTY_ptr": "*i8", "CNT_ptr": "*i32", "VR_ptr": "*i32",
+             "TILES_OUT_ptr": "*i32", "SKIP_OUT_ptr": "*i32"}
 _DTYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 
 
@@ -29,6 +31,7 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, arch: int = 90, num_war
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
+    constexprs = {k: v for k, v in constexprs.items() if k in names}  # a kernel takes the settings it declares
     signature = {}
     for name in names:
         if name in constexprs:
@@ -54,7 +57,8 @@ def variants(quick: bool):
                       CAUSAL=True, SCALE_Q=ieee, IEEE=ieee, BLOCK_D=128, BLOCK_DV=128)
         wide = 32 if ieee else 64  # the wrappers' default tiles
         yield "prefill", dtype, dict(common, BLOCK_M=wide, BLOCK_N=wide)
-        yield "decode", dtype, dict(common, GP=4, QP=4, BLOCK_N=64)
+        for part in ("logits", "select", "finish"):  # the decode step's three launches
+            yield f"decode_{part}", dtype, dict(common, GP=4, QP=4, NSP=64, BLOCK_N=64)
 
 
 def main(argv=None) -> int:
@@ -67,7 +71,8 @@ def main(argv=None) -> int:
         return 2
     from . import decode, prefill
 
-    kernels = {"prefill": prefill._prefill_kernel, "decode": decode._decode_kernel}
+    kernels = {"prefill": prefill._prefill_kernel, "decode_logits": decode._decode_logits,
+               "decode_select": decode._decode_select, "decode_finish": decode._decode_finish}
     failed = 0
     for name, dtype, constexprs in variants(args.quick):
         label = f"{name} {dtype} {'post' if constexprs['POST'] else 'pre'} sdc={constexprs['SDC']} " \

@@ -1,20 +1,29 @@
 """Top-θ decode in Triton: a few query rows (Q = 1 in generation) over a KV cache (method.md §2.4, §5).
 
-One program per (sequence, KV head) holds the G query heads of the group and the Q rows as GP·QP stacked rows
-(G and Q padded to powers of two, at least 16 rows for tl.dot), so each K tile is loaded once for the whole
-group, and a V row is loaded only when some head of the group keeps it: the kept V rows the paper counts.
-Per key tile: logits, selection on logits (pre) or probabilities (post, after a first pass for m and l), the
-union over the group's heads (counted per query row), then P·V on the kept rows; a tile nobody keeps loads no
-V at all. Compensation and empty rows follow the prefill kernel (``prefill.py``) line for line: exact /
-exp-threshold / calibrated SDC, VMC with v̄ given (a running V sum kept beside the cache, or means), and the
-keep-max rule's second loop for pre-softmax rows where nothing passed θ (it counts only the V rows it adds to
-the union).
+A decode step is memory-bound: the whole of K is read, and V only where a head keeps a key. One program per
+(sequence, KV head) would leave most of a GPU idle (8 programs for LLaMA-3-8B at batch 1), so the keys are split
+into chunks as in flash-decoding, one program per (sequence, KV head, chunk), in three launches:
 
-Known limit: no split over keys (flash-decoding); a long cache with few (sequence, KV head) pairs leaves most
-of a GPU idle.
+1. ``_decode_logits``: the logits of the chunk's keys for the G heads of the group and the Q rows (GP·QP stacked
+   rows, G and Q padded to powers of two, at least 16 for tl.dot), written to a float32 scratch (G·Q·K floats
+   per KV head: 1/16 of K's bytes for 4 heads, D = 128, bf16), with the chunk's running max and dense sum.
+2. ``_decode_select``: the chunks' (m, l) combined into the row's, so the selection is decided once with the
+   row's own max: pre-softmax keeps s > θ, post-softmax e^{s−m}/l > θ, and an empty row (nothing above θ) keeps
+   its maximum under "keep-max" in the same pass. The chunk's logits are read back from the scratch (not K);
+   V is loaded only at rows some head of the group keeps, and a tile nobody keeps loads no V at all. Per chunk:
+   Σ_kept w·v, Σ_kept w, kept keys, and the union of kept V rows over the group's heads.
+3. ``_decode_finish``: the chunks' sums added (fixed order: deterministic), then compensation and VMC as the
+   prefill kernel (``prefill.py``): exact / exp-threshold / calibrated SDC; VMC with v̄ given (a running V sum
+   kept beside the cache, or means), or computed here.
+
+The weights share one reference max per row (the row's), so no rescaling between chunks is needed and the sums
+are those of a single pass. Memory per step beyond K and the kept V rows: the logits written and read once and
+(chunks × rows × Dv) float32 partial sums.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -25,6 +34,7 @@ from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_
 from .prefill import TINY, _pv, _scores
 
 MAX_ROWS = 256  # GP·QP rows per program
+PROGRAMS_PER_SM = 4  # chunks are sized so that (sequence, KV head, chunk) programs fill each SM this many times
 
 
 @triton.jit
@@ -35,27 +45,15 @@ def _union(keep, GP: tl.constexpr, QP: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(
-    Q_ptr, K_ptr, V_ptr, O_ptr,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-    KS_ptr, KE_ptr, QO_ptr, THETA_ptr, MASS_ptr, VMEAN_ptr, VALL_ptr,
-    KEPT_ptr, KMASS_ptr, EMPTY_ptr, VROWS_ptr, TILES_ptr, SKIP_ptr,
-    H, G, Hkv, Qn, D, DV, window, scaling, sdc_scale,
-    GP: tl.constexpr, QP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, KEEP_MAX: tl.constexpr, UNIFORM: tl.constexpr,
-    CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr,
-):
-    pid = tl.program_id(0)  # sequence × KV head
+def _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window,
+                GP: tl.constexpr, QP: tl.constexpr, CAUSAL: tl.constexpr):
+    """The program's stacked rows r = g·QP + q: (b, hkv, g, qi, row_ok, lo_row, hi_row), keys [lo_row, hi_row)."""
     b = pid // Hkv
     hkv = pid % Hkv
     r = tl.arange(0, GP * QP)
     g = r // QP
     qi = r % QP
     row_ok = (g < G) & (qi < Qn)
-    h = hkv * G + g
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-
     ks = tl.load(KS_ptr + b)
     ke = tl.load(KE_ptr + b)
     pos = tl.load(QO_ptr + b) + qi
@@ -65,33 +63,95 @@ def _decode_kernel(
         hi_row = tl.minimum(hi_row, pos + 1)
         lo_row = tl.maximum(lo_row, pos - window + 1)
     hi_row = tl.where(row_ok, tl.maximum(hi_row, lo_row), lo_row)
-    n = hi_row - lo_row
-    live = n > 0
-    lo = tl.min(tl.where(live, lo_row, 1 << 30), 0)
-    hi = tl.max(hi_row, 0)
+    return b, hkv, g, qi, row_ok, lo_row, hi_row
 
-    q_ptrs = Q_ptr + b * sqb + h[:, None] * sqh + qi[:, None] * sqm + offs_d[None, :] * sqd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+@triton.jit
+def _row_max_and_sum(M_ptr, L_ptr, pid, NS, R: tl.constexpr, NSP: tl.constexpr):
+    """(m, l) of each stacked row from the chunks' partial (max, Σ e^{s−max}); m is 0 for rows without keys."""
+    r = tl.arange(0, R)
+    offs_s = tl.arange(0, NSP)
+    idx = (pid * NS + offs_s[None, :]) * R + r[:, None]  # (R, NSP)
+    m_part = tl.load(M_ptr + idx, mask=offs_s[None, :] < NS, other=float("-inf"))
+    l_part = tl.load(L_ptr + idx, mask=offs_s[None, :] < NS, other=0.0)
+    m = tl.max(m_part, 1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.where(l_part > 0, l_part * tl.exp(m_part - m_use[:, None]), 0.0), 1)
+    return m_use, l
+
+
+@triton.jit
+def _decode_logits(
+    Q_ptr, K_ptr, S_ptr, M_ptr, L_ptr,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    KS_ptr, KE_ptr, QO_ptr,
+    G, Hkv, Qn, D, KP, NS, CHUNK, window, scaling,
+    GP: tl.constexpr, QP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)  # sequence × KV head
+    split = tl.program_id(1)  # key chunk
+    b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
+                                                        CAUSAL)
+    # the chunk's part of each row's keys
+    c_lo = split * CHUNK
+    lo_row = tl.maximum(lo_row, c_lo)
+    hi_row = tl.maximum(tl.minimum(hi_row, c_lo + CHUNK), lo_row)
+    lo = tl.min(tl.where(hi_row > lo_row, lo_row, 1 << 30), 0)
+    hi = tl.max(hi_row, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    h = hkv * G + g
+    q = tl.load(Q_ptr + b * sqb + h[:, None] * sqh + qi[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     if SCALE_Q:
         q = q * scaling
-    row = (b * H + h) * Qn + qi
-    theta = tl.load(THETA_ptr + row, mask=row_ok, other=float("-inf"))
     Kb = K_ptr + b * skb + hkv * skh
-    Vb = V_ptr + b * svb + hkv * svh
-
+    s_rows = S_ptr + (pid * (G * Qn) + g * Qn + qi) * KP  # (R,) scratch rows; only row_ok rows are stored
     m_i = tl.full([GP * QP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP * QP], tl.float32)
-    if POST:  # pass 1: m and l
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
-            m_i = m_new
-        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        top = 1.0 / tl.maximum(l_i, TINY)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+        tl.store(s_rows[:, None] + offs_n[None, :], s, mask=valid)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
+        m_i = m_new
+    r = tl.arange(0, GP * QP)
+    tl.store(M_ptr + (pid * NS + split) * (GP * QP) + r, m_i)
+    tl.store(L_ptr + (pid * NS + split) * (GP * QP) + r, l_i)
+
+
+@triton.jit
+def _decode_select(
+    V_ptr, S_ptr, M_ptr, L_ptr, ACC_ptr, R_ptr, CNT_ptr, VR_ptr, TILES_ptr, SKIP_ptr,
+    svb, svh, svn, svd,
+    KS_ptr, KE_ptr, QO_ptr, THETA_ptr,
+    H, G, Hkv, Qn, DV, KP, NS, CHUNK, window,
+    GP: tl.constexpr, QP: tl.constexpr, NSP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    POST: tl.constexpr, KEEP_MAX: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
+                                                        CAUSAL)
+    live = hi_row > lo_row
+    m_fin, l_i = _row_max_and_sum(M_ptr, L_ptr, pid, NS, GP * QP, NSP)
+    h = hkv * G + g
+    theta = tl.load(THETA_ptr + (b * H + h) * Qn + qi, mask=row_ok, other=float("-inf"))
+    if POST:
+        top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability
         empty = live & (theta >= 0) & (top <= theta)
+    else:
+        empty = live & (m_fin <= theta)
+    c_lo = split * CHUNK
+    lo_row = tl.maximum(lo_row, c_lo)
+    hi_row = tl.maximum(tl.minimum(hi_row, c_lo + CHUNK), lo_row)
+    lo = tl.min(tl.where(hi_row > lo_row, lo_row, 1 << 30), 0)
+    hi = tl.max(hi_row, 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    Vb = V_ptr + b * svb + hkv * svh
+    s_rows = S_ptr + (pid * (G * Qn) + g * Qn + qi) * KP
 
     r_i = tl.zeros([GP * QP], tl.float32)
     cnt = tl.zeros([GP * QP], tl.int32)
@@ -101,22 +161,18 @@ def _decode_kernel(
     skipped = 0
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+        valid = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] < hi_row[:, None])
+        s = tl.load(s_rows[:, None] + offs_n[None, :], mask=valid, other=float("-inf"))
         if POST:
             w = tl.exp(s - m_fin[:, None]) / tl.maximum(l_i, TINY)[:, None]
             keep = valid & (w > theta[:, None])
             if KEEP_MAX:
                 keep = keep | (valid & empty[:, None] & (w >= top[:, None]))
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_use)
-            w = tl.exp(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(w, 1)
-            r_i = r_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
+            w = tl.exp(s - m_fin[:, None])
             keep = valid & (s > theta[:, None])
+            if KEEP_MAX:
+                keep = keep | (valid & empty[:, None] & (s >= m_fin[:, None]))
         w = tl.where(keep, w, 0.0)
         r_i += tl.sum(w, 1)
         cnt += tl.sum(keep.to(tl.int32), 1)
@@ -125,26 +181,59 @@ def _decode_kernel(
         tiles += 1
         if tl.max(cols, 0) > 0:
             acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
-        else:
+        else:  # nobody keeps a key of this tile: no V load, no P·V
             skipped += 1
 
-    if not POST:
-        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    part = pid * NS + split
+    r = tl.arange(0, GP * QP)
+    tl.store(ACC_ptr + (part * (GP * QP) + r[:, None]) * BLOCK_DV + offs_dv[None, :], acc)
+    tl.store(R_ptr + part * (GP * QP) + r, r_i)
+    tl.store(CNT_ptr + part * (GP * QP) + r, cnt)
+    tl.store(VR_ptr + part * QP + tl.arange(0, QP), vr)
+    tl.store(TILES_ptr + part, tiles)
+    tl.store(SKIP_ptr + part, skipped)
+
+
+@triton.jit
+def _decode_finish(
+    O_ptr, M_ptr, L_ptr, ACC_ptr, R_ptr, CNT_ptr, VR_ptr, TILES_ptr, SKIP_ptr,
+    sob, soh, som, sod,
+    KS_ptr, KE_ptr, QO_ptr, THETA_ptr, MASS_ptr, VMEAN_ptr, VALL_ptr,
+    KEPT_ptr, KMASS_ptr, EMPTY_ptr, VROWS_ptr, TILES_OUT_ptr, SKIP_OUT_ptr,
+    H, G, Hkv, Qn, DV, NS, window, sdc_scale,
+    GP: tl.constexpr, QP: tl.constexpr, NSP: tl.constexpr, BLOCK_DV: tl.constexpr,
+    POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, UNIFORM: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
+                                                        CAUSAL)
+    n = hi_row - lo_row
+    live = n > 0
+    m_fin, l_i = _row_max_and_sum(M_ptr, L_ptr, pid, NS, GP * QP, NSP)
+    h = hkv * G + g
+    row = (b * H + h) * Qn + qi
+    theta = tl.load(THETA_ptr + row, mask=row_ok, other=float("-inf"))
+    if POST:
+        empty = live & (theta >= 0) & (1.0 / tl.maximum(l_i, TINY) <= theta)
+    else:
         empty = live & (m_fin <= theta)
-        if KEEP_MAX:
-            if tl.max(empty.to(tl.int32), 0) > 0:
-                for start in range(lo, hi, BLOCK_N):
-                    offs_n = start + tl.arange(0, BLOCK_N)
-                    s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
-                    keep = valid & empty[:, None] & (s >= m_fin[:, None])
-                    cols = tl.max(keep.to(tl.int32), 0)
-                    if tl.max(cols, 0) > 0:
-                        main = valid & (s > theta[:, None])  # what the first loop kept: count only new V rows
-                        vr += _union(main | keep, GP, QP, BLOCK_N) - _union(main, GP, QP, BLOCK_N)
-                        w = tl.where(keep, tl.exp(s - m_fin[:, None]), 0.0)
-                        r_i += tl.sum(w, 1)
-                        cnt += tl.sum(keep.to(tl.int32), 1)
-                        acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
+    r = tl.arange(0, GP * QP)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_q = tl.arange(0, QP)
+    acc = tl.zeros([GP * QP, BLOCK_DV], tl.float32)
+    r_i = tl.zeros([GP * QP], tl.float32)
+    cnt = tl.zeros([GP * QP], tl.int32)
+    vr = tl.zeros([QP], tl.int32)
+    tiles = 0
+    skipped = 0
+    for split in range(0, NS):  # in order: the same sums on every run
+        part = pid * NS + split
+        acc += tl.load(ACC_ptr + (part * (GP * QP) + r[:, None]) * BLOCK_DV + offs_dv[None, :])
+        r_i += tl.load(R_ptr + part * (GP * QP) + r)
+        cnt += tl.load(CNT_ptr + part * (GP * QP) + r)
+        vr += tl.load(VR_ptr + part * QP + offs_q)
+        tiles += tl.load(TILES_ptr + part)
+        skipped += tl.load(SKIP_ptr + part)
 
     if POST:
         o = acc
@@ -180,10 +269,26 @@ def _decode_kernel(
     tl.store(KEPT_ptr + row, cnt, mask=row_ok)
     tl.store(KMASS_ptr + row, kept_mass, mask=row_ok)
     tl.store(EMPTY_ptr + row, empty.to(tl.int8), mask=row_ok)
-    offs_q = tl.arange(0, QP)
-    tl.store(VROWS_ptr + (b * Hkv + hkv) * Qn + offs_q, vr, mask=offs_q < Qn)
-    tl.store(TILES_ptr + pid, tiles)
-    tl.store(SKIP_ptr + pid, skipped)
+    tl.store(VROWS_ptr + pid * Qn + offs_q, vr, mask=offs_q < Qn)
+    tl.store(TILES_OUT_ptr + pid, tiles)
+    tl.store(SKIP_OUT_ptr + pid, skipped)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device; 2 elsewhere (the interpreter: small shapes still get several chunks)."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def chunking(B: int, Hkv: int, K: int, block_n: int, device: torch.device, splits: int | None = None):
+    """(chunks, keys per chunk) of a decode call: enough (sequence, KV head, chunk) programs to fill the device
+    PROGRAMS_PER_SM times, a chunk a whole number of key tiles. Shapes only: no host read."""
+    want = splits or -(-PROGRAMS_PER_SM * _multiprocessors(device) // (B * Hkv))
+    ns = max(1, min(want, -(-K // block_n)))
+    chunk = -(-(-(-K // ns)) // block_n) * block_n
+    return -(-K // chunk), chunk
 
 
 def decode_attention(
@@ -208,11 +313,14 @@ def decode_attention(
     empty_rows: str = "keep-max",
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
+    splits: int | None = None,  # key chunks per (sequence, KV head); default: enough programs to fill the device
 ) -> TritonAttention:
     """Top-θ (or dense, ``placement=None``) attention of a few query rows over a cache; the inputs mean what
-    they mean for ``prefill.prefill_attention``. The result's ``vrows`` holds the kept V rows per (B, Hkv, Q)."""
+    they mean for ``prefill.prefill_attention``. The result's ``vrows`` holds the kept V rows per (B, Hkv, Q);
+    ``tiles`` / ``skipped_tiles`` sum over the chunks."""
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
-    device = check_device(_decode_kernel, query, key, value)
+    device = check_device(_decode_select, query, key, value)
     check_options(placement, sdc, empty_rows)
     if window is not None and (not causal or window < 1):
         raise ValueError(f"a sliding window needs causal rows and window ≥ 1, got window={window}, causal={causal}")
@@ -251,24 +359,48 @@ def decode_attention(
     BLOCK_N = block_n or 64
     if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1):
         raise ValueError(f"block_n must be a power of two ≥ 16 (tl.dot), got {BLOCK_N}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be ≥ 1, got {splits}")
+    NS, CHUNK = chunking(B, Hkv, K, BLOCK_N, device, splits)
+    R, BLOCK_DV = GP * QP, max(16, next_pow2(Dv))
+    f32 = dict(dtype=torch.float32, device=device)
+    scratch = torch.empty(B * Hkv, G * Q, K, **f32)  # the logits, written by pass 1 and read by pass 2
+    m_part = torch.empty(B * Hkv, NS, R, **f32)
+    l_part = torch.empty(B * Hkv, NS, R, **f32)
+    acc_part = torch.empty(B * Hkv, NS, R, BLOCK_DV, **f32)
+    r_part = torch.empty(B * Hkv, NS, R, **f32)
+    cnt_part = torch.empty(B * Hkv, NS, R, dtype=torch.int32, device=device)
+    vr_part = torch.empty(B * Hkv, NS, QP, dtype=torch.int32, device=device)
+    tiles_part = torch.empty(B * Hkv, NS, dtype=torch.int32, device=device)
+    skip_part = torch.empty(B * Hkv, NS, dtype=torch.int32, device=device)
     out = torch.empty(B, H, Q, Dv, dtype=query.dtype, device=device)
     kept = torch.empty(B, H, Q, dtype=torch.int32, device=device)
     kept_mass = torch.empty(B, H, Q, dtype=torch.float32, device=device)
     empty = torch.empty(B, H, Q, dtype=torch.int8, device=device)
     vrows = torch.empty(B, Hkv, Q, dtype=torch.int32, device=device)
-    tiles = torch.zeros(B, Hkv, dtype=torch.int32, device=device)
-    skipped = torch.zeros(B, Hkv, dtype=torch.int32, device=device)
+    tiles = torch.empty(B, Hkv, dtype=torch.int32, device=device)
+    skipped = torch.empty(B, Hkv, dtype=torch.int32, device=device)
     ieee = query.dtype == torch.float32
-    extra = {} if num_warps is None else {"num_warps": num_warps}
-    _decode_kernel[(B * Hkv,)](
-        query, key, value, out,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        ks, ke, qo, th, mass, v_mean, v_all,
-        kept, kept_mass, empty, vrows, tiles, skipped,
-        H, G, Hkv, Q, D, Dv, window or NO_WINDOW, float(scaling), float(sdc_scale),
-        GP=GP, QP=QP, BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-        POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse, UNIFORM=uniform,
-        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, **extra,
+    extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    win = window or NO_WINDOW
+    rows = dict(GP=GP, QP=QP, CAUSAL=causal)
+    _decode_logits[(B * Hkv, NS)](
+        query, key, scratch, m_part, l_part, *query.stride(), *key.stride(), ks, ke, qo,
+        G, Hkv, Q, D, K, NS, CHUNK, win, float(scaling),
+        BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), SCALE_Q=ieee, IEEE=ieee, **rows, **extra,
+    )
+    _decode_select[(B * Hkv, NS)](
+        value, scratch, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part,
+        *value.stride(), ks, ke, qo, th, H, G, Hkv, Q, Dv, K, NS, CHUNK, win,
+        NSP=next_pow2(NS), BLOCK_N=BLOCK_N, BLOCK_DV=BLOCK_DV, POST=post,
+        KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, **rows, **extra,
+    )
+    _decode_finish[(B * Hkv,)](
+        out, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part, *out.stride(),
+        ks, ke, qo, th, mass, v_mean, v_all, kept, kept_mass, empty, vrows, tiles, skipped,
+        H, G, Hkv, Q, Dv, NS, win, float(sdc_scale),
+        NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, UNIFORM=uniform, **rows,
+        **extra,
     )
     return TritonAttention(out=out, n=n.to(torch.int32), kept=kept, kept_mass=kept_mass, empty=empty.bool(),
                            vrows=vrows, tiles=tiles, skipped_tiles=skipped)

@@ -232,6 +232,7 @@ def prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> TritonAttention:
     """Top-θ (or dense, ``placement=None``) prefill attention; see the module docstring for what it computes.
 
@@ -279,7 +280,7 @@ def prefill_attention(
     skipped = torch.zeros(B, H, n_mblocks, dtype=torch.int32, device=device)
     ieee = query.dtype == torch.float32
     grid = (n_mblocks, B * H)
-    extra = {} if num_warps is None else {"num_warps": num_warps}
+    extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _prefill_kernel[grid](
         query, key, value, out,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
