@@ -104,6 +104,38 @@ def counting_triton_launches(tally: dict):
         JITFunction.run = original
 
 
+@contextlib.contextmanager
+def triton_on_meta(tally: dict):
+    """The Triton backend's wrapper code on meta tensors: the backend and the wrappers accept the meta device, and
+    each kernel launch is counted instead of compiled (there is nothing to run it on). What remains is what a GPU
+    would see besides the kernels: the torch ops the wrappers and the statistics dispatch, and any host read."""
+    from triton.runtime.jit import JITFunction
+
+    from toptheta.attention.backends import triton as backend
+    from toptheta.attention.triton import decode, prefill
+
+    def launch(self, *args, **kwargs):
+        tally["launches"] = tally.get("launches", 0) + 1
+
+    def accept(check):
+        return lambda kernel, *tensors: tensors[0].device if tensors[0].device.type == "meta" else check(kernel,
+                                                                                                         *tensors)
+
+    refuse = backend.TritonBackend.refuse
+    saved = [(JITFunction, "run", JITFunction.run), (decode, "check_device", decode.check_device),
+             (prefill, "check_device", prefill.check_device), (backend.TritonBackend, "refuse", refuse)]
+    JITFunction.run = launch
+    decode.check_device = accept(decode.check_device)
+    prefill.check_device = accept(prefill.check_device)
+    backend.TritonBackend.refuse = lambda self, call: (None if call.device.type == "meta" and call.kind in
+                                                       ("dense", "toptheta") else refuse(self, call))
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 def thresholds(placement: str, max_n: int) -> Thresholds:
     """θ per (head, n) that keeps about a tenth of each row (the values matter on CPU only)."""
     n = torch.arange(max_n + 1).clamp(min=1).float()
@@ -139,17 +171,22 @@ def measure(backend: str | None, config, phase: str, tokens: int, device: str, d
     os.environ["TOPTHETA_BACKEND"] = backend or "auto"
     call = lambda: toptheta.sparse_attention(q, k, v, None, scaling=D ** -0.5, layer=0, sparsifier=sparsifier,  # noqa
                                              compensations=comp, stats=stats, phase=phase)
+    reads, launches, counter = {}, {}, Counter()
+    on_meta = triton_on_meta(launches) if backend == "triton" and device == "meta" else contextlib.nullcontext()
+    counting = contextlib.nullcontext() if backend == "triton" and device == "meta" else counting_triton_launches(launches)
     try:
-        call()  # warm-up: builds kernels, moves threshold tables, fills memos
-        reads, launches, counter = {}, {}, Counter()
-        with counting_host_reads(reads), counting_triton_launches(launches), counter:
-            call()
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        call()  # timed without the counters (on meta: dispatch only)
-        sync()
-        seconds = time.perf_counter() - t0
+        with on_meta:
+            call()  # warm-up: builds kernels, moves threshold tables, fills memos
+            launches.clear()
+            with counting_host_reads(reads), counting, counter:
+                call()
+            launched = launches.get("launches", 0)
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            call()  # timed without the counters (on meta: dispatch only)
+            sync()
+            seconds = time.perf_counter() - t0
     except RuntimeError as err:
         return {"error": str(err).split(": ")[-1][:160]}
     finally:
@@ -158,7 +195,7 @@ def measure(backend: str | None, config, phase: str, tokens: int, device: str, d
         else:
             os.environ["TOPTHETA_BACKEND"] = previous
     return {"backend": next(reversed(stats.backend_calls)), "torch_ops": counter.ops,
-            "triton_launches": launches.get("launches", 0), "host_reads": sum(reads.values()),
+            "triton_launches": launched, "host_reads": sum(reads.values()),
             "host_reads_by_kind": reads, "seconds": round(seconds, 3)}
 
 

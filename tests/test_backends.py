@@ -410,8 +410,9 @@ def test_a_build_removes_a_killed_builds_lock_and_a_held_one_times_out(tmp_path,
 
 def test_the_triton_backend_lowers_masks_thresholds_and_statistics(monkeypatch):
     """A stand-in for ``toptheta.attention.triton`` records what the backend passes and answers with the plain
-    kernel's output and the rows' true counts: the backend must derive each sequence's key range from a left-padded
-    mask, hand the lowered θ rows, return transformers' layout and count rows as the plain kernel does."""
+    kernel's output, adding the rows' true counts to the counter row it is handed as a kernel would: the backend must
+    derive each sequence's key range from a left-padded mask, hand the lowered θ rows and the layer's counters, and
+    return transformers' layout."""
     import types
 
     from toptheta.attention.backends import triton as triton_backend
@@ -426,6 +427,13 @@ def test_the_triton_backend_lowers_masks_thresholds_and_statistics(monkeypatch):
     def prefill_attention(query, key, value, **kwargs):
         seen.update(kwargs)
         n = data[3].sum(-1).expand(B, H, Q).int()  # the true row lengths of the mask
+        if kwargs.get("stats_row") is not None:  # what the kernel adds to the layer's counters (dense: no drops)
+            from toptheta.attention.triton.common import STATS_COUNTERS
+
+            row, at = kwargs["stats_row"], dict(zip(STATS_COUNTERS, kwargs["stats_columns"]))
+            row[at["kept"]:at["kept"] + H] += n.sum((0, 2)).double()
+            row[at["valid"]:at["valid"] + H] += float(n[:, 0].sum())
+            row[at["rows"]:at["rows"] + H] += float((n[:, 0] > 0).sum())
         return types.SimpleNamespace(out=reference.transpose(1, 2), kept=n, kept_mass=torch.ones(B, H, Q),
                                      empty=torch.zeros(B, H, Q, dtype=torch.bool), vrows=None)
 

@@ -45,6 +45,7 @@ class SparsityStats:
         self._packed, self._counters = self._packed_counters(torch.float64, torch.device("cpu"))
         self._clamped = 0
         self._on_device: dict[torch.device, dict] = {}  # accelerators' counters, moved here when read (_collect)
+        self._device_packed: dict[torch.device, torch.Tensor] = {}  # the packed tensor those counters are views of
         self.backend_calls: dict[str, int] = {}  # layer calls per attention backend (backends/__init__.py)
 
     def _shapes(self) -> dict[str, tuple]:
@@ -85,6 +86,15 @@ class SparsityStats:
         kernel that adds one step's statistics itself: ``fused_decode``)."""
         return self._packed[layer]
 
+    def packed_row(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Layer ``layer``'s counters on ``device`` as one contiguous row, columns as ``layout()``: for a kernel that
+        adds a call's statistics itself (the Triton kernels, with atomic adds). No host read: on an accelerator
+        the row is that device's own set, collected when a statistic is read."""
+        if device.type == "cpu":
+            return self._packed[layer]
+        self._sums(device)
+        return self._device_packed[device][layer]
+
     def _sums(self, device: torch.device) -> dict:
         """The counters updates add to: this object's own on the CPU, a device's own set elsewhere (adding there
         costs no synchronisation; reading any counter moves them here once, see _collect)."""
@@ -93,7 +103,8 @@ class SparsityStats:
         sums = self._on_device.get(device)
         if sums is None:
             dtype = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
-            sums = self._packed_counters(dtype, device)[1]
+            packed, sums = self._packed_counters(dtype, device)
+            self._device_packed[device] = packed
             sums["clamped"] = torch.zeros((), dtype=torch.long, device=device)
             self._on_device[device] = sums
         return sums
@@ -102,7 +113,7 @@ class SparsityStats:
         """Add the accelerators' counters to the CPU ones: one transfer per device, when the statistics are read."""
         if not self._on_device:
             return
-        on_device, self._on_device = self._on_device, {}
+        on_device, self._on_device, self._device_packed = self._on_device, {}, {}
         for sums in on_device.values():
             for name, value in sums.items():
                 if name == "clamped":

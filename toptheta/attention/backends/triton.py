@@ -10,7 +10,7 @@ Lowering (the rest comes from :class:`AttentionCall`, as for every backend): the
 sequence, ``key_start`` (left padding) to K, with the queries at ``q_offset = K − Q`` (causal); a mask of another
 form (a sliding window, a bidirectional or hand-made one) goes to the other backends. θ per row is
 ``call.thetas`` (rows kept whole get a θ that keeps every key), calibrated SDC's mass ``call.sdc_mass``. The
-kernels' per-row counts go to the statistics through the ``RowBlock`` fields the C++ kernels fill.
+kernels add each call's statistics to the layer's packed counters themselves (``SparsityStats.packed_row``).
 A kernel that raises (a compile failure) is logged once and the plain kernel serves that call and later ones.
 """
 
@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from ...sparsifiers.base import RowBlock
+from ..triton.common import stats_target
 from . import Backend
 from .call import AttentionCall
 
@@ -96,22 +96,19 @@ class TritonBackend(Backend):
             if call.sdc_mode == 3:
                 mass = call.sdc_mass(n)
         kernel = self.module.decode_attention if which == "decode" else self.module.prefill_attention
+        counted = {}
+        if call.counting:  # the kernel adds the call's statistics to the layer's counters itself: no tensor ops here
+            row, columns = stats_target(call.stats, call.layer, call.phase, call.device)
+            counted = {"stats_row": row, "stats_columns": columns}
+        if which == "decode" and sparse and call.vmc and Q == 1:
+            counted["v_sum"] = running_value_sum(call.layer, call.value, key_start)
         result = kernel(call.query, call.key, call.value, scaling=call.scaling, theta=theta,
                         placement=call.placement if sparse else None, key_start=key_start, key_end=K,
                         q_offset=q_offset, causal=True, window=None, sdc=call.sdc.estimator if call.sdc else None,
-                        sdc_scale=call.sdc_scale if call.sdc else 1.0, sdc_mass=mass, vmc=call.vmc, empty_rows=call.empty_rows,
-                        **({"v_sum": running_value_sum(call.layer, call.value, key_start)}
-                           if which == "decode" and sparse and call.vmc and Q == 1 else {}))
-        if call.counting:
-            rows = RowBlock(call.layer, call.phase, torch.zeros((), device=call.device).expand(B, H, Q, K), n)
-            rows.kept_counts = result.kept.long()
-            rows.clamped_rows = clamped
-            if sparse:
-                rows.kept_mass = result.kept_mass.float().unsqueeze(-1)
-                rows.empty = result.empty.bool()
-                if call.phase == "decode" and result.vrows is not None:
-                    rows.vrow_counts = result.vrows.sum(-1)  # (B, Hkv) the union over each group's heads
-            call.stats.update(rows)
+                        sdc_scale=call.sdc_scale if call.sdc else 1.0, sdc_mass=mass, vmc=call.vmc,
+                        empty_rows=call.empty_rows, **counted)
+        if call.counting and sparse:
+            call.stats.count_clamped(clamped, call.device)
         out = result.out.transpose(1, 2)  # (B, Q, H, Dv)
         return out if out.dtype == call.query.dtype else out.to(call.query.dtype)
 

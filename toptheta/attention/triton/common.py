@@ -168,5 +168,29 @@ def value_means(value: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torc
     return ((take(hi) - take(lo)) / n).transpose(2, 3).float().contiguous()
 
 
+STATS_COUNTERS = ("kept", "valid", "vrow_kept", "vrow_valid", "decode_steps", "rows", "dropped_mass", "empty_rows")
+
+
+def stats_target(stats, layer: int, phase: str, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """(the layer's packed counter row on ``device``, first column of each of STATS_COUNTERS) for a kernel that adds
+    its call's statistics itself (``stats.SparsityStats.packed_row``); "kept"/"valid" are the phase's own."""
+    layout = stats.layout()
+    names = [f"{phase}_kept", f"{phase}_valid", *STATS_COUNTERS[2:]]
+    return stats.packed_row(layer, device), [layout[name][0] for name in names]
+
+
+def stats_arguments(stats_row: torch.Tensor | None, stats_columns, fallback: torch.Tensor) -> tuple[list, bool]:
+    """The kernels' (STATS_ptr, C_KEPT .. C_EMPTY) arguments and their STATS switch; ``fallback`` stands in for
+    the pointer when nothing is counted."""
+    if stats_row is None:
+        return [fallback] + [0] * len(STATS_COUNTERS), False
+    if stats_row.dtype != torch.float64 or not stats_row.is_contiguous() or stats_row.device != fallback.device:
+        raise ValueError(f"stats_row must be a contiguous float64 row on {fallback.device} "
+                         f"(SparsityStats.packed_row), got {stats_row.dtype} on {stats_row.device}")
+    if len(stats_columns) != len(STATS_COUNTERS):
+        raise ValueError(f"stats_columns must give the first column of each of {STATS_COUNTERS}")
+    return [stats_row, *(int(c) for c in stats_columns)], True
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())

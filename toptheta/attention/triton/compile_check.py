@@ -20,7 +20,7 @@ import sys
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90 (H100/H200)
 _POINTERS = {"KS_ptr": "*i32", "KE_ptr": "*i32", "QO_ptr": "*i32", "KEPT_ptr": "*i32", "VROWS_ptr": "*i32",
              "TILES_ptr": "*i32", "SKIP_ptr": "*i32", "EMPTY_ptr": "*i8", "CNT_ptr": "*i32", "VR_ptr": "*i32",
-             "TILES_OUT_ptr": "*i32", "SKIP_OUT_ptr": "*i32"}
+             "TILES_OUT_ptr": "*i32", "SKIP_OUT_ptr": "*i32", "STATS_ptr": "*fp64", "N_ptr": "*i32"}
 _DTYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 
 
@@ -54,7 +54,7 @@ def variants(quick: bool):
     for dtype, (post, sdc, keep_max) in itertools.product(("float32", "bfloat16"), modes):
         ieee = dtype == "float32"
         common = dict(POST=post, SDC=sdc, VMC=True, KEEP_MAX=keep_max, UNIFORM=not (keep_max or post or sdc),
-                      CAUSAL=True, SCALE_Q=ieee, IEEE=ieee, BLOCK_D=128, BLOCK_DV=128)
+                      CAUSAL=True, SCALE_Q=ieee, IEEE=ieee, BLOCK_D=128, BLOCK_DV=128, STATS=True, SPARSE=True, VSUM=False)
         wide = 32 if ieee else 64  # the wrappers' default tiles
         yield "prefill", dtype, dict(common, BLOCK_M=wide, BLOCK_N=wide)
         for part in ("logits", "select", "finish"):  # the decode step's three launches

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
-                     per_row, per_sequence, row_bounds, value_means)
+                     per_row, per_sequence, row_bounds, stats_arguments, value_means)
 from .prefill import TINY, _pv, _scores
 
 MAX_ROWS = 256  # GP·QP rows per program
@@ -199,10 +199,12 @@ def _decode_finish(
     O_ptr, M_ptr, L_ptr, ACC_ptr, R_ptr, CNT_ptr, VR_ptr, TILES_ptr, SKIP_ptr,
     sob, soh, som, sod,
     KS_ptr, KE_ptr, QO_ptr, THETA_ptr, MASS_ptr, VMEAN_ptr, VALL_ptr,
-    KEPT_ptr, KMASS_ptr, EMPTY_ptr, VROWS_ptr, TILES_OUT_ptr, SKIP_OUT_ptr,
+    KEPT_ptr, KMASS_ptr, EMPTY_ptr, N_ptr, VROWS_ptr, TILES_OUT_ptr, SKIP_OUT_ptr,
+    STATS_ptr, C_KEPT, C_VALID, C_VKEPT, C_VVALID, C_STEPS, C_ROWS, C_DROPPED, C_EMPTY,
     H, G, Hkv, Qn, DV, NS, window, sdc_scale,
     GP: tl.constexpr, QP: tl.constexpr, NSP: tl.constexpr, BLOCK_DV: tl.constexpr,
-    POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, UNIFORM: tl.constexpr, CAUSAL: tl.constexpr,
+    POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, VSUM: tl.constexpr, UNIFORM: tl.constexpr,
+    CAUSAL: tl.constexpr, STATS: tl.constexpr, SPARSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
@@ -260,10 +262,15 @@ def _decode_finish(
             beta = tl.where(empty, 0.0, beta)
     if VMC:
         beta = tl.where(live, beta, 0.0)
-        vm_ptrs = VMEAN_ptr + ((b * Hkv + hkv) * Qn + qi[:, None]) * DV + offs_dv[None, :]
-        v_mean = tl.load(vm_ptrs, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if VSUM:  # v̄ = Σ V / n from a running float64 sum (B, Hkv, Dv); one query row
+            v_sum = tl.load(VMEAN_ptr + (b * Hkv + hkv) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+            v_mean = (v_sum[None, :] / tl.maximum(n, 1).to(tl.float64)[:, None]).to(tl.float32)
+        else:
+            vm_ptrs = VMEAN_ptr + ((b * Hkv + hkv) * Qn + qi[:, None]) * DV + offs_dv[None, :]
+            v_mean = tl.load(vm_ptrs, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         o = o + beta[:, None] * v_mean
 
+    tl.store(N_ptr + b * Qn + qi, n, mask=row_ok & (g == 0))
     o_ptrs = O_ptr + b * sob + h[:, None] * soh + qi[:, None] * som + offs_dv[None, :] * sod
     tl.store(o_ptrs, o.to(O_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(KEPT_ptr + row, cnt, mask=row_ok)
@@ -272,6 +279,27 @@ def _decode_finish(
     tl.store(VROWS_ptr + pid * Qn + offs_q, vr, mask=offs_q < Qn)
     tl.store(TILES_OUT_ptr + pid, tiles)
     tl.store(SKIP_OUT_ptr + pid, skipped)
+    if STATS:  # the call's statistics, added to the layer's packed counters (stats.SparsityStats.packed_row)
+        gg = tl.arange(0, GP)
+        heads = hkv * G + gg
+        head_ok = gg < G
+        counted = row_ok & live
+        first = row_ok & (g == 0)  # one head's rows: the sequence's valid keys and live rows, the same for every head
+        n_seq = tl.sum(tl.where(first, n, 0), 0).to(tl.float64)
+        live_seq = tl.sum((first & live).to(tl.int32), 0).to(tl.float64)
+        per_head = tl.sum(tl.reshape(tl.where(row_ok, cnt, 0), (GP, QP)), 1)
+        tl.atomic_add(STATS_ptr + C_KEPT + heads, per_head.to(tl.float64), mask=head_ok)
+        tl.atomic_add(STATS_ptr + C_VALID + heads, tl.zeros([GP], tl.float64) + n_seq, mask=head_ok)
+        tl.atomic_add(STATS_ptr + C_ROWS + heads, tl.zeros([GP], tl.float64) + live_seq, mask=head_ok)
+        tl.atomic_add(STATS_ptr + C_VKEPT + hkv, tl.sum(tl.where(offs_q < Qn, vr, 0), 0).to(tl.float64))
+        tl.atomic_add(STATS_ptr + C_VVALID + hkv, n_seq)
+        tl.atomic_add(STATS_ptr + C_STEPS, 1.0, mask=pid == 0)  # one decode step per call
+        if SPARSE:
+            dropped = tl.where(counted, tl.maximum(1.0 - kept_mass, 0.0), 0.0)
+            per_head_dropped = tl.sum(tl.reshape(dropped, (GP, QP)), 1)
+            tl.atomic_add(STATS_ptr + C_DROPPED + heads, per_head_dropped.to(tl.float64), mask=head_ok)
+            per_head_empty = tl.sum(tl.reshape((row_ok & empty).to(tl.int32), (GP, QP)), 1)
+            tl.atomic_add(STATS_ptr + C_EMPTY + heads, per_head_empty.to(tl.float64), mask=head_ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -315,6 +343,8 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     splits: int | None = None,  # key chunks per (sequence, KV head); default: enough programs to fill the device
+    stats_row: torch.Tensor | None = None,  # the layer's packed counters (SparsityStats.packed_row): added to here
+    stats_columns=None,  # their first columns, as common.stats_target
 ) -> TritonAttention:
     """Top-θ (or dense, ``placement=None``) attention of a few query rows over a cache; the inputs mean what
     they mean for ``prefill.prefill_attention``. The result's ``vrows`` holds the kept V rows per (B, Hkv, Q);
@@ -338,17 +368,17 @@ def decode_attention(
     qo = per_sequence(q_offset, B, K - Q, device)
     th = per_row(theta, B, H, Q, device, "theta", fill=float("-inf"))
     mass = per_row(sdc_mass, B, H, Q, device, "sdc_mass") if sdc == "calibrated" else th
-    lo, hi = row_bounds(ks, ke, qo, Q, window, causal)
-    n = hi - lo  # (B, Q)
     sparse = placement is not None
     vmc = bool(vmc and sparse)
-    if vmc:
-        if v_mean is None and v_sum is not None:
-            if Q != 1 or v_sum.shape != (B, Hkv, Dv):
-                raise ValueError(f"v_sum is the (B, Hkv, Dv) = {(B, Hkv, Dv)} V sum of a single query row (Q = 1), "
-                                 f"got {tuple(v_sum.shape)} with Q = {Q}; pass v_mean instead")
-            v_mean = v_sum[:, :, None, :].double() / n.clamp_min(1)[:, None, :, None]
-        v_mean = value_means(value, lo, hi) if v_mean is None else v_mean.float().contiguous()
+    vsum = vmc and v_mean is None and v_sum is not None  # v̄ = v_sum / n in the kernel (a running sum, Q = 1)
+    if vsum:
+        if Q != 1 or v_sum.shape != (B, Hkv, Dv):
+            raise ValueError(f"v_sum is the (B, Hkv, Dv) = {(B, Hkv, Dv)} V sum of a single query row (Q = 1), "
+                             f"got {tuple(v_sum.shape)} with Q = {Q}; pass v_mean instead")
+        v_mean = v_sum.double().contiguous()
+    elif vmc:
+        v_mean = value_means(value, *row_bounds(ks, ke, qo, Q, window, causal)) if v_mean is None else \
+            v_mean.float().contiguous()
         if v_mean.shape != (B, Hkv, Q, Dv):
             raise ValueError(f"v_mean must be (B, Hkv, Q, Dv) = {(B, Hkv, Q, Dv)}, got {tuple(v_mean.shape)}")
     else:
@@ -377,6 +407,7 @@ def decode_attention(
     kept = torch.empty(B, H, Q, dtype=torch.int32, device=device)
     kept_mass = torch.empty(B, H, Q, dtype=torch.float32, device=device)
     empty = torch.empty(B, H, Q, dtype=torch.int8, device=device)
+    n = torch.empty(B, Q, dtype=torch.int32, device=device)
     vrows = torch.empty(B, Hkv, Q, dtype=torch.int32, device=device)
     tiles = torch.empty(B, Hkv, dtype=torch.int32, device=device)
     skipped = torch.empty(B, Hkv, dtype=torch.int32, device=device)
@@ -384,6 +415,7 @@ def decode_attention(
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     win = window or NO_WINDOW
     rows = dict(GP=GP, QP=QP, CAUSAL=causal)
+    stats_args, counting = stats_arguments(stats_row, stats_columns, kept_mass)
     _decode_logits[(B * Hkv, NS)](
         query, key, scratch, m_part, l_part, *query.stride(), *key.stride(), ks, ke, qo,
         G, Hkv, Q, D, K, NS, CHUNK, win, float(scaling),
@@ -397,10 +429,10 @@ def decode_attention(
     )
     _decode_finish[(B * Hkv,)](
         out, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part, *out.stride(),
-        ks, ke, qo, th, mass, v_mean, v_all, kept, kept_mass, empty, vrows, tiles, skipped,
+        ks, ke, qo, th, mass, v_mean, v_all, kept, kept_mass, empty, n, vrows, tiles, skipped, *stats_args,
         H, G, Hkv, Q, Dv, NS, win, float(sdc_scale),
-        NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, UNIFORM=uniform, **rows,
-        **extra,
+        NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, VSUM=vsum, UNIFORM=uniform,
+        STATS=counting, SPARSE=sparse, **rows, **extra,
     )
-    return TritonAttention(out=out, n=n.to(torch.int32), kept=kept, kept_mass=kept_mass, empty=empty.bool(),
+    return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.view(torch.bool),
                            vrows=vrows, tiles=tiles, skipped_tiles=skipped)

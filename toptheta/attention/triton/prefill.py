@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
-                     per_row, per_sequence, row_bounds, value_means)
+                     per_row, per_sequence, row_bounds, stats_arguments, value_means)
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # float32 tiny, the plain kernel's clamp (a constexpr: kernels may read no other globals)
 
@@ -67,10 +67,11 @@ def _prefill_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     KS_ptr, KE_ptr, QO_ptr, THETA_ptr, MASS_ptr, VMEAN_ptr, VALL_ptr,
     KEPT_ptr, KMASS_ptr, EMPTY_ptr, TILES_ptr, SKIP_ptr,
+    STATS_ptr, C_KEPT, C_VALID, C_VKEPT, C_VVALID, C_STEPS, C_ROWS, C_DROPPED, C_EMPTY,
     H, G, Hkv, Qn, D, DV, window, scaling, sdc_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, KEEP_MAX: tl.constexpr, UNIFORM: tl.constexpr,
-    CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr, STATS: tl.constexpr, SPARSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -208,6 +209,15 @@ def _prefill_kernel(
     prog = pid_bh * tl.num_programs(0) + pid_m
     tl.store(TILES_ptr + prog, tiles)
     tl.store(SKIP_ptr + prog, skipped)
+    if STATS:  # the call's statistics, added to the layer's packed counters (stats.SparsityStats.packed_row)
+        counted = row_ok & live
+        tl.atomic_add(STATS_ptr + C_KEPT + h, tl.sum(tl.where(row_ok, cnt, 0), 0).to(tl.float64))
+        tl.atomic_add(STATS_ptr + C_VALID + h, tl.sum(tl.where(row_ok, n, 0), 0).to(tl.float64))
+        tl.atomic_add(STATS_ptr + C_ROWS + h, tl.sum(counted.to(tl.int32), 0).to(tl.float64))
+        if SPARSE:
+            dropped = tl.where(counted, tl.maximum(1.0 - kept_mass, 0.0), 0.0)
+            tl.atomic_add(STATS_ptr + C_DROPPED + h, tl.sum(dropped, 0).to(tl.float64))
+            tl.atomic_add(STATS_ptr + C_EMPTY + h, tl.sum((row_ok & empty).to(tl.int32), 0).to(tl.float64))
 
 
 def prefill_attention(
@@ -233,6 +243,8 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    stats_row: torch.Tensor | None = None,  # the layer's packed counters (SparsityStats.packed_row): added to here
+    stats_columns=None,  # their first columns, as common.stats_target
 ) -> TritonAttention:
     """Top-θ (or dense, ``placement=None``) prefill attention; see the module docstring for what it computes.
 
@@ -280,16 +292,17 @@ def prefill_attention(
     skipped = torch.zeros(B, H, n_mblocks, dtype=torch.int32, device=device)
     ieee = query.dtype == torch.float32
     grid = (n_mblocks, B * H)
+    stats_args, counting = stats_arguments(stats_row, stats_columns, kept_mass)
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _prefill_kernel[grid](
         query, key, value, out,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         ks, ke, qo, th, mass, v_mean, v_all,
-        kept, kept_mass, empty, tiles, skipped,
+        kept, kept_mass, empty, tiles, skipped, *stats_args,
         H, H // Hkv, Hkv, Q, D, Dv, window or NO_WINDOW, float(scaling), float(sdc_scale),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse, UNIFORM=uniform,
-        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, **extra,
+        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse, **extra,
     )
     n = (hi - lo).to(torch.int32)  # (B, Q)
     return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.bool(), vrows=None,
