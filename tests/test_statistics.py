@@ -344,3 +344,19 @@ def test_the_readme_leads_with_the_long_row_verdicts_computed_apart(tmp_path, mo
     assert len(tables) == 2  # claim 1 decided in each regime on its own pairs
     assert "| +0.075 |" in tables[0] or "+0.07" in tables[0]  # long rows: Top-θ 30 questions above Top-k
     assert "| +0.000 |" in tables[1]  # short rows: identical outcomes
+
+
+def test_a_run_matched_to_the_one_third_target_reaches_three_fold():
+    """Claim 6's 3×: measured (kept ≤ 1/3), or a run matched to the 1/3 target whose rows landed within the
+    protocol's ±10 % (kept 0.3351 is the protocol's 1/3); not a run matched to 1/3 that landed at 0.40, nor a
+    target on attention elements for a V-row measure."""
+    from toptheta.results.reduction import reaches
+
+    x = "kept_attention_fraction"
+    assert reaches({x: 0.33, "target_kept": None}, x, 3.0)
+    assert not reaches({x: 0.3351, "target_kept": None}, x, 3.0)
+    assert reaches({x: 0.3351, "target_kept": 1 / 3}, x, 3.0)
+    assert not reaches({x: 0.40, "target_kept": 1 / 3}, x, 3.0)
+    assert not reaches({x: 0.3351, "target_kept": 0.5}, x, 3.0)
+    assert not reaches({"kept_vrow_fraction": 0.3351, "target_kept": 1 / 3}, "kept_vrow_fraction", 3.0)
+    assert reaches({x: 0.1003, "target_kept": 0.1}, x, 10.0) and not reaches({x: 0.1003, "target_kept": 0.1}, x, 10.5)
