@@ -60,6 +60,31 @@ def test_sdpa_mask_takes_our_keywords():
         require(keyword in params, f"masking_utils.sdpa_mask's keyword {keyword!r}", "attention/backend.py (_mask)")
 
 
+def test_an_attention_function_and_its_mask_register_under_one_name():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attention(*args, **kwargs):
+        raise AssertionError("never called")
+
+    def mask(*args, **kwargs):
+        raise AssertionError("never called")
+
+    compat.register_attention("toptheta-compat-test", attention, mask)
+    require(AttentionInterface._global_mapping.get("toptheta-compat-test") is attention
+            if hasattr(AttentionInterface, "_global_mapping") else "toptheta-compat-test" in compat.registered_attention(),
+            "transformers.AttentionInterface.register", "attention/backend.py (register)")
+    require(AttentionMaskInterface._global_mapping.get("toptheta-compat-test") is mask,
+            "transformers.masking_utils.AttentionMaskInterface.register (without it the causal mask becomes None)",
+            "attention/backend.py (register)")
+
+
+def test_a_models_hub_commit_is_read_from_its_config():
+    model = build_tiny_model("llama", num_layers=1)
+    require(compat.commit_hash(model.config) is None, "config._commit_hash (None for a model built in code)",
+            "calibration/thresholds.py (model_identity), calibration/calibrate.py")
+
+
 def test_attention_functions_registry_lists_the_backends():
     names = compat.registered_attention()
     require({"eager", "sdpa"} <= names, "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS",

@@ -10,7 +10,10 @@ transformers
     ``ALL_ATTENTION_FUNCTIONS``: the registered attention backends, to reject a misspelt one early.
     ``config._commit_hash`` and ``model.hf_quantizer``: the hub commit of a loaded model, and whether a GGUF
     conversion left packed weights behind.
-    ``SDPA_MASK_KEYWORDS``: the keywords ``attention/backend.py`` hands ``masking_utils.sdpa_mask``.
+    ``SDPA_MASK_KEYWORDS``, ``sdpa_mask`` and ``register_attention``: ``attention/backend.py`` registers its attention
+    function and a mask function under one name (``AttentionInterface``, ``masking_utils.AttentionMaskInterface``:
+    without the mask function the causal mask silently becomes None) and builds that mask with sdpa's own.
+    ``DynamicLayer``: the full-attention cache layer ``attention/cache.py``'s growing layer extends.
 
 lm-eval
     ``HFLM_OVERRIDES``: HFLM's private methods and attributes our subclasses override or set
@@ -32,6 +35,10 @@ from lm_eval import utils as lm_eval_utils
 from lm_eval._cli.harness import HarnessCLI  # noqa: F401  (toptheta-eval's parser: lm_eval's command line)
 from lm_eval.api import samplers
 from lm_eval.models.utils import normalize_gen_kwargs, resolve_max_length
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicLayer  # noqa: F401  (attention/cache.py's GrowingLayer extends it)
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask as _sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # ----------------------------------------------------------------------------------------------------------
@@ -40,6 +47,18 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # What attention/backend.py's mask function passes to transformers.masking_utils.sdpa_mask by name.
 SDPA_MASK_KEYWORDS = ("allow_is_causal_skip", "allow_is_bidirectional_skip")
+
+
+def register_attention(name: str, attention, mask) -> None:
+    """Register ``attention`` (transformers' attention-function signature) and its ``mask`` function under ``name``;
+    a model loaded or switched to ``attn_implementation=name`` then uses both."""
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+
+
+def sdpa_mask(*args, **kwargs):
+    """``masking_utils.sdpa_mask``: sdpa's boolean mask (None where it is purely causal and skipping is allowed)."""
+    return _sdpa_mask(*args, **kwargs)
 
 
 def cache_layers(cache) -> list:

@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .. import compat
 from ..compensation import check_compensation
 from ..sparsifiers import Dense, Sparsifier
 from . import decode
@@ -92,11 +93,7 @@ def _split_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.T
 @functools.cache
 def register() -> None:
     """Register the attention and mask functions with transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(IMPLEMENTATION, _attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, _mask)
+    compat.register_attention(IMPLEMENTATION, _attention_forward, _mask)
 
 
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, *args, allow_is_causal_skip=True, **kwargs):
@@ -108,13 +105,11 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, *args, allow
     shortcut is kept only when the cache says the queries end at the last key. A bidirectional None (no mask at
     all) is never kept.
     """
-    from transformers.masking_utils import sdpa_mask
-
     kwargs["allow_is_bidirectional_skip"] = False
     if allow_is_causal_skip:
         allow_is_causal_skip = _queries_end_at_last_key(q_offset, q_length, kv_offset, kv_length)
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, *args,
-                     allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    return compat.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, *args,
+                            allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
 def _queries_end_at_last_key(q_offset, q_length: int, kv_offset: int, kv_length: int) -> bool:
@@ -246,6 +241,13 @@ def decoding(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         session.forced_phase = previous
+
+
+def session_statistics(model: torch.nn.Module):
+    """The statistics of the ``sparsify`` block ``model`` is in, or None outside one."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    session = _SESSIONS.get(modules[0]) if modules else None
+    return None if session is None else session.stats
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ Sliding-window layers keep transformers' own classes (they roll their window, no
 Everything that replaces ``keys``/``values`` from outside (crop, beam reordering, batch selection, offloading)
 is noticed at the next ``update``, which then starts a new buffer from the tensors it finds.
 
-With ``backend.py``, this is the project's transformers-specific code (``DynamicCache``'s layer list).
+With ``backend.py``, this is the project's transformers-specific code (``DynamicCache``'s layer list, through
+``toptheta.compat``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import inspect
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from ..compat import DynamicLayer, cache_layers, set_cache_layers
 
 MIN_ROOM = 256  # tokens of spare room at least, when a buffer grows
 
@@ -73,8 +75,8 @@ def cache_prefix(cache: DynamicCache, length: int) -> DynamicCache:
     sequences from one shared prefix). The copy's layers start as views and copy them when they first grow.
     Sliding-window layers roll their window and cannot be cut at a position: refused."""
     part = copy.copy(cache)
-    part.layers = []
-    for layer in cache.layers:
+    layers = []
+    for layer in cache_layers(cache):
         if type(layer) not in (DynamicLayer, GrowingLayer):
             raise ValueError(f"a {type(layer).__name__} cannot be cut at a position (sliding-window layers roll "
                              "their cache); share no prefix with this model")
@@ -84,7 +86,8 @@ def cache_prefix(cache: DynamicCache, length: int) -> DynamicCache:
         own.keys, own.values = layer.keys[..., :length, :], layer.values[..., :length, :]
         if isinstance(own, GrowingLayer):
             own._kbuf = own._vbuf = None  # the views are not its own: its first update copies them
-        part.layers.append(own)
+        layers.append(own)
+    set_cache_layers(part, layers)
     return part
 
 
@@ -105,5 +108,5 @@ def growing_cache(model) -> DynamicCache:
     renamed it); one cache per generate call.
     """
     cache = DynamicCache(config=model.config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    set_cache_layers(cache, [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache_layers(cache)])
     return cache

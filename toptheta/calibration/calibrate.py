@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .. import compat
 from ..attention.backend import model_shape, sparsify
 from ..attention.cache import growing_cache
 from ..compensation import SDC, VMC, is_compensation, lower
@@ -139,7 +140,7 @@ def calibrate(
 
     provenance = {
         "model": getattr(model.config, "_name_or_path", None) or type(model).__name__,
-        "revision": getattr(model.config, "_commit_hash", None),
+        "revision": compat.commit_hash(model.config),
         "fingerprint": model_fingerprint(model), "dtype": model_dtype(model),
         "k": k, "layer_k": layer_k, "k_per_layer": k_per_layer, "placement": placement,
         "granularity": granularity, "statistic": statistic,

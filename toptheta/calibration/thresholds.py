@@ -31,6 +31,7 @@ import logging
 
 import torch
 
+from .. import compat
 from ..atomic import atomic_write
 from .beyond import check_rule, fit as fit_beyond
 
@@ -82,7 +83,7 @@ def model_identity(model_or_config) -> dict:
     name = str(getattr(config, "_name_or_path", "") or "").rstrip("/\\")
     if name and (os.path.isabs(name) or name.startswith((".", "~")) or os.path.isdir(name)):
         name = os.path.basename(os.path.normpath(os.path.expanduser(name)))
-    return {"name": name or None, "revision": getattr(config, "_commit_hash", None) or None}
+    return {"name": name or None, "revision": compat.commit_hash(config) or None}
 
 
 class Thresholds:

@@ -18,9 +18,8 @@ if TYPE_CHECKING:
 
 def active_stats(model) -> SparsityStats | None:
     """The statistics of the ``toptheta.sparsify`` block ``model`` is in (None outside one, or when off)."""
-    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
-    session = backend._SESSIONS.get(modules[0]) if modules else None
-    return session.stats if session is not None and session.stats.enabled else None
+    stats = backend.session_statistics(model)
+    return stats if stats is not None and stats.enabled else None
 
 
 def has_sliding_window(model) -> bool:
