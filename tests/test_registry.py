@@ -206,3 +206,34 @@ def test_toptheta_eval_serves_the_baselines_with_their_parameter(args, kind, val
         evaluate_tasks(model, tokenizer, ["smoke"], data_dir=None, num_fewshot=None, limit=2)
     assert report["stats"]["smoke"]["kept_attention_fraction"] == pytest.approx(reference.kept_attention_fraction)
     assert report["stats"]["smoke"]["kept_attention_fraction"] < 1
+
+
+# ---- a generation task registered here alone ----------------------------------------------------------------------
+
+def _first_tokens(task: dict, model, tokenizer, *, chat_template: bool, stats=None, **_) -> dict:
+    """A task of our own: greedy first token of three fixed prompts; scores 1 where it is the prompt's last token."""
+    hits = []
+    for prompt in ([1, 5, 6, 7], [1, 8, 9, 10, 11], [1, 12, 13]):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        hits.append(float(int(logits.argmax()) == prompt[-1]))
+    mean = sum(hits) / len(hits)
+    assert stats is not None  # called inside the run's sparsify block
+    return {"results": {task["name"]: {"acc,none": mean, "acc_stderr,none": 0.0}}, "samples": []}
+
+
+def test_a_new_generation_task_runs_through_run_py_by_its_kind(tmp_path):
+    registry.register_task_kind("first-tokens", before_load=lambda task: seen.append(task["kind"]))(_first_tokens)
+    seen = []
+    try:
+        assert "first-tokens" in registry.task_kind_names()
+        pipeline.run(cfg(*RUN, "sparsifier=topk", "task.kind=first-tokens", "task.name=first_tokens", "task.batch_size=1",
+                         "task.metric=acc", f"results_dir={tmp_path}"))
+        assert seen == ["first-tokens"]  # asked before the model loaded
+        rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+        assert [r["task"] for r in rows] == ["first_tokens"] and rows[0]["sparsifier"] == "topk"
+        assert 0.0 <= float(rows[0]["value"]) <= 1.0
+    finally:
+        registry.unregister_task_kind("first-tokens")
+    with pytest.raises(ValueError, match="task.kind='first-tokens': one of lm_eval, humaneval, passkey, ruler"):
+        pipeline.plan(cfg(*RUN, "sparsifier=topk", "task.kind=first-tokens", f"results_dir={tmp_path}"))

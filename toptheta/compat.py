@@ -35,11 +35,10 @@ from lm_eval import utils as lm_eval_utils
 from lm_eval._cli.harness import HarnessCLI  # noqa: F401  (toptheta-eval's parser: lm_eval's command line)
 from lm_eval.api import samplers
 from lm_eval.models.utils import normalize_gen_kwargs, resolve_max_length
-from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer  # noqa: F401  (attention/cache.py's GrowingLayer extends it)
-from transformers.masking_utils import AttentionMaskInterface
-from transformers.masking_utils import sdpa_mask as _sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# transformers.modeling_utils and .masking_utils are imported where used, not here: they import torch._dynamo, which
+# imports triton (seconds; ``import toptheta`` loads neither, tests/test_triton_kernels.py checks it).
 
 # ----------------------------------------------------------------------------------------------------------
 # transformers
@@ -52,13 +51,18 @@ SDPA_MASK_KEYWORDS = ("allow_is_causal_skip", "allow_is_bidirectional_skip")
 def register_attention(name: str, attention, mask) -> None:
     """Register ``attention`` (transformers' attention-function signature) and its ``mask`` function under ``name``;
     a model loaded or switched to ``attn_implementation=name`` then uses both."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, mask)
 
 
 def sdpa_mask(*args, **kwargs):
     """``masking_utils.sdpa_mask``: sdpa's boolean mask (None where it is purely causal and skipping is allowed)."""
-    return _sdpa_mask(*args, **kwargs)
+    from transformers.masking_utils import sdpa_mask as build
+
+    return build(*args, **kwargs)
 
 
 def cache_layers(cache) -> list:
@@ -73,6 +77,8 @@ def set_cache_layers(cache, layers: list) -> None:
 
 def registered_attention() -> set[str]:
     """Names of the attention implementations transformers knows now (``eager`` is built in, not registered)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     return {"eager", *ALL_ATTENTION_FUNCTIONS.keys()}
 
 

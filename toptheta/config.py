@@ -9,9 +9,9 @@ OmegaConf's message lists the valid values. Ranges that types cannot express (`t
 Choices are Enums whose member names equal their values ("layer-head-n"), so a YAML, an override and an
 error message all spell a value the same way; they are `str` subclasses, so `cfg.task.kind == "lm_eval"`
 holds, and pipeline turns them into plain strings (`OmegaConf.to_container(..., enum_to_str=True)`).
-Only the pipeline reads these classes; library objects take plain arguments. Sparsifier and compensation names are
-not Enums: they are whatever is registered (toptheta/registry.py), and `check` refuses an unknown name with the list of
-known ones, and asks the registered sparsifier what it needs (a budget k or its own parameter, thresholds); `schema()`
+Only the pipeline reads these classes; library objects take plain arguments. Sparsifier and compensation names and
+task kinds are not Enums: they are whatever is registered (toptheta/registry.py), and `check` refuses an unknown name
+with the list of known ones, and asks the registered sparsifier what it needs (a budget k or its own parameter, thresholds); `schema()`
 adds each registered one's own settings to the sparsifier and comp groups.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 from .evaluation.ruler import RulerSettings  # a plain dataclass (no heavy imports): task.ruler's schema
-from .registry import active_compensations, compensation_kinds, sparsifier_kind, sparsifier_names
+from .registry import active_compensations, compensation_kinds, sparsifier_kind, sparsifier_names, task_kind_names
 
 
 class Choice(str, Enum):
@@ -50,7 +50,6 @@ Granularity = _choices("Granularity", "layer", "layer-n", "layer-head", "layer-h
 Lookup = _choices("Lookup", "nearest", "linear")
 Beyond = _choices("Beyond", "clamp", "fit")  # toptheta.calibration.beyond.RULES
 CalibCompensation = _choices("CalibCompensation", "run", "reference", "none")
-TaskKind = _choices("TaskKind", "lm_eval", "humaneval", "passkey", "ruler")
 FewshotSampler = _choices("FewshotSampler", "default", "first_n")  # lm-eval's samplers
 LoggerName = _choices("LoggerName", "none", "wandb")
 WandbMode = _choices("WandbMode", "offline", "online", "disabled")
@@ -144,7 +143,7 @@ class CalibConfig:
 @dataclass
 class TaskConfig:
     name: str = MISSING
-    kind: TaskKind = MISSING
+    kind: str = MISSING  # lm_eval, or a generation task registered in toptheta/registry.py (checked by `check`)
     lm_eval_task: Optional[str] = None     # lm_eval kind: our catalogue's name or any lm-eval task name
     include_path: Optional[str] = None     # lm_eval kind: a folder of the user's own task YAMLs
     calib_task: Optional[str] = None
@@ -337,6 +336,9 @@ def _check_parameter(kind, sparsifier: Any, comp: Any, get, need, fits_target: b
 
 
 def _check_task(task: Any, get, need) -> None:
+    kinds = task_kind_names()
+    need(str(get(task, "kind")) in kinds, "task.kind", get(task, "kind"),
+         f"one of {', '.join(kinds)} (a generation task registers with toptheta.registry.register_task_kind)")
     num_fewshot, limit, batch_size = get(task, "num_fewshot"), get(task, "limit"), get(task, "batch_size")
     need(num_fewshot is None or is_int(num_fewshot, 0), "task.num_fewshot", num_fewshot,
          "null (the task's default) or an integer >= 0")

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .builders import build_sparsifier, check_combination, check_sparsifies, compensation_objects, needs_thresholds
 from .matched import kept_in_sparsified_layers, resolve_target
-from .registry import active_compensations, sparsifier_kind
+from .registry import LM_EVAL_KIND, active_compensations, sparsifier_kind, task_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 log = logging.getLogger("toptheta")
@@ -342,10 +342,10 @@ def run(cfg: DictConfig):
     if todo and stop_requested(cfg.results_dir):
         log.warning("%s exists: not starting %d run(s) (remove it to go on)", stop_file(cfg.results_dir), len(todo))
         todo = []
-    if todo and cfg.task.kind == "humaneval":  # refuse unisolated code execution before loading anything
-        from .evaluation.sandbox import require_isolation
-
-        require_isolation(bool(cfg.task.get("allow_unsafe_code", False)))
+    if todo and str(cfg.task.kind) != LM_EVAL_KIND:  # what a generation task refuses before anything loads
+        before_load = task_kind(str(cfg.task.kind)).before_load
+        if before_load is not None:
+            before_load(OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True))
     if todo:
         m = cfg.model
         model, tokenizer, info = load_model(m.source, dtype=m.dtype, device=m.device, device_map=m.device_map,

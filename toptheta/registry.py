@@ -1,5 +1,5 @@
-"""Sparsifiers and compensations found by name: ``sparsifier.name=topk``, ``comp.vmc=true``, ``sparsifier=topp`` in
-``toptheta-eval``.
+"""Sparsifiers, compensations and generation tasks found by name: ``sparsifier.name=topk``, ``comp.vmc=true``,
+``sparsifier=topp`` in ``toptheta-eval``, ``task.kind=passkey``.
 
 A sparsifier registers its class with ``@register_sparsifier("name", label=...)`` and says what it needs: a budget k
 (Top-k, Top-θ) or a parameter of its own (top-p's p, skip-softmax's λ, fitted by ``sparsifier.target_kept``),
@@ -7,6 +7,10 @@ calibrated thresholds, the placements it allows. A compensation registers with `
 label=...)``; it is switched on by ``comp.<name>`` (its other settings are further ``comp.`` keys, e.g.
 ``comp.sdc_scale``). Config checks, the pipeline and ``toptheta-eval`` ask these entries instead of testing names, so
 a new one is one file (plus its YAML and tests), and a test can register one of its own.
+
+A generation task registers the function that runs it with ``@register_task_kind("name")`` (HumanEval, passkey and
+ruler in ``evaluation/generation.py``); ``task.kind`` is then ``lm_eval`` (any lm-eval task, scored by lm-eval) or a
+registered name, and the pipeline calls the entry without a branch per task.
 
 A registered class provides ``from_config(settings, thresholds)``: the object from the plain settings of a run (the
 ``sparsifier`` or ``comp`` dict of ``pipeline.plan``); a compensation returns None when its switch is off.
@@ -185,6 +189,64 @@ def compensation_kind(name: str) -> CompensationKind:
 def active_compensations(comp: dict) -> list[CompensationKind]:
     """The compensations a run's comp settings switch on."""
     return [kind for kind in compensation_kinds() if kind.active(comp)]
+
+
+# ---- generation tasks ----------------------------------------------------------------------------------------
+
+LM_EVAL_KIND = "lm_eval"  # task.kind of every lm-eval task: scored through lm-eval, not a registered runner
+
+
+@dataclass(frozen=True)
+class TaskKindEntry:
+    """A generation task: how it runs and what it refuses before any prompt runs."""
+
+    name: str
+    # (task settings, model, tokenizer, *, chat_template, stats, checkpoint, stop) -> lm-eval-shaped results
+    run: Callable[..., dict]
+    # (task settings, the model's context in positions, model name): raise with the fix when prompts cannot fit
+    check_context: Callable[[dict, int, str], None] | None = None
+    # (task settings): raise with the fix before any model loads (HumanEval: no unisolated code execution)
+    before_load: Callable[[dict], None] | None = None
+
+
+_TASK_KINDS: dict[str, TaskKindEntry] = {}
+
+
+def register_task_kind(name: str, *, check_context: Callable[[dict, int, str], None] | None = None,
+                       before_load: Callable[[dict], None] | None = None):
+    """Function decorator: ``task.kind=name`` runs the function (see TaskKindEntry.run for its signature)."""
+    if name == LM_EVAL_KIND:
+        raise ValueError(f"{LM_EVAL_KIND!r} is every lm-eval task's kind; choose another name")
+
+    def register(run):
+        old = _TASK_KINDS.get(name)
+        if old is not None and old.run.__qualname__ != run.__qualname__:
+            raise ValueError(f"task kind {name!r} is registered already ({old.run.__qualname__}); choose another name")
+        _TASK_KINDS[name] = TaskKindEntry(name, run, check_context, before_load)
+        return run
+    return register
+
+
+def _task_builtins() -> None:
+    importlib.import_module(f"{__package__}.evaluation.generation")  # HumanEval, passkey, ruler register on import
+
+
+def task_kind(name: str) -> TaskKindEntry:
+    """The registered generation task ``name``; an unknown name fails with the list of kinds."""
+    _task_builtins()
+    if name not in _TASK_KINDS:
+        raise ValueError(f"task kind {name!r} is not registered; known: {', '.join(task_kind_names())}")
+    return _TASK_KINDS[name]
+
+
+def task_kind_names() -> list[str]:
+    """lm_eval, then every registered generation task."""
+    _task_builtins()
+    return [LM_EVAL_KIND, *sorted(_TASK_KINDS)]
+
+
+def unregister_task_kind(name: str) -> None:
+    _TASK_KINDS.pop(name, None)
 
 
 def labels() -> dict[str, str]:

@@ -14,6 +14,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
+from ..registry import register_task_kind, task_kind
 from .batched_generation import unsupported_settings
 from .greedy import encode_prompt, generate_all  # noqa: F401  (encode_prompt: scripts import it from here)
 from .humaneval import evaluate_completions, extract_code, load_problems, truncate_at_stop
@@ -116,21 +117,29 @@ CHAT_OVERHEAD_TOKENS = 64  # a chat template's system and role tokens around the
 
 def check_context(task: dict, max_positions: int | None, model_name: str) -> None:
     """Refuse, before any prompt runs, a generation task whose sequences exceed the model's context."""
-    if not max_positions:
-        return
-    if task["kind"] in ("passkey", "ruler"):
-        new_tokens = PASSKEY_NEW_TOKENS if task["kind"] == "passkey" else ruler_new_tokens(task)
+    entry = task_kind(str(task["kind"]))
+    if max_positions and entry.check_context is not None:
+        entry.check_context(task, max_positions, model_name)
+
+
+def _lengths_fit(new_tokens: int):
+    """The context rule of a task run at task.lengths, answering with ``new_tokens(task)`` tokens."""
+    def check(task: dict, max_positions: int, model_name: str) -> None:
         longest = max(task.get("lengths") or (0,))
-        need = longest + CHAT_OVERHEAD_TOKENS + new_tokens
+        need = longest + CHAT_OVERHEAD_TOKENS + new_tokens(task)
         if need > max_positions:
-            fitting = [n for n in (task.get("lengths") or ()) if n + CHAT_OVERHEAD_TOKENS + new_tokens
+            fitting = [n for n in (task.get("lengths") or ()) if n + CHAT_OVERHEAD_TOKENS + new_tokens(task)
                        <= max_positions]
             raise ValueError(
                 f"task.lengths reaches {longest} tokens but {model_name} has a context of {max_positions} positions; "
                 f"use lengths that fit, e.g. task.lengths={fitting or '[1024]'}, or a longer-context model "
                 "(model=qwen2.5-coder-0.5b has 32k)"
             )
-    elif task["kind"] == "humaneval" and int(task.get("max_length") or 2048) > max_positions:
+    return check
+
+
+def _humaneval_fits(task: dict, max_positions: int, model_name: str) -> None:
+    if int(task.get("max_length") or 2048) > max_positions:
         raise ValueError(f"task.max_length={task.get('max_length')} exceeds {model_name}'s context of "
                          f"{max_positions} positions; set task.max_length={max_positions} or lower")
 
@@ -156,14 +165,21 @@ def evaluate_generation(task: dict, model, tokenizer, *, chat_template: bool, st
                         stop: Callable[[], bool] | None = None) -> dict:
     """Results shaped like lm-eval's; ``task_stats`` (when present) holds statistics of sub-tasks (from ``stats``);
     ``checkpoint``: a directory where a passkey run saves each finished length and resumes from, ``stop``: asked
-    between lengths whether to pause there (run_passkey)."""
-    kind = task["kind"]
-    if kind == "humaneval":
-        return run_humaneval(task, model, tokenizer, chat_template=chat_template)
-    if kind == "passkey":
-        return run_passkey(task, model, tokenizer, chat_template=chat_template, stats=stats, checkpoint=checkpoint,
-                           stop=stop)
-    if kind == "ruler":
-        return run_ruler(task, model, tokenizer, chat_template=chat_template, stats=stats, checkpoint=checkpoint,
-                         stop=stop)
-    raise ValueError(f"unknown generation task kind {kind!r}; valid: humaneval, passkey, ruler")
+    between lengths whether to pause there (run_passkey). The task's kind is looked up in the registry."""
+    return task_kind(str(task["kind"])).run(task, model, tokenizer, chat_template=chat_template, stats=stats,
+                                            checkpoint=checkpoint, stop=stop)
+
+
+# ---- the registered generation tasks ----------------------------------------------------------------------------
+
+def _humaneval_isolated(task: dict) -> None:
+    require_isolation(bool(task.get("allow_unsafe_code", False)))  # no unisolated code execution
+
+
+@register_task_kind("humaneval", check_context=_humaneval_fits, before_load=_humaneval_isolated)
+def _humaneval(task: dict, model, tokenizer, *, chat_template: bool, **_) -> dict:
+    return run_humaneval(task, model, tokenizer, chat_template=chat_template)
+
+
+register_task_kind("passkey", check_context=_lengths_fit(lambda task: PASSKEY_NEW_TOKENS))(run_passkey)
+register_task_kind("ruler", check_context=_lengths_fit(ruler_new_tokens))(run_ruler)
