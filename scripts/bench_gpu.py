@@ -252,8 +252,9 @@ def run(kind: str, device_name: str, lengths: list[int] | None, fractions: list[
 
 # ---- tile and launch settings: which the wrappers should default to ------------------------------------------------
 
-PREFILL_CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2), (64, 64, 4, 1),
-                   (64, 64, 2, 2), (64, 128, 4, 2)]  # BLOCK_M, BLOCK_N, warps, stages
+PREFILL_CONFIGS = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True),
+                   (64, 64, 4, 2, False), (64, 64, 4, 3, False), (128, 64, 8, 3, False),
+                   (128, 128, 8, 3, False)]  # BLOCK_M, BLOCK_N, warps, stages, tile skipping
 DECODE_CONFIGS = [(64, 4, 2, None), (64, 2, 2, None), (128, 2, 2, None), (64, 2, 2, 17), (64, 2, 2, 33),
                   (64, 2, 2, 132), (128, 4, 2, 33), (32, 2, 2, None)]  # BLOCK_N, warps, stages, chunks (None: default)
 
@@ -298,8 +299,8 @@ def tune(prefill_len: int, decode_len: int, u: float, repeats: int, out: str, co
             calls = {"flash": flash}
             for cfg in configs:
                 if kind == "prefill":
-                    bm, bn, warps, stages = cfg
-                    kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+                    bm, bn, warps, stages, skip = cfg
+                    kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, skip_tiles=skip)
                     fn = prefill_attention
                 else:
                     bn, warps, stages, splits = cfg
@@ -319,7 +320,7 @@ def tune(prefill_len: int, decode_len: int, u: float, repeats: int, out: str, co
     bench_report.finish(meta)
     lines = ["# Launch settings of our Triton kernels (kernel alone, v̄ given) against FlashAttention", "",
              f"{bench_report.describe(meta)} {meta['gpu'] or 'Triton interpreter (a dry run)'}; kept fraction {u:.3f}. Prefill configs are (BLOCK_M, "
-             "BLOCK_N, warps, stages), decode (BLOCK_N, warps, stages, key chunks per (sequence, KV head); "
+             "BLOCK_N, warps, stages, tile skipping), decode (BLOCK_N, warps, stages, key chunks per (sequence, KV head); "
              "None: the default, 4 programs per SM).", "",
              "| phase | length | placement | config | median ms | ×flash |", "|---|---:|---|---|---:|---:|"]
     lines += [f"| {r['phase']} | {r['length']} | {r['placement']} | {r['config']} | {r['time_s'] * 1e3:.3f} | "

@@ -452,3 +452,18 @@ def test_the_running_value_sum_adds_new_rows_and_restarts_on_another_cache():
     torch.testing.assert_close(running_value_sum(0, other, key_start), expected(other), rtol=1e-12, atol=1e-12)
     plain.reset()
     assert not plain._VSUMS
+
+
+@pytest.mark.parametrize("name", ["pre-sdc-vmc", "post-vmc"])
+def test_prefill_without_tile_skipping_gives_the_same_numbers(monkeypatch, name):
+    """skip_tiles=False reads every V tile of the key range (weights 0 where nothing is kept) without the per-tile
+    branch: the plain kernel's output and counts all the same, and no tile counted as skipped."""
+    B, Q, K = 2, 24, 24
+    q, k, v = _data(B, Q, K, seed=9)
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 5])
+    sparsifier, comp = _objects(name, "keep-max")
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "prefill")
+    res, stats = _triton(prefill_attention, q, k, v, n, sparsifier, comp, "prefill", key_start=ks, block_m=16,
+                         block_n=16, skip_tiles=False)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert int(res.skipped_tiles.sum()) == 0

@@ -54,7 +54,8 @@ def variants(quick: bool):
     for dtype, (post, sdc, keep_max) in itertools.product(("float32", "bfloat16"), modes):
         ieee = dtype == "float32"
         common = dict(POST=post, SDC=sdc, VMC=True, KEEP_MAX=keep_max, UNIFORM=not (keep_max or post or sdc),
-                      CAUSAL=True, SCALE_Q=ieee, IEEE=ieee, BLOCK_D=128, BLOCK_DV=128, STATS=True, SPARSE=True, VSUM=False)
+                      CAUSAL=True, SCALE_Q=ieee, IEEE=ieee, BLOCK_D=128, BLOCK_DV=128, STATS=True, SPARSE=True, VSUM=False,
+                      SKIP_TILES=True)
         wide = 32 if ieee else 64  # the wrappers' default tiles
         yield "prefill", dtype, dict(common, BLOCK_M=wide, BLOCK_N=wide)
         for part in ("logits", "select", "finish"):  # the decode step's three launches

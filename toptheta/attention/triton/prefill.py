@@ -72,6 +72,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, KEEP_MAX: tl.constexpr, UNIFORM: tl.constexpr,
     CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr, STATS: tl.constexpr, SPARSE: tl.constexpr,
+    SKIP_TILES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -148,12 +149,15 @@ def _prefill_kernel(
         w = tl.where(keep, w, 0.0)
         r_i += tl.sum(w, 1)
         cnt += tl.sum(keep.to(tl.int32), 1)
-        cols = tl.max(keep.to(tl.int32), 0)  # (BLOCK_N,) V rows some row keeps
         tiles += 1
-        if tl.max(cols, 0) > 0:
-            acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
-        else:  # nothing passed θ in this tile: no V load, no P·V
-            skipped += 1
+        if SKIP_TILES:
+            cols = tl.max(keep.to(tl.int32), 0)  # (BLOCK_N,) V rows some row keeps
+            if tl.max(cols, 0) > 0:
+                acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
+            else:  # nothing passed θ in this tile: no V load, no P·V
+                skipped += 1
+        else:  # every V row of the key range, no branch: no cross-warp reduction per tile, loads can pipeline
+            acc = _pv(acc, w, Vb, offs_n, offs_dv, (offs_n < hi).to(tl.int32), svn, svd, DV, IEEE)
 
     if not POST:
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -245,6 +249,7 @@ def prefill_attention(
     num_stages: int | None = None,
     stats_row: torch.Tensor | None = None,  # the layer's packed counters (SparsityStats.packed_row): added to here
     stats_columns=None,  # their first columns, as common.stats_target
+    skip_tiles: bool = True,  # False: read every V tile (w is 0 where nothing is kept), no per-tile branch
 ) -> TritonAttention:
     """Top-θ (or dense, ``placement=None``) prefill attention; see the module docstring for what it computes.
 
@@ -302,7 +307,7 @@ def prefill_attention(
         H, H // Hkv, Hkv, Q, D, Dv, window or NO_WINDOW, float(scaling), float(sdc_scale),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse, UNIFORM=uniform,
-        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse, **extra,
+        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse, SKIP_TILES=bool(skip_tiles), **extra,
     )
     n = (hi - lo).to(torch.int32)  # (B, Q)
     return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.bool(), vrows=None,
