@@ -105,3 +105,21 @@ def test_first_n_composes_in_every_multiple_choice_task_and_changes_the_run_id(t
     off = pipeline.plan(cfg(*base, "task.prefix_cache=false"))
     assert [s.run_id for s in off] == [s.run_id for s in plain]  # how scoring runs, not what it scores
     assert off[-1].config["task"]["prefix_cache"] is False
+
+
+def test_a_v_row_target_is_met_in_decode_steps_and_names_its_measure(tmp_path):
+    """sparsifier.target_measure=vrows: k is fitted on the V rows read while decoding after the calibration rows
+    (the generation tasks' measure), recorded with the run, and part of the run id; null keeps the old ids."""
+    overrides = ("model=tiny-llama", "task=smoke", "sparsifier=topk", "comp=vmc", "sparsifier.placement=post",
+                 "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "baseline=false", "log_samples=false")
+    (vrow_spec,) = pipeline.plan(cfg(*overrides, "sparsifier.target_measure=vrows", f"results_dir={tmp_path}"))
+    (attention_spec,) = pipeline.plan(cfg(*overrides, f"results_dir={tmp_path}"))
+    assert vrow_spec.run_id != attention_spec.run_id and "target_measure" not in attention_spec.config["sparsifier"]
+    pipeline.run(cfg(*overrides, "sparsifier.target_measure=vrows", f"results_dir={tmp_path}"))
+    stats = json.loads((tmp_path / "runs" / vrow_spec.run_id / "stats.json").read_text())
+    record = stats["target"]
+    assert record["target_measure"] == "vrows" and record["k"] >= 1
+    assert abs(record["calibration_kept"] / 0.4 - 1) <= 2 * target_kept.TOLERANCE, record
+    with pytest.raises(ValueError, match="sparsifier.target_measure"):
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", "sparsifier=topk", "sparsifier.target_measure=vrows",
+                          f"results_dir={tmp_path}"))

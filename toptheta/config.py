@@ -49,6 +49,7 @@ Statistic = _choices("Statistic", "order", "target-k")
 Granularity = _choices("Granularity", "layer", "layer-n", "layer-head", "layer-head-n")
 Lookup = _choices("Lookup", "nearest", "linear")
 Beyond = _choices("Beyond", "clamp", "fit")  # toptheta.calibration.beyond.RULES
+TargetMeasure = _choices("TargetMeasure", "attention", "vrows")  # what sparsifier.target_kept is a fraction of
 CalibCompensation = _choices("CalibCompensation", "run", "reference", "none")
 FewshotSampler = _choices("FewshotSampler", "default", "first_n")  # lm-eval's samplers
 LoggerName = _choices("LoggerName", "none", "wandb")
@@ -100,6 +101,10 @@ class SparsifierConfig:
     # Matched sparsity: the fraction of attention elements the run keeps, on the calibration rows; k is then
     # resolved per run (calibration/target_kept.py) and sparsifier.k is ignored. Part of the run id when set.
     target_kept: Optional[float] = None
+    # What target_kept is a fraction of: null or attention (prefill attention elements, the QA tasks' measure), or
+    # vrows (V rows read in decode steps, the generation tasks' measure: measured by decoding a few tokens after each
+    # calibration row). Part of the run id when set.
+    target_measure: Optional[TargetMeasure] = None
     # The baselines' own parameters (null elsewhere, and then out of the run id): topp's probability mass p,
     # skipsoftmax's λ. With target_kept set, the parameter is fitted instead (calibration/target_param.py).
     p: Optional[float] = None
@@ -294,6 +299,9 @@ def sparsifier_problems(sparsifier: Any, comp: Any, fits_target: bool = True) ->
     need(target is None or (isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target < 1),
          "sparsifier.target_kept", target, "null (k decides) or a fraction in (0, 1), e.g. sparsifier.target_kept=0.1")
     need(target is None or kind.drops, "sparsifier.target_kept", target, f"null for {name} (it keeps everything)")
+    measure = get(sparsifier, "target_measure")
+    need(measure is None or target is not None, "sparsifier.target_measure", measure,
+         "null without sparsifier.target_kept (it says what the target is a fraction of)")
     if kind.parameter is not None:
         _check_parameter(kind, sparsifier, comp, get, need, fits_target)
     elif kind.drops and target is None:

@@ -1,5 +1,6 @@
 """Matched sparsity (``sparsifier.target_kept``): the k, p or λ at which a run keeps a target fraction of the
-attention elements, resolved on its calibration rows before it evaluates (see calibration/target_kept.py and
+attention elements (or, with ``sparsifier.target_measure=vrows``, of the V rows read in decode steps: the generation
+tasks' measure), resolved on its calibration rows before it evaluates (see calibration/target_kept.py and
 calibration/target_param.py for the searches), and the kept fraction of the layers that setting governs.
 """
 
@@ -9,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .builders import build_sparsifier, compensation_objects
-from .registry import sparsifier_kind
+from .registry import Parameter, sparsifier_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ def kept_in_sparsified_layers(stats, sparsifier: dict) -> float | None:
 
 
 MEASURE_SEQUENCES = 32  # calibration rows Top-θ's kept fraction is measured on, per k tried
+VROW_SEQUENCES = 16  # target_measure=vrows: calibration rows decoded from, per setting tried
+VROW_TOKENS = 8  # tokens decoded greedily after each of them
 
 
 def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | None]:
@@ -63,7 +66,12 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         resolved.config["sparsifier"][key] = k
         return resolved
 
+    vrows = spec.config["sparsifier"].get("target_measure") == "vrows"
+    measured: dict = {}
+
     def measure(k, key: str = "k") -> float:
+        if (key, k) in measured:
+            return measured[key, k]
         candidate = with_value(k, key)
         thresholds = None
         if candidate.thresholds is not None:
@@ -71,20 +79,39 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                 thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
         sparsifier = build_sparsifier(candidate.config["sparsifier"], thresholds)
         with torch.no_grad(), sparsify(model, sparsifier, compensation_objects(candidate.config["comp"], thresholds)) as stats:
-            for ids in sequences[:MEASURE_SEQUENCES]:
-                model(input_ids=torch.tensor([ids], device=model.device))
-        log.info("target_kept=%g: %s=%g keeps %.4f on %d calibration rows", target, key, k,
-                 stats.kept_attention_fraction, min(len(sequences), MEASURE_SEQUENCES))
-        return stats.kept_attention_fraction
+            if vrows:  # the generation tasks' measure: V rows read in decode steps after each calibration row
+                for ids in sequences[:VROW_SEQUENCES]:
+                    model.generate(torch.tensor([ids], device=model.device), max_new_tokens=VROW_TOKENS,
+                                   min_new_tokens=VROW_TOKENS, do_sample=False,
+                                   pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
+            else:
+                for ids in sequences[:MEASURE_SEQUENCES]:
+                    model(input_ids=torch.tensor([ids], device=model.device))
+        kept = stats.kept_vrow_fraction if vrows else stats.kept_attention_fraction
+        log.info("target_kept=%g: %s=%g keeps %.4f of the %s on %d calibration rows", target, key, k, kept,
+                 "V rows" if vrows else "attention elements",
+                 min(len(sequences), VROW_SEQUENCES if vrows else MEASURE_SEQUENCES))
+        measured[key, k] = kept
+        return kept
 
     parameter = sparsifier_kind(spec.config["sparsifier"]["name"]).parameter
+    if vrows and parameter is None:  # k by bisection on the measured V-row fraction (no closed form: heads' union)
+        k_range = Parameter("k", 1, max(len(s) for s in sequences), log=True, keeps_more_when_higher=True)
+        value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))))
+        k = max(1, round(value))
+        log.info("target_kept=%g of the V rows: k=%d (kept %.4f in decode steps after the calibration rows of %s)",
+                 target, k, kept, rows["task"])
+        return with_value(k), {"target_kept": target, "target_measure": "vrows", "k": k, "calibration_kept": kept,
+                               "tried": [(max(1, round(v)), f) for v, f in tried],
+                               "calibration_sequences": min(len(sequences), VROW_SEQUENCES)}
     if parameter is not None:  # a rule with its own parameter (p, λ): that is bisected, k keeps only rows whole
         key = parameter.key
         value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key))
         log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
                  rows["task"])
         return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,
-                                        "tried": tried, "calibration_sequences": len(sequences)}
+                                        "tried": tried, "calibration_sequences": len(sequences),
+                                        **({"target_measure": "vrows"} if vrows else {})}
     k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
                                measure if spec.thresholds is not None else None)
     log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows["task"])
