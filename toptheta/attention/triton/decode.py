@@ -315,8 +315,8 @@ def chunking(B: int, Hkv: int, K: int, block_n: int, device: torch.device, split
     PROGRAMS_PER_SM times, a chunk a whole number of key tiles. Shapes only: no host read."""
     want = splits or -(-PROGRAMS_PER_SM * _multiprocessors(device) // (B * Hkv))
     ns = max(1, min(want, -(-K // block_n)))
-    chunk = -(-(-(-K // ns)) // block_n) * block_n
-    return -(-K // chunk), chunk
+    chunk = max(block_n, -(-(-(-K // ns)) // block_n) * block_n)
+    return max(1, -(-K // chunk)), chunk
 
 
 def decode_attention(
