@@ -136,6 +136,29 @@ def flash_call(q, k, v, scaling: float, causal: bool):
         return (lambda: run(ke, ve, False)), "expanded"
 
 
+def random_qkv(kind: str, n: int, shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """Standard normal (q, k, v) of one layer: n query rows for prefill, one for decode, over n keys."""
+    H, Hkv, D = SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    Q = n if kind == "prefill" else 1
+    q = torch.randn(1, H, Q, D, generator=g).to(device, dtype)
+    k = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+    v = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+    return q, k, v
+
+
+def kernel_setup(device_name: str) -> tuple:
+    """(device, interpreted, shape, dtype, meta) of --tune and --profile: LLaMA-3-8B shapes in bf16 on a GPU, tiny
+    ones in float32 in the interpreter (a dry run)."""
+    device = resolve_device(device_name)
+    interpret = device.type == "cpu"
+    shape, dtype = ("tiny", torch.float32) if interpret else ("llama3-8b", torch.bfloat16)
+    meta = bench_report.machine(device=device_name, gpu=None if interpret else torch.cuda.get_device_name(),
+                                dtype=str(dtype), batch=1, shape=dict(zip(("heads", "kv_heads", "head_dim"),
+                                                                          SHAPES[shape])))
+    return device, interpret, shape, dtype, meta
+
+
 def logit_sample(q, k, scaling: float, rows: int = 128, keys: int = 2048) -> torch.Tensor:
     """(H, rows·keys) float32 logits of sampled queries against the first keys (GQA: head h reads KV head h // G)."""
     G = q.shape[1] // k.shape[1]
@@ -178,11 +201,7 @@ def measure(kind: str, device: torch.device, shape: str, lengths: list[int], fra
     scaling = D ** -0.5
     rows = []
     for n in lengths:
-        g = torch.Generator().manual_seed(seed)
-        Q = n if kind == "prefill" else 1
-        q = torch.randn(1, H, Q, D, generator=g).to(device, dtype)
-        k = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
-        v = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+        q, k, v = random_qkv(kind, n, shape, device, dtype, seed)
         flash, gqa = flash_call(q, k, v, scaling, causal=kind == "prefill")
         for u in fractions:
             methods = {}
@@ -268,21 +287,13 @@ def tune(prefill_len: int, decode_len: int, u: float, repeats: int, out: str, co
     from toptheta.attention.triton.decode import decode_attention
     from toptheta.attention.triton.prefill import prefill_attention
 
-    device = resolve_device(device_name)
-    interpret = device.type == "cpu"  # a dry run in the interpreter: tiny shapes, float32
-    shape, dtype = ("tiny", torch.float32) if interpret else ("llama3-8b", torch.bfloat16)
+    device, interpret, shape, dtype, meta = kernel_setup(device_name)
     H, Hkv, D = SHAPES[shape]
     scaling = D ** -0.5
     rows = []
-    meta = bench_report.machine(device=device_name, gpu=None if interpret else torch.cuda.get_device_name(),
-                                dtype=str(dtype), batch=1, shape=dict(zip(("heads", "kv_heads", "head_dim"),
-                                                                          SHAPES[shape])))
     for kind, n in (("prefill", prefill_len), ("decode", decode_len)):
-        g = torch.Generator().manual_seed(0)
-        Q = n if kind == "prefill" else 1
-        q = torch.randn(1, H, Q, D, generator=g).to(device, dtype)
-        k = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
-        v = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+        q, k, v = random_qkv(kind, n, shape, device, dtype)
+        Q = q.shape[2]
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         lo, hi = row_bounds(zero, zero + n, zero + n - Q, Q, None, True)
         v_mean = value_means(v, lo, hi)
@@ -336,22 +347,13 @@ def profile(prefill_len: int, decode_len: int, u: float, out: str, command: str,
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    device = resolve_device(device_name)
-    interpret = device.type == "cpu"
-    shape, dtype = ("tiny", torch.float32) if interpret else ("llama3-8b", torch.bfloat16)
+    device, interpret, shape, dtype, meta = kernel_setup(device_name)
     H, Hkv, D = SHAPES[shape]
     scaling = D ** -0.5
-    meta = bench_report.machine(device=device_name, gpu=None if interpret else torch.cuda.get_device_name(),
-                                dtype=str(dtype), batch=1, shape=dict(zip(("heads", "kv_heads", "head_dim"),
-                                                                          SHAPES[shape])))
     activities = [ProfilerActivity.CPU] + ([] if interpret else [ProfilerActivity.CUDA])
     rows, lines = [], []
     for kind, n in (("prefill", prefill_len), ("decode", decode_len)):
-        g = torch.Generator().manual_seed(0)
-        Q = n if kind == "prefill" else 1
-        q = torch.randn(1, H, Q, D, generator=g).to(device, dtype)
-        k = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
-        v = torch.randn(1, Hkv, n, D, generator=g).to(device, dtype)
+        q, k, v = random_qkv(kind, n, shape, device, dtype)
         if kind == "prefill":
             sparsifier, comp = toptheta.TopTheta(prefill_thresholds(q, k, scaling, u)[0]), [toptheta.SDC("exact"),
                                                                                            toptheta.VMC()]

@@ -125,11 +125,9 @@ def check_context(task: dict, max_positions: int | None, model_name: str) -> Non
 def _lengths_fit(new_tokens: int):
     """The context rule of a task run at task.lengths, answering with ``new_tokens(task)`` tokens."""
     def check(task: dict, max_positions: int, model_name: str) -> None:
-        longest = max(task.get("lengths") or (0,))
-        need = longest + CHAT_OVERHEAD_TOKENS + new_tokens(task)
-        if need > max_positions:
-            fitting = [n for n in (task.get("lengths") or ()) if n + CHAT_OVERHEAD_TOKENS + new_tokens(task)
-                       <= max_positions]
+        longest, extra = max(task.get("lengths") or (0,)), CHAT_OVERHEAD_TOKENS + new_tokens(task)
+        if longest + extra > max_positions:
+            fitting = [n for n in (task.get("lengths") or ()) if n + extra <= max_positions]
             raise ValueError(
                 f"task.lengths reaches {longest} tokens but {model_name} has a context of {max_positions} positions; "
                 f"use lengths that fit, e.g. task.lengths={fitting or '[1024]'}, or a longer-context model "

@@ -67,6 +67,28 @@ def _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window,
 
 
 @triton.jit
+def _chunk_rows(lo_row, hi_row, split, CHUNK):
+    """The chunk's part of each row's keys [lo_row, hi_row), and the chunk's overall key range [lo, hi)."""
+    c_lo = split * CHUNK
+    lo_row = tl.maximum(lo_row, c_lo)
+    hi_row = tl.maximum(tl.minimum(hi_row, c_lo + CHUNK), lo_row)
+    lo = tl.min(tl.where(hi_row > lo_row, lo_row, 1 << 30), 0)
+    hi = tl.max(hi_row, 0)
+    return lo_row, hi_row, lo, hi
+
+
+@triton.jit
+def _empty_rows(live, theta, m, top, POST: tl.constexpr):
+    """Rows with a valid key where nothing passes θ: post-softmax when the largest probability ``top`` does not
+    exceed θ (θ ≥ 0), pre-softmax when the row max ``m`` does not."""
+    if POST:
+        empty = live & (theta >= 0) & (top <= theta)
+    else:
+        empty = live & (m <= theta)
+    return empty
+
+
+@triton.jit
 def _row_max_and_sum(M_ptr, L_ptr, pid, NS, R: tl.constexpr, NSP: tl.constexpr):
     """(m, l) of each stacked row from the chunks' partial (max, Σ e^{s−max}); m is 0 for rows without keys."""
     r = tl.arange(0, R)
@@ -93,12 +115,7 @@ def _decode_logits(
     split = tl.program_id(1)  # key chunk
     b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
                                                         CAUSAL)
-    # the chunk's part of each row's keys
-    c_lo = split * CHUNK
-    lo_row = tl.maximum(lo_row, c_lo)
-    hi_row = tl.maximum(tl.minimum(hi_row, c_lo + CHUNK), lo_row)
-    lo = tl.min(tl.where(hi_row > lo_row, lo_row, 1 << 30), 0)
-    hi = tl.max(hi_row, 0)
+    lo_row, hi_row, lo, hi = _chunk_rows(lo_row, hi_row, split, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     h = hkv * G + g
     q = tl.load(Q_ptr + b * sqb + h[:, None] * sqh + qi[:, None] * sqm + offs_d[None, :] * sqd,
@@ -139,16 +156,9 @@ def _decode_select(
     m_fin, l_i = _row_max_and_sum(M_ptr, L_ptr, pid, NS, GP * QP, NSP)
     h = hkv * G + g
     theta = tl.load(THETA_ptr + (b * H + h) * Qn + qi, mask=row_ok, other=float("-inf"))
-    if POST:
-        top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability
-        empty = live & (theta >= 0) & (top <= theta)
-    else:
-        empty = live & (m_fin <= theta)
-    c_lo = split * CHUNK
-    lo_row = tl.maximum(lo_row, c_lo)
-    hi_row = tl.maximum(tl.minimum(hi_row, c_lo + CHUNK), lo_row)
-    lo = tl.min(tl.where(hi_row > lo_row, lo_row, 1 << 30), 0)
-    hi = tl.max(hi_row, 0)
+    top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability
+    empty = _empty_rows(live, theta, m_fin, top, POST)
+    lo_row, hi_row, lo, hi = _chunk_rows(lo_row, hi_row, split, CHUNK)
     offs_dv = tl.arange(0, BLOCK_DV)
     Vb = V_ptr + b * svb + hkv * svh
     s_rows = S_ptr + (pid * (G * Qn) + g * Qn + qi) * KP
@@ -215,10 +225,7 @@ def _decode_finish(
     h = hkv * G + g
     row = (b * H + h) * Qn + qi
     theta = tl.load(THETA_ptr + row, mask=row_ok, other=float("-inf"))
-    if POST:
-        empty = live & (theta >= 0) & (1.0 / tl.maximum(l_i, TINY) <= theta)
-    else:
-        empty = live & (m_fin <= theta)
+    empty = _empty_rows(live, theta, m_fin, 1.0 / tl.maximum(l_i, TINY), POST)
     r = tl.arange(0, GP * QP)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_q = tl.arange(0, QP)
