@@ -167,3 +167,28 @@ def test_encode_pair_is_still_the_split_we_copy():
     for context, continuation in (("Question: 2+2? Answer:", " 4"), ("Ends with spaces  ", "x")):
         require(compat.encode_request(tokenizer, context, continuation) == tuple(lm._encode_pair(context, continuation)),
                 "TemplateLM._encode_pair's split", "compat.encode_request")
+
+
+def test_the_attention_library_runs_without_lm_eval():
+    """A GPU image with torch and transformers alone: ``import toptheta`` and a sparse forward need no lm-eval."""
+    import subprocess
+    import sys
+
+    script = """
+import importlib.abc, sys
+class NoLmEval(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "lm_eval" or name.startswith("lm_eval."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, NoLmEval())
+import torch, toptheta
+from toptheta.models import build_tiny_model
+model = build_tiny_model("llama", num_layers=2)
+with toptheta.sparsify(model, toptheta.TopK(k=2), [toptheta.VMC()]) as stats:
+    model(torch.arange(12).view(1, 12))
+assert not any(m.split(".")[0] == "lm_eval" for m in sys.modules), "lm_eval was imported"
+print("kept", round(stats.kept_attention_fraction, 3))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("kept 0."), done.stdout

@@ -220,7 +220,7 @@ def test_a_tile_where_nothing_passes_theta_is_skipped(monkeypatch, kind):
     sparsifier, comp = toptheta.TopTheta(thresholds), [toptheta.SDC("exact"), toptheta.VMC()]
     ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, kind)
     fn = prefill_attention if kind == "prefill" else decode_attention
-    blocks = dict(block_m=16, block_n=16) if kind == "prefill" else dict(block_n=16)
+    blocks = dict(block_m=16, block_n=16, skip_tiles=True) if kind == "prefill" else dict(block_n=16)
     res, stats = _triton(fn, q, k, v, n, sparsifier, comp, kind, **blocks)
     _assert_same(res, stats, ref_out, ref_keep, ref_stats)
     assert int(res.skipped_tiles.sum()) > 0
@@ -306,7 +306,7 @@ def test_float16_inputs_accumulate_in_float32(monkeypatch, kind):
     sparsifier, comp = _objects("post-vmc" if kind == "decode" else "pre-sdc-vmc", "keep-max")
     ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, kind)
     fn = prefill_attention if kind == "prefill" else decode_attention
-    blocks = dict(block_m=16, block_n=16) if kind == "prefill" else dict(block_n=16)
+    blocks = dict(block_m=16, block_n=16, skip_tiles=True) if kind == "prefill" else dict(block_n=16)
     res, stats = _triton(fn, q, k, v, n, sparsifier, comp, kind, key_start=ks, **blocks)
     assert res.out.dtype == torch.float16
     torch.testing.assert_close(res.out.float(), ref_out.float(), atol=3e-3, rtol=3e-3)
@@ -455,15 +455,19 @@ def test_the_running_value_sum_adds_new_rows_and_restarts_on_another_cache():
 
 
 @pytest.mark.parametrize("name", ["pre-sdc-vmc", "post-vmc"])
-def test_prefill_without_tile_skipping_gives_the_same_numbers(monkeypatch, name):
-    """skip_tiles=False reads every V tile of the key range (weights 0 where nothing is kept) without the per-tile
-    branch: the plain kernel's output and counts all the same, and no tile counted as skipped."""
+def test_prefill_with_and_without_tile_skipping_gives_the_same_numbers(monkeypatch, name):
+    """skip_tiles=False (the default) reads every V tile of the key range (weights 0 where nothing is kept) without
+    the per-tile branch, skip_tiles=True skips empty tiles: the plain kernel's output and counts both times."""
     B, Q, K = 2, 24, 24
     q, k, v = _data(B, Q, K, seed=9)
     ks, valid, n = _bounds(B, Q, K, key_start=[0, 5])
     sparsifier, comp = _objects(name, "keep-max")
     ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "prefill")
     res, stats = _triton(prefill_attention, q, k, v, n, sparsifier, comp, "prefill", key_start=ks, block_m=16,
-                         block_n=16, skip_tiles=False)
+                         block_n=16)
     _assert_same(res, stats, ref_out, ref_keep, ref_stats)
     assert int(res.skipped_tiles.sum()) == 0
+    res, stats = _triton(prefill_attention, q, k, v, n, sparsifier, comp, "prefill", key_start=ks, block_m=16,
+                         block_n=16, skip_tiles=True)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert int(res.skipped_tiles.sum()) > 0

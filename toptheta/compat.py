@@ -31,14 +31,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from lm_eval import utils as lm_eval_utils
-from lm_eval._cli.harness import HarnessCLI  # noqa: F401  (toptheta-eval's parser: lm_eval's command line)
-from lm_eval.api import samplers
-from lm_eval.models.utils import normalize_gen_kwargs, resolve_max_length
 from transformers.cache_utils import DynamicLayer  # noqa: F401  (attention/cache.py's GrowingLayer extends it)
 
 # transformers.modeling_utils and .masking_utils are imported where used, not here: they import torch._dynamo, which
-# imports triton (seconds; ``import toptheta`` loads neither, tests/test_triton_kernels.py checks it).
+# imports triton (seconds; ``import toptheta`` loads neither, tests/test_triton_kernels.py checks it). lm-eval is
+# imported where used too: the attention library runs without it (a GPU image with torch and transformers alone;
+# tests/test_compat.py checks that ``import toptheta`` loads no lm_eval module).
 
 # ----------------------------------------------------------------------------------------------------------
 # transformers
@@ -106,6 +104,14 @@ HFLM_ATTRIBUTES = ("batch_size_per_gpu", "batch_sizes", "max_batch_size", "cache
                    "mixed_precision_dtype", "logits_cache", "backend", "_model")
 
 
+def __getattr__(name: str):
+    if name == "HarnessCLI":  # toptheta-eval's parser: lm-eval's command line, loaded on first use
+        from lm_eval._cli.harness import HarnessCLI
+
+        return HarnessCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def compile_templates_once() -> None:
     """Make lm-eval compile each prompt template once instead of once per use (the same text, ~10× faster prompts).
 
@@ -114,6 +120,8 @@ def compile_templates_once() -> None:
     ARC-Easy's 2,376 25-shot contexts took 5 minutes here, 90 % of it in Jinja's compiler. The compiled templates
     are kept per template text in the same environment, so every rendering is what lm-eval's own would be.
     """
+    from lm_eval import utils as lm_eval_utils
+
     if getattr(lm_eval_utils.apply_template, "_toptheta_cached", False):
         return
     compile_template = functools.lru_cache(maxsize=4096)(lm_eval_utils.env.from_string)
@@ -134,6 +142,8 @@ def replace_sampler(task, name: str) -> None:
     override of ``fewshot_config`` at load time replaces the whole task config (lm-eval 0.4.13), so the sampler
     is swapped here, the one place that touches it.
     """
+    from lm_eval.api import samplers
+
     docs = task.fewshot_docs()
     if docs is None or not hasattr(task, "sampler"):
         return  # a task without few-shot documents: nothing to draw
@@ -142,11 +152,15 @@ def replace_sampler(task, name: str) -> None:
 
 def hflm_max_length(model, tokenizer) -> int:
     """The context length HFLM uses for ``model`` when max_length is None (lm-eval's own rule)."""
+    from lm_eval.models.utils import resolve_max_length
+
     return resolve_max_length(model.config, tokenizer)
 
 
 def max_gen_toks(gen_kwargs: dict, default: int) -> int:
     """The generation budget of a generate_until request, as HFLM reads it from the request's gen_kwargs."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
     return normalize_gen_kwargs(gen_kwargs, default)["max_gen_toks"]
 
 

@@ -393,7 +393,10 @@ def decode_attention(
     uniform = sparse and not post and sdc is None and empty_rows == "reference"
     v_all = value.float().mean(2).contiguous() if uniform else th
 
-    BLOCK_N = block_n or 64
+    # 16-bit: 128-key tiles in 2 warps, the fastest of the tuned settings on an H200 (results/bench/gpu_tune.md)
+    BLOCK_N = block_n or (64 if query.dtype == torch.float32 else 128)
+    if num_warps is None and query.dtype != torch.float32:
+        num_warps = 2
     if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1):
         raise ValueError(f"block_n must be a power of two ≥ 16 (tl.dot), got {BLOCK_N}")
     if splits is not None and splits < 1:

@@ -8,8 +8,11 @@ expanded for GQA. For a row with running maximum m the program keeps, as the Tri
 and rescales them by e^{m_old − m_new} when m grows. The two placements:
 
 * pre-softmax (one pass): keep s > θ on the logits. A key tile in which no row keeps a score skips its V
-  load and its P·V product (counted in ``skipped_tiles``); V rows no row of the block keeps are masked out of
-  the load. At the end: denominator R + λ·E with E = l − R (exact SDC), (n − |S|)·e^{min(θ,m)−m}
+  load and its P·V product (counted in ``skipped_tiles``) when ``skip_tiles``; V rows no row of the block keeps
+  are then masked out of the load. Off by default: on an H200 the per-tile column reduction and branch cost more
+  than the loads they save (16k keys, bf16, 1/3 kept: 10.2 ms without against 14.1 ms with, FlashAttention 6.5 ms;
+  results/bench/gpu_tune.md), and without them the V loads pipeline; every V tile is then read, weights 0
+  where nothing is kept. At the end: denominator R + λ·E with E = l − R (exact SDC), (n − |S|)·e^{min(θ,m)−m}
   (exp-threshold), the calibrated mass where something was dropped, or 0; o = acc / denominator + β·v̄ with
   β = 1 − R / denominator (VMC).
 * post-softmax (two passes): pass 1 computes m and l; pass 2 keeps p = e^{s−m}/l > θ and accumulates
@@ -249,7 +252,7 @@ def prefill_attention(
     num_stages: int | None = None,
     stats_row: torch.Tensor | None = None,  # the layer's packed counters (SparsityStats.packed_row): added to here
     stats_columns=None,  # their first columns, as common.stats_target
-    skip_tiles: bool = True,  # False: read every V tile (w is 0 where nothing is kept), no per-tile branch
+    skip_tiles: bool = False,  # True: skip the V load and P·V of tiles where nothing is kept (a per-tile branch)
 ) -> TritonAttention:
     """Top-θ (or dense, ``placement=None``) prefill attention; see the module docstring for what it computes.
 
