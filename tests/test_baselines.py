@@ -327,11 +327,11 @@ def test_new_fields_leave_existing_run_ids_alone(tmp_path):
     """p and lam ride outside the identity of every other sparsifier; the baselines' ids move with them."""
     base = ("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}")
     topk = pipeline.plan(cfg(*base, "sparsifier=topk"))[-1]
-    assert "p" not in topk.config["sparsifier"] and "lam" not in topk.config["sparsifier"]
+    assert "p" not in topk.sparsifier.settings and "lam" not in topk.sparsifier.settings
     a, b = (pipeline.plan(cfg(*base, "sparsifier=topp", f"sparsifier.p={p}"))[-1] for p in (0.8, 0.9))
-    assert a.run_id != b.run_id and a.thresholds is None
+    assert a.run_id != b.run_id and a.calib is None
     fitted = pipeline.plan(cfg(*base, "sparsifier=skipsoftmax", "sparsifier.target_kept=0.1"))[-1]
-    assert fitted.config["sparsifier"]["lam"] is None and fitted.config["target"]["task"]  # fitted at run time
+    assert fitted.sparsifier.settings["lam"] is None and fitted.target.settings["task"]  # fitted at run time
 
 
 def test_wandb_run_names_carry_the_baselines_parameter():

@@ -158,8 +158,8 @@ def test_beyond_enters_the_run_id_only_when_it_is_fit(tmp_path):
     base = ("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", "sparsifier=toptheta")
     default, clamp, fit = (pipeline.plan(cfg(*base, *extra))[-1] for extra in ((), ("calib.beyond=clamp",),
                                                                              ("calib.beyond=fit",)))
-    assert "beyond" not in default.thresholds and default.run_id == clamp.run_id
-    assert fit.thresholds["beyond"] == "fit" and fit.run_id != default.run_id
+    assert "beyond" not in default.calib.settings and default.run_id == clamp.run_id
+    assert fit.calib.beyond == "fit" and fit.run_id != default.run_id
     fingerprint = {"layers": 2}
     assert thresholds_cache.thresholds_key(fit, fingerprint) == thresholds_cache.thresholds_key(default, fingerprint)  # one file
     with pytest.raises(Exception, match="calib.beyond"):  # Hydra's schema refuses other values while composing

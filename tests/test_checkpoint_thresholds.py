@@ -156,6 +156,7 @@ def test_cover_shots_and_sampler_are_settings_and_older_sets_read_as_zero_and_de
     """A set saved before calib.cover_shots / fewshot_sampler existed (its metadata lacks them) serves runs at 0
     and the default sampler only; a set calibrated with cover_shots=4 on first_n exemplars serves only such runs."""
     from toptheta.calibration.checkpoint import run_settings
+    from toptheta.spec import CalibSpec, SparsifierSpec
 
     folder, model, _ = _calibrate_folder(tmp_path)
     _calibrate(model, k=4).save_pretrained(folder)  # no cover_shots, no sampler in its metadata
@@ -165,7 +166,8 @@ def test_cover_shots_and_sampler_are_settings_and_older_sets_read_as_zero_and_de
     sparsifier = {"k": 4, "placement": "post", "layer_k": {}}
 
     def found(k, **calib):
-        want = run_settings({**sparsifier, "k": k}, {"statistic": "order", **calib}, [], 2)
+        want = run_settings(SparsifierSpec.from_settings({**sparsifier, "k": k}),
+                            CalibSpec.from_settings({"statistic": "order", **calib}), [], 2)
         return {key: want[key] for key in ("k_per_layer", "placement", "cover_shots", "fewshot_sampler")}
 
     assert matching(folder, found(4), model) is not None

@@ -190,12 +190,12 @@ def test_a_job_runs_its_own_configuration_before_waiting_on_a_claimed_baseline(t
     config = cfg("model=tiny-llama", "task=smoke", "sparsifier=topk", "sparsifier.k=4", "sparsifier.layer_k=null",
                  f"results_dir={tmp_path}")
     specs = pipeline.plan(config)
-    baseline = next(s for s in specs if s.config["sparsifier"]["name"] == "dense")
+    baseline = next(s for s in specs if s.sparsifier.settings["name"] == "dense")
     holder = _holder(tmp_path / ".claims" / f"{baseline.run_id}.lock", {claims.LOCK_ENV: "flock"})
     order = []
 
     def execute(spec, *args, **kwargs):
-        order.append(spec.config["sparsifier"]["name"])
+        order.append(spec.sparsifier.settings["name"])
         if spec is not baseline and spec.run_id != baseline.run_id:
             holder.communicate("")  # the other job finishes its baseline (without storing it: computed here then)
 

@@ -119,13 +119,13 @@ def test_lm_eval_generation_batches_with_decode_batch_in_the_run_id(tmp_path, mo
 
     base = ("model=tiny-llama", "task=longbench_multi_news", f"results_dir={tmp_path}")
     plain, batched = pipeline.plan(cfg(*base, "task.batch_size=8")), pipeline.plan(cfg(*base, "task.decode_batch=4"))
-    assert "decode_batch" not in plain[-1].config["task"] and batched[-1].config["task"]["decode_batch"] == 4
+    assert "decode_batch" not in plain[-1].task.settings and batched[-1].task.settings["decode_batch"] == 4
     assert batched[-1].run_id != plain[-1].run_id
     assert plain[-1].run_id == pipeline.plan(cfg(*base))[-1].run_id  # batch_size: not part of the id
     seen = []
     monkeypatch.setattr(lm_eval_adapter, "evaluate_tasks", lambda *a, **kw: seen.append(kw["decode_batch"]) or {})
-    for task, expected in ((plain[-1].config["task"], 1), (batched[-1].config["task"], 4)):
-        pipeline.evaluate(dict(task), None, None, None, {})
+    for task, expected in ((plain[-1].task, 1), (batched[-1].task, 4)):
+        pipeline.evaluate(task, None, None, None, plain[-1].model)
         assert seen[-1] == expected
 
 
@@ -143,23 +143,23 @@ def test_generation_tasks_batch_with_decode_batch(overrides, message, tmp_path):
     assert message in str(err.value)
     batched = pipeline.plan(cfg("model=tiny-llama", "task=passkey", f"results_dir={tmp_path}", "task.decode_batch=4"))
     plain = pipeline.plan(cfg("model=tiny-llama", "task=passkey", f"results_dir={tmp_path}"))
-    assert "decode_batch" not in plain[-1].config["task"]  # unset: run ids stay those of before the option
+    assert "decode_batch" not in plain[-1].task.settings  # unset: run ids stay those of before the option
     assert batched[-1].run_id != plain[-1].run_id  # part of the run id: batched greedy tokens may differ
     shared = pipeline.plan(cfg("model=tiny-llama", "task=passkey", f"results_dir={tmp_path}", "task.filler=shared",
                                "task.share_prefix=true"))
-    assert "share_prefix" not in plain[-1].config["task"] and "filler" not in plain[-1].config["task"]
-    assert shared[-1].config["task"]["filler"] == "shared" and shared[-1].run_id != plain[-1].run_id
+    assert "share_prefix" not in plain[-1].task.settings and "filler" not in plain[-1].task.settings
+    assert shared[-1].task.settings["filler"] == "shared" and shared[-1].run_id != plain[-1].run_id
 
 
 def test_batch_size_auto_and_fractional_limits_are_allowed(tmp_path):
     c = cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", "task.batch_size=auto", "task.limit=0.5")
-    assert pipeline.plan(c)[-1].config["task"]["batch_size"] == "auto"
+    assert pipeline.plan(c)[-1].task.settings["batch_size"] == "auto"
 
 
 def test_plan_sees_plain_strings_not_enums(tmp_path):
     spec = pipeline.plan(cfg("model=tiny-llama", "task=smoke", "comp=sdc+vmc", f"results_dir={tmp_path}"))[-1]
-    assert type(spec.config["sparsifier"]["name"]) is str and type(spec.thresholds["granularity"]) is str
-    assert spec.config["sparsifier"]["placement"] == "pre" and type(spec.config["comp"]["sdc"]) is str
+    assert type(spec.sparsifier.settings["name"]) is str and type(spec.calib.granularity) is str
+    assert spec.sparsifier.settings["placement"] == "pre" and type(spec.comp.settings["sdc"]) is str
 
 
 def test_choices_print_as_their_values():
@@ -175,9 +175,9 @@ def test_run_ids_did_not_change_with_the_schema(tmp_path):
     specs = pipeline.plan(cfg(f"results_dir={tmp_path}"))
     stored = json.loads((ROOT / "results" / "runs" / "1ab878e002fa755b" / "config.json").read_text())
     # task.prefix_cache rides along after the id is computed (how scoring runs, not what it scores)
-    assert specs[0].label == "dense" and set(specs[0].config["task"]) - {"prefix_cache"} == set(stored["task"])
+    assert specs[0].label == "dense" and set(specs[0].task.settings) - {"prefix_cache"} == set(stored["task"])
     assert specs[0].run_id == "2e56db9915929e68"  # the default dense run's id before fewshot_sampler, prefix_cache, target_kept
-    assert set(specs[0].config["sparsifier"]) == set(stored["sparsifier"])
+    assert set(specs[0].sparsifier.settings) == set(stored["sparsifier"])
     with_path = pipeline.plan(cfg(f"results_dir={tmp_path}", "task.include_path=/somewhere"))
     assert with_path[0].run_id != specs[0].run_id  # when set, it is part of the identity
 

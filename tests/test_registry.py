@@ -115,11 +115,11 @@ def test_a_typo_fails_before_anything_loads_listing_the_known_names(tmp_path):
 
 def test_the_new_kinds_plan_as_their_registrations_say(tmp_path):
     (spec,) = pipeline.plan(cfg(*RUN, *RECENT, "comp=vmc", "comp.halfsdc=true", f"results_dir={tmp_path}"))
-    assert spec.config["sparsifier"]["window"] == 4 and spec.config["comp"]["halfsdc"] is True
-    assert spec.config["sparsifier"]["placement"] == "pre"  # placement=auto: HalfSDC prefers pre-softmax
-    assert spec.label == "recent-pre" and spec.thresholds is None  # no thresholds: none asked for
+    assert spec.sparsifier.settings["window"] == 4 and spec.comp.settings["halfsdc"] is True
+    assert spec.sparsifier.settings["placement"] == "pre"  # placement=auto: HalfSDC prefers pre-softmax
+    assert spec.label == "recent-pre" and spec.calib is None  # no thresholds: none asked for
     fitted = pipeline.plan(cfg(*RUN, *RECENT, "sparsifier.target_kept=0.5", f"results_dir={tmp_path}"))[-1]
-    assert fitted.config["sparsifier"]["window"] is None  # sparsifier.target_kept fits the rule's own parameter
+    assert fitted.sparsifier.settings["window"] is None  # sparsifier.target_kept fits the rule's own parameter
 
 
 def test_their_yaml_files_compose_into_the_schema(tmp_path):
@@ -134,7 +134,7 @@ def test_their_yaml_files_compose_into_the_schema(tmp_path):
             f"results_dir={tmp_path / 'results'}")
     (spec,) = pipeline.plan(c)
     (expected,) = pipeline.plan(cfg(*RUN, *RECENT, "comp=vmc", "comp.halfsdc=true", f"results_dir={tmp_path / 'results'}"))
-    assert spec.run_id == expected.run_id and spec.config["sparsifier"]["window"] == 4
+    assert spec.run_id == expected.run_id and spec.sparsifier.settings["window"] == 4
 
 
 def _stored(results_dir) -> tuple[dict, dict, list]:

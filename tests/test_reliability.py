@@ -26,7 +26,7 @@ def test_layer_k_override_may_name_layers_the_default_does_not():
     composed = cfg("model=tiny-llama", "task=smoke", "sparsifier.layer_k={0:512,1:512,2:512}")
     assert dict(composed.sparsifier.layer_k) == {0: 512, 1: 512, 2: 512}
     spec = pipeline.plan(composed)[-1]
-    assert spec.config["sparsifier"]["layer_k"] == {0: 512, 1: 512, 2: 512}
+    assert spec.sparsifier.settings["layer_k"] == {0: 512, 1: 512, 2: 512}
     assert dict(cfg("sparsifier.layer_k={2:64}").sparsifier.layer_k) == {0: 512, 1: 512, 2: 64}  # merged, as README says
     assert cfg("sparsifier.layer_k=null").sparsifier.layer_k is None
     assert dict(cfg("sparsifier=dense", "sparsifier.layer_k={3:8}").sparsifier.layer_k) == {3: 8}
@@ -37,7 +37,7 @@ def test_default_layer_k_still_changes_no_run_id():
     default = pipeline.plan(cfg("model=tiny-llama", "task=smoke"))[-1]
     spelled = pipeline.plan(cfg("model=tiny-llama", "task=smoke", "sparsifier.layer_k={0:512,1:512}"))[-1]
     assert default.run_id == spelled.run_id
-    assert default.config["sparsifier"]["layer_k"] == {0: 512, 1: 512}
+    assert default.sparsifier.settings["layer_k"] == {0: 512, 1: 512}
 
 
 @pytest.mark.parametrize("value", ["{a:3}", "{0:x}"])

@@ -9,6 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from toptheta import builders, config, pipeline
+from toptheta.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -38,10 +39,10 @@ def test_sparsifier_comp_calib_grid_plans_or_explains(sparsifier, comp, calib, t
         return
     for spec in specs:
         assert spec.run_id
-        comps = builders.compensation_objects(spec.config["comp"], thresholds=None)
-        if spec.config["sparsifier"]["name"] != "toptheta":
-            builders.build_sparsifier(spec.config["sparsifier"])
-        assert len(comps) == bool(spec.config["comp"]["sdc"]) + bool(spec.config["comp"]["vmc"])
+        comps = builders.compensation_objects(spec.comp.settings, thresholds=None)
+        if spec.sparsifier.settings["name"] != "toptheta":
+            builders.build_sparsifier(spec.sparsifier.settings)
+        assert len(comps) == bool(spec.comp.settings["sdc"]) + bool(spec.comp.settings["vmc"])
 
 
 @pytest.mark.parametrize("task", options("task"))
@@ -55,12 +56,12 @@ def test_every_task_plans(task, tmp_path):
                 pipeline.plan(c)
             continue
         specs = pipeline.plan(c)
-    assert specs[-1].config["task"]["name"] == task
+    assert specs[-1].task.settings["name"] == task
 
 
 def test_placement_auto_follows_sdc():
-    assert pipeline.plan(cfg("model=tiny-llama", "task=smoke", "comp=sdc+vmc"))[-1].config["sparsifier"]["placement"] == "pre"
-    assert pipeline.plan(cfg("model=tiny-llama", "task=smoke", "comp=vmc"))[-1].config["sparsifier"]["placement"] == "post"
+    assert pipeline.plan(cfg("model=tiny-llama", "task=smoke", "comp=sdc+vmc"))[-1].sparsifier.settings["placement"] == "pre"
+    assert pipeline.plan(cfg("model=tiny-llama", "task=smoke", "comp=vmc"))[-1].sparsifier.settings["placement"] == "post"
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -270,7 +271,7 @@ def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = make_logger({"name": "wandb", "mode": "offline", "project": "toptheta-test"}, {"k": 4})
     stats = SparsityStats(num_layers=2, num_heads=4, num_kv_heads=2)
-    spec = pipeline.RunSpec(config={}, run_id="abc", label="topk-post")
+    spec = RunSpec.from_identity({}, run_id="abc", label="topk-post")
     logger.log_run(spec, [{"task": "smoke", "metric": "acc,none", "value": 0.5}], stats)
     logger.finish()
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))

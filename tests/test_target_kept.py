@@ -97,14 +97,14 @@ def test_first_n_composes_in_every_multiple_choice_task_and_changes_the_run_id(t
     base = ("model=tiny-llama", f"task={task}", f"results_dir={tmp_path}", "data_dir=auto")
     plain = pipeline.plan(cfg(*base))
     fixed = pipeline.plan(cfg(*base, "task.fewshot_sampler=first_n"))
-    assert "fewshot_sampler" not in plain[-1].config["task"]
-    assert fixed[-1].config["task"]["fewshot_sampler"] == "first_n"
+    assert "fewshot_sampler" not in plain[-1].task.settings
+    assert fixed[-1].task.settings["fewshot_sampler"] == "first_n"
     assert all(a.run_id != b.run_id for a, b in zip(plain, fixed))
-    if fixed[-1].thresholds is not None:  # Top-θ calibrates on rows built the same way
-        assert fixed[-1].thresholds["fewshot_sampler"] == "first_n"
+    if fixed[-1].calib is not None:  # Top-θ calibrates on rows built the same way
+        assert fixed[-1].calib.fewshot_sampler == "first_n"
     off = pipeline.plan(cfg(*base, "task.prefix_cache=false"))
     assert [s.run_id for s in off] == [s.run_id for s in plain]  # how scoring runs, not what it scores
-    assert off[-1].config["task"]["prefix_cache"] is False
+    assert off[-1].task.settings["prefix_cache"] is False
 
 
 def test_a_v_row_target_is_met_in_decode_steps_and_names_its_measure(tmp_path):
@@ -114,7 +114,7 @@ def test_a_v_row_target_is_met_in_decode_steps_and_names_its_measure(tmp_path):
                  "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "baseline=false", "log_samples=false")
     (vrow_spec,) = pipeline.plan(cfg(*overrides, "sparsifier.target_measure=vrows", f"results_dir={tmp_path}"))
     (attention_spec,) = pipeline.plan(cfg(*overrides, f"results_dir={tmp_path}"))
-    assert vrow_spec.run_id != attention_spec.run_id and "target_measure" not in attention_spec.config["sparsifier"]
+    assert vrow_spec.run_id != attention_spec.run_id and "target_measure" not in attention_spec.sparsifier.settings
     pipeline.run(cfg(*overrides, "sparsifier.target_measure=vrows", f"results_dir={tmp_path}"))
     stats = json.loads((tmp_path / "runs" / vrow_spec.run_id / "stats.json").read_text())
     record = stats["target"]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from toptheta import SparsityStats, pipeline
+from toptheta import SparsityStats
+from toptheta.spec import RunSpec
 from toptheta.results.wandb_logger import make_logger, resolve_mode
 
 BLOCK = 32768  # the log's block size; a record header is 7 bytes: crc32 (4), length (2), type (1)
@@ -60,8 +61,9 @@ def read_run(path: Path) -> dict:
 
 
 def _spec(label, run_id, sparsifier, comp, thresholds=None):
-    config = {"model": {"name": "tiny-llama"}, "sparsifier": sparsifier, "comp": comp, "task": {"name": "smoke"}}
-    return pipeline.RunSpec(config=config, run_id=run_id, label=label, thresholds=thresholds)
+    identity = {"model": {"name": "tiny-llama"}, "sparsifier": sparsifier, "comp": comp, "task": {"name": "smoke"},
+                "calib": thresholds}
+    return RunSpec.from_identity(identity, run_id=run_id, label=label)
 
 
 def _rows(run_id, sparsifier, k, comp, acc):

@@ -9,21 +9,20 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .builders import build_sparsifier, compensation_objects
 from .registry import Parameter, sparsifier_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 if TYPE_CHECKING:
-    from .pipeline import RunSpec
+    from .spec import RunSpec, SparsifierSpec
 
 log = logging.getLogger("toptheta")
 
 
-def kept_in_sparsified_layers(stats, sparsifier: dict) -> float | None:
+def kept_in_sparsified_layers(stats, sparsifier: SparsifierSpec) -> float | None:
     """The kept attention fraction over the layers sparsifier.k governs (those not in layer_k); None for dense."""
-    if not sparsifier_kind(sparsifier["name"]).drops:
+    if not sparsifier_kind(sparsifier.name).drops:
         return None
-    free = [layer for layer in range(stats.num_layers) if layer not in (sparsifier.get("layer_k") or {})]
+    free = [layer for layer in range(stats.num_layers) if layer not in (sparsifier.layer_k or {})]
     valid = float(stats.prefill_valid[free].sum()) if free else 0.0
     return float(stats.prefill_kept[free].sum()) / valid if valid else None
 
@@ -40,8 +39,6 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     Top-k's fraction follows from the rows' lengths; Top-θ's is measured with the thresholds of each k tried
     (calibrated and cached as any run's); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
     fraction (calibration/target_param.py). Fails with the fix when the target is out of reach."""
-    import copy
-
     import torch
 
     from . import sparsify
@@ -49,24 +46,21 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     from .calibration.target_param import fit_parameter
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
 
-    target = spec.config["sparsifier"].get("target_kept")
+    target = spec.sparsifier.target_kept
     if target is None:
         return spec, None
-    rows = spec.config["target"]
+    rows = spec.target
     sequences = calibration_requests(
-        tokenizer, rows["task"], data_dir=spec.config["data_dir_path"], num_fewshot=rows["num_fewshot"],
-        limit=rows["num_samples"], max_length=spec.config["model"].get("max_length") or hflm_max_length(model, tokenizer),
-        seed=rows.get("seed", 0), fewshot_sampler=rows.get("fewshot_sampler"), draw=rows.get("seed", 0))
-    layer_k = spec.config["sparsifier"].get("layer_k") or {}
+        tokenizer, rows.task, data_dir=spec.data_dir_path, num_fewshot=rows.num_fewshot,
+        limit=rows.num_samples, max_length=spec.model.max_length or hflm_max_length(model, tokenizer),
+        seed=rows.seed, fewshot_sampler=rows.fewshot_sampler, draw=rows.seed)
+    layer_k = spec.sparsifier.layer_k or {}
     num_layers = model.config.get_text_config().num_hidden_layers
 
     def with_value(k, key: str = "k") -> RunSpec:  # the spec with sparsifier.<key> (k, p or lam) resolved
-        resolved = copy.copy(spec)
-        resolved.config = copy.deepcopy(spec.config)
-        resolved.config["sparsifier"][key] = k
-        return resolved
+        return spec.with_sparsifier(**{key: k})
 
-    vrows = spec.config["sparsifier"].get("target_measure") == "vrows"
+    vrows = spec.sparsifier.target_measure == "vrows"
     measured: dict = {}
 
     def measure(k, key: str = "k") -> float:
@@ -74,11 +68,11 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
             return measured[key, k]
         candidate = with_value(k, key)
         thresholds = None
-        if candidate.thresholds is not None:
+        if candidate.calib is not None:
             with thresholds_claim(candidate, model):
                 thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
-        sparsifier = build_sparsifier(candidate.config["sparsifier"], thresholds)
-        with torch.no_grad(), sparsify(model, sparsifier, compensation_objects(candidate.config["comp"], thresholds)) as stats:
+        with torch.no_grad(), sparsify(model, candidate.sparsifier.build(thresholds),
+                                       candidate.comp.objects(thresholds)) as stats:
             if vrows:  # the generation tasks' measure: V rows read in decode steps after each calibration row
                 for ids in sequences[:VROW_SEQUENCES]:
                     model.generate(torch.tensor([ids], device=model.device), max_new_tokens=VROW_TOKENS,
@@ -94,13 +88,13 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         measured[key, k] = kept
         return kept
 
-    parameter = sparsifier_kind(spec.config["sparsifier"]["name"]).parameter
+    parameter = sparsifier_kind(spec.sparsifier.name).parameter
     if vrows and parameter is None:  # k by bisection on the measured V-row fraction (no closed form: heads' union)
         k_range = Parameter("k", 1, max(len(s) for s in sequences), log=True, keeps_more_when_higher=True)
         value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))))
         k = max(1, round(value))
         log.info("target_kept=%g of the V rows: k=%d (kept %.4f in decode steps after the calibration rows of %s)",
-                 target, k, kept, rows["task"])
+                 target, k, kept, rows.task)
         return with_value(k), {"target_kept": target, "target_measure": "vrows", "k": k, "calibration_kept": kept,
                                "tried": [(max(1, round(v)), f) for v, f in tried],
                                "calibration_sequences": min(len(sequences), VROW_SEQUENCES)}
@@ -108,12 +102,12 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         key = parameter.key
         value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key))
         log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
-                 rows["task"])
+                 rows.task)
         return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,
                                         "tried": tried, "calibration_sequences": len(sequences),
                                         **({"target_measure": "vrows"} if vrows else {})}
     k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
-                               measure if spec.thresholds is not None else None)
-    log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows["task"])
+                               measure if spec.calib is not None else None)
+    log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows.task)
     return with_value(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
                            "calibration_sequences": len(sequences)}

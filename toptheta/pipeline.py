@@ -14,29 +14,17 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .builders import build_sparsifier, check_combination, check_sparsifies, compensation_objects, needs_thresholds
+from .builders import check_combination, check_sparsifies, needs_thresholds
 from .matched import kept_in_sparsified_layers, resolve_target
 from .registry import LM_EVAL_KIND, active_compensations, sparsifier_kind, task_kind
+from .spec import ModelSpec, RunSpec, TaskSpec
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 log = logging.getLogger("toptheta")
-
-
-@dataclass
-class RunSpec:
-    """One evaluation: what the results store keys on."""
-
-    config: dict
-    run_id: str = ""
-    label: str = ""
-    thresholds: dict | None = None  # calibration settings when the run needs thresholds
-    notes: list = field(default_factory=list)
-    log_samples: bool = False  # keep lm-eval's per-sample outputs (not part of the run id)
 
 
 # ---- validation: everything that can fail without a model ------------------------------------------
@@ -129,10 +117,9 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
                        label))
     specs[-1].notes = notes
     for spec in specs:
-        spec.config["data_dir_path"] = data_dir  # not part of the run id: the same data can live anywhere
-        spec.config["task"] = {**spec.config["task"], "prefix_cache": prefix_cache}  # nor this (after the id)
+        spec.data_dir_path = data_dir  # not part of the run id: the same data can live anywhere
         spec.log_samples = bool(c["log_samples"])
-    return specs
+    return [spec.with_task(prefix_cache=prefix_cache) for spec in specs]  # nor this (after the id)
 
 
 def _evaluated_task(task: dict) -> str | None:
@@ -140,8 +127,8 @@ def _evaluated_task(task: dict) -> str | None:
 
 
 def _spec(store, base: dict, sparsifier: dict, comp: dict, calib: dict | None, label: str) -> RunSpec:
-    config = {**base, "sparsifier": sparsifier, "comp": comp, "calib": calib}
-    return RunSpec(config=config, run_id=store.run_id_for(config), label=label, thresholds=calib)
+    identity = {**base, "sparsifier": sparsifier, "comp": comp, "calib": calib}
+    return RunSpec.from_identity(identity, run_id=store.run_id_for(identity), label=label)
 
 
 def _check_tasks(task: dict, calib_task: str | None, data_dir: str | None) -> None:
@@ -165,32 +152,32 @@ def _check_tasks(task: dict, calib_task: str | None, data_dir: str | None) -> No
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
 
-def evaluate(task: dict, model, tokenizer, data_dir: str | None, model_cfg: dict, log_samples: bool = False,
+def evaluate(task: TaskSpec, model, tokenizer, data_dir: str | None, model_spec: ModelSpec, log_samples: bool = False,
              stats=None, checkpoint: Path | None = None, stop=None) -> dict:
     """lm-eval's results dict (or the same shape for our generation tasks, which may add ``task_stats``: the
     statistics of sub-tasks such as one passkey length, cut from the session's ``stats``; and ``resumed``: the
     parts read back from ``checkpoint``, a directory where passkey saves each finished length; ``stop`` is asked
     between those parts whether to pause, raising generation.Paused)."""
-    if task["kind"] == "lm_eval":
+    if task.kind == LM_EVAL_KIND:
         from .evaluation.lm_eval_adapter import clip_samples, evaluate_tasks
         from .evaluation.tasks import is_longbench
 
         # Chat models get their template on generation tasks (LongBench's convention), never on
         # multiple-choice ones, whose scores compare loglikelihoods of raw continuations.
-        chat = bool(model_cfg.get("chat_template")) and is_longbench(task["lm_eval_task"])
-        results = evaluate_tasks(model, tokenizer, [task["lm_eval_task"]], data_dir=data_dir,
-                                 num_fewshot=task.get("num_fewshot"), limit=task.get("limit"),
-                                 batch_size=task.get("batch_size", 1), max_length=task.get("max_length"),
-                                 chat_template=chat, include_path=task.get("include_path"), log_samples=log_samples,
-                                 decode_batch=task.get("decode_batch") or 1,  # in the run id; batch_size is not
-                                 fewshot_sampler=task.get("fewshot_sampler"), prefix_cache=task.get("prefix_cache", True))
+        chat = model_spec.chat_template and is_longbench(task.lm_eval_task)
+        results = evaluate_tasks(model, tokenizer, [task.lm_eval_task], data_dir=data_dir,
+                                 num_fewshot=task.num_fewshot, limit=task.limit,
+                                 batch_size=task.batch_size, max_length=task.max_length,
+                                 chat_template=chat, include_path=task.include_path, log_samples=log_samples,
+                                 decode_batch=task.decode_batch or 1,  # in the run id; batch_size is not
+                                 fewshot_sampler=task.fewshot_sampler, prefix_cache=task.prefix_cache)
         _count_generated(results, tokenizer)  # before clipping: a long response would count short
         if results.get("samples"):  # stored per run: few-shot prompts and long contexts clipped
             results["samples"] = clip_samples(results["samples"])
         return results
     from .evaluation.generation import evaluate_generation
 
-    results = evaluate_generation(task, model, tokenizer, chat_template=bool(model_cfg.get("chat_template")), stats=stats,
+    results = evaluate_generation(task.settings, model, tokenizer, chat_template=model_spec.chat_template, stats=stats,
                                   checkpoint=checkpoint, stop=stop)
     return _count_generated(results, tokenizer)
 
@@ -230,14 +217,14 @@ def job_invocation() -> dict:
     return info
 
 
-def _popularity_recorder(task: dict, model):
+def _popularity_recorder(task: TaskSpec, model):
     """The task's V-row popularity recorder (task.vrow_popularity) and the KV group it stores, or (None, None)."""
-    if task.get("vrow_popularity") is None:
+    if task.vrow_popularity is None:
         return None, None
     from .attention.popularity import VRowPopularity
     from .config import VROW_POPULARITY_DEFAULTS
 
-    popularity = {**VROW_POPULARITY_DEFAULTS, **task["vrow_popularity"]}
+    popularity = {**VROW_POPULARITY_DEFAULTS, **task.vrow_popularity}
     recorder = VRowPopularity.for_model(model, int(popularity["layer"]), max_steps=popularity["max_steps"])
     if not 0 <= int(popularity["group"]) < recorder.kv_heads:
         raise ValueError(f"task.vrow_popularity.group={popularity['group']}: this model has {recorder.kv_heads} "
@@ -250,21 +237,21 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     from .guards import warn_unintended
     from .store.rows import summary_rows
 
-    recorder, group = _popularity_recorder(spec.config["task"], model)  # bad settings fail before calibration
+    recorder, group = _popularity_recorder(spec.task, model)  # bad settings fail before calibration
     planned, (spec, target) = spec, resolve_target(spec, model, tokenizer)  # matched sparsity: k resolved here
     thresholds, thresholds_ref = (None, None)
-    if spec.thresholds is not None:
+    if spec.calib is not None:
         with thresholds_claim(spec, model):
             thresholds, thresholds_ref = obtain_thresholds(spec, model, tokenizer)
-    sparsifier = build_sparsifier(spec.config["sparsifier"], thresholds)
-    comp = compensation_objects(spec.config["comp"], thresholds)
+    sparsifier = spec.sparsifier.build(thresholds)
+    comp = spec.comp.objects(thresholds)
     log.info("evaluating %s: %r + %s", spec.label, sparsifier, comp or "no compensation")
     t0 = time.time()
     # An interrupted run resumes from the parts it saved (passkey: each length); a popularity recording follows
     # the first generation of the run, so it starts over.
     checkpoint = store.partial_dir(spec.run_id) if recorder is None else None
     with sparsify(model, sparsifier, comp, chunk_size=chunk_size, observer=recorder) as stats:
-        results = evaluate(spec.config["task"], model, tokenizer, spec.config["data_dir_path"], spec.config["model"],
+        results = evaluate(spec.task, model, tokenizer, spec.data_dir_path, spec.model,
                            log_samples=spec.log_samples, stats=stats, checkpoint=checkpoint,
                            stop=lambda: stop_requested(store.results_dir))
     summary = {**stats.summary(), **results.pop("task_stats", {}), "seconds": time.time() - t0}
@@ -273,12 +260,12 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
         summary.update(seconds=summary["seconds"] + sum(resumed.values()), resumed_parts=sorted(resumed))
     if "generated_tokens" in results:
         summary["generated_tokens"] = results.pop("generated_tokens")
-    summary["kept_attention_fraction_sparsified"] = kept_in_sparsified_layers(stats, spec.config["sparsifier"])
+    summary["kept_attention_fraction_sparsified"] = kept_in_sparsified_layers(stats, spec.sparsifier)
     if target is not None:
         summary["target"] = target  # what target_kept chose: k, the calibration rows' kept fraction, the k tried
     extra_stats = {"vrow_popularity": recorder.to_dict(group)} if recorder is not None else {}
-    warn_unintended(spec.label, spec.config["sparsifier"], spec.thresholds, stats, thresholds)
-    config = {k: v for k, v in planned.config.items() if k != "data_dir_path"}  # as planned: the run id's source
+    warn_unintended(spec.label, spec.sparsifier.settings, spec.calib.settings if spec.calib else None, stats, thresholds)
+    config = planned.stored_config()  # as planned: the run id's source
     store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, "per_layer": stats.per_layer(), **extra_stats},
                     thresholds_ref=thresholds_ref, extra={"label": spec.label},
                     texts={"invocation.json": json.dumps(invocation or {}, indent=2, default=str) + "\n"},
@@ -353,7 +340,7 @@ def run(cfg: DictConfig):
         model.eval()
         check_supported(model)  # sinks, or attention that bypasses the interface: refused before any evaluation
         longest_row = cfg.task.max_length or m.max_length or info.max_position_embeddings
-        check_sparsifies(specs[-1].config["sparsifier"], info.num_layers, longest_row, m.name)
+        check_sparsifies(specs[-1].sparsifier.settings, info.num_layers, longest_row, m.name)
         if cfg.task.kind != "lm_eval":
             from .evaluation.generation import check_context, check_decoding
 

@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .builders import compensation_objects
 from .cachedir import cache_dir
 
 if TYPE_CHECKING:
-    from .pipeline import RunSpec
+    from .spec import RunSpec
 
 log = logging.getLogger("toptheta")
 
@@ -33,15 +32,14 @@ def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
     """
     from .calibration import calibration_compensation, compensation_labels
 
-    calib = {k: v for k, v in spec.thresholds.items() if k not in ("lookup", "smooth_sigma", "compensation", "beyond")}
-    sparsifier = spec.config["sparsifier"]
-    applied = calibration_compensation(compensation_objects(spec.config["comp"]), sparsifier["placement"],
-                                       spec.thresholds.get("compensation", "run"), spec.thresholds.get("tac", True))
-    identity = {"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
-                "dtype": spec.config["model"]["dtype"], "fingerprint": fingerprint, "k": sparsifier["k"],
-                "layer_k": sparsifier.get("layer_k"), "placement": sparsifier["placement"], "calib": calib,
+    sparsifier, calib = spec.sparsifier, spec.calib
+    applied = calibration_compensation(spec.comp.objects(), sparsifier.placement, calib.compensation, calib.tac)
+    identity = {"model": spec.model.source, "revision": spec.model.revision, "dtype": spec.model.dtype,
+                "fingerprint": fingerprint, "k": sparsifier.k,
+                "layer_k": sparsifier.settings.get("layer_k"),  # as given (absent: None), so keys stay as they were
+                "placement": sparsifier.placement, "calib": calib.key_settings(),
                 "calibration_compensation": compensation_labels(applied),
-                "data": spec.config["data_dir"], "max_length": spec.config["model"]["max_length"]}
+                "data": spec.data_dir, "max_length": spec.model.max_length}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -83,10 +81,10 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     from .calibration import Thresholds, model_fingerprint
     from .calibration.thresholds import DamagedThresholds
 
-    calib, sparsifier = spec.thresholds, spec.config["sparsifier"]
-    path = thresholds_dir() / spec.config["model"]["name"] / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
-    options = {"lookup": calib.get("lookup", "nearest"), "smooth_sigma": calib.get("smooth_sigma", 0.0)}
-    beyond = calib.get("beyond", "clamp")  # rows past the calibrated lengths (calibration/beyond.py): at run time
+    calib, sparsifier = spec.calib, spec.sparsifier
+    path = thresholds_dir() / spec.model.name / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
+    options = {"lookup": calib.lookup, "smooth_sigma": calib.smooth_sigma}
+    beyond = calib.beyond  # rows past the calibrated lengths (calibration/beyond.py): at run time
     loading = {**options, "beyond": beyond}
     found = checkpoint_thresholds(spec, model, loading)  # a model folder that carries its own (save_pretrained)
     if found is not None:
@@ -102,20 +100,18 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
             log.warning("thresholds: %s is damaged (%s); moved aside to %s, calibrating again", path, err, aside.name)
     t0 = time.time()
     thresholds = calibrate_on_task(
-        model, tokenizer, calib["task"], data_dir=spec.config["data_dir_path"], num_fewshot=calib.get("num_fewshot"),
-        num_samples=calib.get("num_samples"), max_length=spec.config["model"].get("max_length"),
-        seed=calib.get("seed", 0), fewshot_sampler=calib.get("fewshot_sampler"),
-        cover_shots=int(calib.get("cover_shots") or 0), k=sparsifier["k"], placement=sparsifier["placement"],
-        layer_k=sparsifier.get("layer_k"), statistic=calib.get("statistic", "order"),
-        sigma_add=calib.get("sigma_add", 0.1), granularity=calib.get("granularity", "layer-head-n"),
-        tac=calib.get("tac", True), sample_frac=calib.get("sample_frac", 1.0),
-        compensations=compensation_objects(spec.config["comp"]), compensation=calib.get("compensation", "run"),
-        generate_tokens=int(calib.get("decode_tokens") or 0),
-        metadata={"model": spec.config["model"]["source"], "revision": spec.config["model"]["revision"],
-                  "calibration_task": calib["task"], "calibration_split": "train",
-                  "calibration_documents": calib.get("num_samples"), "num_fewshot": calib.get("num_fewshot"),
-                  **({"cover_shots": calib["cover_shots"]} if calib.get("cover_shots") else {}),
-                  **({"fewshot_sampler": calib["fewshot_sampler"]} if calib.get("fewshot_sampler") else {})},
+        model, tokenizer, calib.task, data_dir=spec.data_dir_path, num_fewshot=calib.num_fewshot,
+        num_samples=calib.num_samples, max_length=spec.model.max_length, seed=calib.seed,
+        fewshot_sampler=calib.fewshot_sampler, cover_shots=int(calib.cover_shots or 0), k=sparsifier.k,
+        placement=sparsifier.placement, layer_k=sparsifier.settings.get("layer_k"), statistic=calib.statistic,
+        sigma_add=calib.sigma_add, granularity=calib.granularity, tac=calib.tac, sample_frac=calib.sample_frac,
+        compensations=spec.comp.objects(), compensation=calib.compensation,
+        generate_tokens=int(calib.decode_tokens or 0),
+        metadata={"model": spec.model.source, "revision": spec.model.revision,
+                  "calibration_task": calib.task, "calibration_split": "train",
+                  "calibration_documents": calib.num_samples, "num_fewshot": calib.num_fewshot,
+                  **({"cover_shots": calib.cover_shots} if calib.cover_shots else {}),
+                  **({"fewshot_sampler": calib.fewshot_sampler} if calib.fewshot_sampler else {})},
         **options,
     )
     thresholds.save(path)
@@ -130,13 +126,13 @@ def checkpoint_thresholds(spec: RunSpec, model, options: dict):
     from .calibration import calibration_compensation, compensation_labels
     from .calibration.checkpoint import matching, run_settings
 
-    source = os.path.expanduser(str(spec.config["model"]["source"]))
+    source = os.path.expanduser(str(spec.model.source))
     if not os.path.isdir(source):
         return None
-    sparsifier, calib = spec.config["sparsifier"], spec.thresholds
-    applied = calibration_compensation(compensation_objects(spec.config["comp"]), sparsifier["placement"],
-                                       calib.get("compensation", "run"), calib.get("tac", True))
-    wanted = run_settings(sparsifier, calib, compensation_labels(applied), model.config.get_text_config().num_hidden_layers)
+    applied = calibration_compensation(spec.comp.objects(), spec.sparsifier.placement, spec.calib.compensation,
+                                       spec.calib.tac)
+    wanted = run_settings(spec.sparsifier, spec.calib, compensation_labels(applied),
+                          model.config.get_text_config().num_hidden_layers)
     return matching(source, wanted, model, **options)
 
 
@@ -146,4 +142,4 @@ def thresholds_claim(spec: RunSpec, model):
     from .store.claims import claim
 
     key = thresholds_key(spec, model_fingerprint(model))
-    return claim(thresholds_dir() / spec.config["model"]["name"] / f"{key}.lock", f"thresholds {key}")
+    return claim(thresholds_dir() / spec.model.name / f"{key}.lock", f"thresholds {key}")

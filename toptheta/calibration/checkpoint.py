@@ -21,9 +21,13 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..atomic import write_text_atomic
 from .thresholds import Thresholds, model_fingerprint, model_identity
+
+if TYPE_CHECKING:
+    from ..spec import CalibSpec, SparsifierSpec
 
 log = logging.getLogger("toptheta")
 
@@ -45,19 +49,18 @@ def settings_of(thresholds: Thresholds) -> dict:
     return {**found, "k_per_layer": list(thresholds.k), "placement": thresholds.placement}
 
 
-def run_settings(sparsifier: dict, calib: dict, calibration_compensation: list[str], num_layers: int) -> dict:
-    """The settings a run asks its thresholds for (``settings_of``'s keys), from the pipeline's plain dicts."""
-    layer_k = {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}
-    statistic = calib.get("statistic", "order")
-    return {"k_per_layer": [layer_k.get(layer, sparsifier["k"]) for layer in range(num_layers)],
-            "placement": sparsifier["placement"], "statistic": statistic,
-            "granularity": calib.get("granularity", "layer-head-n"),
-            "sigma_add": float(calib.get("sigma_add", 0.1)) if statistic == "order" else None,
-            "tac": bool(calib.get("tac", True)), "calibration_compensation": list(calibration_compensation),
-            "calibration_task": calib.get("task"), "calibration_documents": calib.get("num_samples"),
-            "num_fewshot": calib.get("num_fewshot"), "sample_frac": float(calib.get("sample_frac", 1.0)),
-            "seed": int(calib.get("seed", 0)), "generate_tokens": int(calib.get("decode_tokens") or 0),
-            "cover_shots": int(calib.get("cover_shots") or 0), "fewshot_sampler": calib.get("fewshot_sampler")}
+def run_settings(sparsifier: SparsifierSpec, calib: CalibSpec, calibration_compensation: list[str],
+                 num_layers: int) -> dict:
+    """The settings a run asks its thresholds for (``settings_of``'s keys), from its spec's sections."""
+    layer_k = {int(a): int(b) for a, b in (sparsifier.layer_k or {}).items()}
+    return {"k_per_layer": [layer_k.get(layer, sparsifier.k) for layer in range(num_layers)],
+            "placement": sparsifier.placement, "statistic": calib.statistic, "granularity": calib.granularity,
+            "sigma_add": float(calib.sigma_add) if calib.statistic == "order" else None,
+            "tac": bool(calib.tac), "calibration_compensation": list(calibration_compensation),
+            "calibration_task": calib.task, "calibration_documents": calib.num_samples,
+            "num_fewshot": calib.num_fewshot, "sample_frac": float(calib.sample_frac), "seed": int(calib.seed),
+            "generate_tokens": int(calib.decode_tokens or 0), "cover_shots": int(calib.cover_shots or 0),
+            "fewshot_sampler": calib.fewshot_sampler}
 
 
 def differences(have: dict, want: dict) -> dict:

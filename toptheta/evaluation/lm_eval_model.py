@@ -266,15 +266,14 @@ class TopThetaLM(SharedContextHFLM):
 
     def _calibrate(self, tasks: list[str]):
         """Cached thresholds for these settings, calibrated now if no job has yet (thresholds_cache.obtain_thresholds)."""
-        from .. import pipeline, thresholds_cache
+        from .. import thresholds_cache
+        from ..spec import RunSpec
 
         calib = self.calib = {**self.calib, "task": self.calib["task"] or self._calibration_task(tasks)}
         model_cfg = {"name": self.info.name, "source": self.info.source, "revision": self.info.revision,
                      "dtype": str(self._model.dtype).removeprefix("torch."), "max_length": self.max_length}
-        spec = pipeline.RunSpec(config={"model": model_cfg, "sparsifier": self.sparse_cfg, "comp": self.comp,
-                                        "data_dir": "local" if self.data_dir else "hub",
-                                        "data_dir_path": str(self.data_dir) if self.data_dir else None},
-                                thresholds=calib)
+        spec = RunSpec.for_thresholds(model=model_cfg, sparsifier=self.sparse_cfg, comp=self.comp, calib=calib,
+                                      data_dir_path=str(self.data_dir) if self.data_dir else None)
         log.info("toptheta: thresholds for k=%s, placement=%s from %s's train split", self.sparse_cfg["k"],
                  self.sparse_cfg["placement"], calib["task"])
         with torch.no_grad(), thresholds_cache.thresholds_claim(spec, self._model):

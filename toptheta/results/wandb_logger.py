@@ -68,10 +68,9 @@ def run_config(spec, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     first = rows[0] if rows else {}
     flat = {k: v for k, v in first.items() if k not in NOT_CONFIG and k not in STAT_COLUMNS}
-    comp = spec.config.get("comp") or {}
-    flat.update(run_id=spec.run_id, label=spec.label, sdc=comp.get("sdc"), vmc=comp.get("vmc"),
-                sdc_scale=comp.get("sdc_scale"), tasks=sorted({r["task"] for r in rows}))
-    return {**flat, "run": spec.config}
+    flat.update(run_id=spec.run_id, label=spec.label, sdc=spec.comp.sdc, vmc=spec.comp.vmc,
+                sdc_scale=spec.comp.sdc_scale, tasks=sorted({r["task"] for r in rows}))
+    return {**flat, "run": spec.stored_config()}
 
 
 def run_name(spec, rows: Sequence[Mapping[str, Any]]) -> str:
@@ -118,10 +117,9 @@ class WandbLogger:
             run.finish()
 
     def _thresholds_artifact(self, path: Path, spec):
-        model = (spec.config.get("model") or {}).get("name") or "model"
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"thresholds-{model}-{path.stem}")
-        artifact = self.wandb.Artifact(name, type="thresholds", metadata={"calibration": spec.thresholds,
-                                                                          "sparsifier": spec.config.get("sparsifier")})
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"thresholds-{spec.model.name or 'model'}-{path.stem}")
+        metadata = {"calibration": spec.calib.settings if spec.calib else None, "sparsifier": spec.sparsifier.settings}
+        artifact = self.wandb.Artifact(name, type="thresholds", metadata=metadata)
         artifact.add_file(str(path), name="thresholds.safetensors")
         return artifact
 
