@@ -360,3 +360,8 @@ def test_a_run_matched_to_the_one_third_target_reaches_three_fold():
     assert not reaches({x: 0.3351, "target_kept": 0.5}, x, 3.0)
     assert not reaches({"kept_vrow_fraction": 0.3351, "target_kept": 1 / 3}, "kept_vrow_fraction", 3.0)
     assert reaches({x: 0.1003, "target_kept": 0.1}, x, 10.0) and not reaches({x: 0.1003, "target_kept": 0.1}, x, 10.5)
+    v = "kept_vrow_fraction"  # a target on the V rows (sparsifier.target_measure=vrows) counts for the V-row measure only
+    assert reaches({v: 0.3351, "target_kept": 1 / 3, "target_measure": "vrows"}, v, 3.0)
+    assert not reaches({x: 0.3351, "target_kept": 1 / 3, "target_measure": "vrows"}, x, 3.0)
+    assert reaches({x: 0.3351, "target_kept": 1 / 3, "target_measure": "attention"}, x, 3.0)
+    assert reaches({x: 0.3351, "target_kept": 1 / 3, "target_measure": float("nan")}, x, 3.0)  # before the column

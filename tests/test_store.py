@@ -280,3 +280,15 @@ def test_per_sample_logs_are_gzipped(tmp_path):
     assert (new / "samples.json.gz").read_bytes() == first  # no timestamp in the gzip header
     assert samples_path(store.write_run("none", config=CONFIG, lm_eval_results={"results": {}}, stats={},
                                         thresholds_ref=None)) is None
+
+
+def test_a_matched_run_records_what_its_target_is_a_fraction_of():
+    """target_measure: vrows when the run says so, attention (the default) for any other matched run, empty without a
+    target; the run id's config holds the measure only when it was set."""
+    def measure(**sparsifier):
+        config = {**CONFIG, "sparsifier": {**CONFIG["sparsifier"], **sparsifier}}
+        return summary_rows("rid", config, LM_EVAL, STATS, commit="abc")[0]["target_measure"]
+
+    assert measure(target_kept=0.1, target_measure="vrows") == "vrows"
+    assert measure(target_kept=0.1) == "attention"
+    assert measure() is None

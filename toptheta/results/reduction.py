@@ -33,13 +33,19 @@ COLUMNS = ["setting", "series", "measure", "runs", "non_inferior_runs", "reducti
            "largest_tested_reduction", "group", "run_id"]
 
 
+TARGET_MEASURES = {"attention": "kept_attention_fraction", "vrows": "kept_vrow_fraction"}  # sparsifier.target_measure
+
+
 def reaches(run, x: str, factor: float) -> bool:
     """Whether a run keeps ``factor`` times fewer of measure ``x``: measured, or matched to a target of 1/factor or
-    less of the attention elements and landed within MATCHED_SLACK of it."""
+    less of that measure (``target_measure``: the attention elements unless it says V rows) and landed within
+    MATCHED_SLACK of it."""
     kept = float(run[x])
     if 1.0 / kept >= factor:
         return True
-    target = selection.as_number(run.get("target_kept")) if x == "kept_attention_fraction" else None
+    measure = run.get("target_measure")
+    measure = "attention" if not isinstance(measure, str) or not measure else measure  # empty: before the column
+    target = selection.as_number(run.get("target_kept")) if TARGET_MEASURES.get(measure) == x else None
     return isinstance(target, (int, float)) and target == target and 0 < target <= 1.0 / factor \
         and kept <= target * (1 + MATCHED_SLACK)
 

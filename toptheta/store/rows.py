@@ -36,6 +36,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "num_fewshot",
     "fewshot_sampler",
     "target_kept",
+    "target_measure",
     "calib_seed",
     "p",
     "lam",
@@ -77,6 +78,7 @@ SUMMARY_FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "num_fewshot": ("task.num_fewshot", "eval.num_fewshot", "num_fewshot"),
     "fewshot_sampler": ("task.fewshot_sampler",),
     "target_kept": ("sparsifier.target_kept",),
+    "target_measure": ("sparsifier.target_measure",),  # what target_kept is a fraction of: attention | vrows
     "calib_seed": ("calib.seed",),
     "p": ("sparsifier.p",),  # top-p's probability mass
     "lam": ("sparsifier.lam",),  # skip-softmax's λ
@@ -194,6 +196,8 @@ def summary_rows(
 
     if base.get("fewshot_sampler") is None and _lookup(config, "task.kind") == "lm_eval":
         base["fewshot_sampler"] = "default"  # lm-eval's per-question random draw
+    if base.get("target_kept") is not None and base.get("target_measure") is None:
+        base["target_measure"] = "attention"  # the default measure (not in the run id when unset)
     if base.get("calib_beyond") is None and _lookup(config, "sparsifier.name") == "toptheta":
         base["calib_beyond"] = "clamp"  # the rule before calib.beyond existed, and its default (not in the run id)
     if _lookup(config, "sparsifier.name") == "dense":
