@@ -2,25 +2,10 @@
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
 
 import toptheta
+from conftest import ARCHS, qkv, tiny_4heads
 from toptheta.calibration import Thresholds
-
-ARCHS = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-}
-
-
-def tiny(arch: str, layers: int = 2) -> torch.nn.Module:
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return model_cls(config).eval()
 
 
 def batch(left_pad: int = 3):
@@ -35,7 +20,7 @@ def batch(left_pad: int = 3):
 @pytest.mark.parametrize("reference", ["sdpa", "eager"])
 @pytest.mark.parametrize("left_pad", [0, 3])
 def test_dense_backend_equals_transformers(arch, reference, left_pad):
-    model, inputs = tiny(arch), batch(left_pad)
+    model, inputs = tiny_4heads(arch), batch(left_pad)
     model.set_attn_implementation(reference)
     with torch.no_grad():
         expected = model(**inputs).logits
@@ -54,7 +39,7 @@ def test_dense_backend_equals_transformers(arch, reference, left_pad):
 ])
 def test_cached_decode_equals_full_forward(arch, sparsifier, comp):
     """Prefill row of length n and the decode step with KV length n see the same keys and rule."""
-    model, inputs = tiny(arch), batch()
+    model, inputs = tiny_4heads(arch), batch()
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp):
         full = model(**inputs).logits
@@ -68,7 +53,7 @@ def test_cached_decode_equals_full_forward(arch, sparsifier, comp):
 
 
 def test_topk_with_k_at_least_n_equals_dense():
-    model, inputs = tiny("llama"), batch()
+    model, inputs = tiny_4heads("llama"), batch()
     with torch.no_grad():
         with toptheta.sparsify(model):
             dense = model(**inputs).logits
@@ -79,7 +64,7 @@ def test_topk_with_k_at_least_n_equals_dense():
 
 
 def test_generate_with_every_sparsifier_and_compensation():
-    model, inputs = tiny("qwen2"), batch()
+    model, inputs = tiny_4heads("qwen2"), batch()
     v = torch.zeros(2, 4, 64)  # a threshold sparsifier with fixed θ per layer/head/n
     thresholds = Thresholds(v, [4, 4], "post")
     for sparsifier, comp in [(toptheta.TopK(4, "post"), [toptheta.VMC()]),
@@ -94,17 +79,6 @@ def test_generate_with_every_sparsifier_and_compensation():
 
 
 # ---- kernel-level properties on random tensors ------------------------------------------------------
-
-def qkv(B=2, H=4, Hkv=2, Q=12, K=12, D=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Q, D, generator=g) * 2
-    k = torch.randn(B, Hkv, K, D, generator=g) * 2
-    v = torch.randn(B, Hkv, K, D, generator=g)
-    valid = torch.ones(Q, K, dtype=torch.bool).tril(K - Q)[None, None].repeat(B, 1, 1, 1)
-    if B > 1:
-        valid[1, :, :, :3] = False  # left padding of 3 in the second sequence
-    return q, k, v, valid
-
 
 def reference_probs(q, k, valid, scale):
     """Dense probabilities in float64, the brute-force reference. (B, H, Q, K)"""
@@ -321,7 +295,7 @@ def test_rows_with_everything_below_threshold_keep_their_max_and_stay_finite():
 
 
 def test_bfloat16_model_runs_with_float32_statistics():
-    model = tiny("llama").to(torch.bfloat16)
+    model = tiny_4heads("llama").to(torch.bfloat16)
     with torch.no_grad(), toptheta.sparsify(model, toptheta.TopK(4, "pre"), [toptheta.SDC(), toptheta.VMC()]) as stats:
         logits = model(**batch()).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
@@ -335,12 +309,12 @@ def test_a_mask_function_is_registered_with_the_attention_function():
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    with toptheta.sparsify(tiny("llama", 1)):
+    with toptheta.sparsify(tiny_4heads("llama", 1)):
         assert "toptheta" in ALL_ATTENTION_FUNCTIONS and "toptheta" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
 
 
 def test_context_manager_restores_on_exception_and_refuses_nesting():
-    model = tiny("llama")
+    model = tiny_4heads("llama")
     with pytest.raises(ZeroDivisionError), toptheta.sparsify(model):
         1 / 0
     assert model.config._attn_implementation == "sdpa"
@@ -350,7 +324,7 @@ def test_context_manager_restores_on_exception_and_refuses_nesting():
 
 
 def test_model_outside_the_block_with_our_implementation_fails_clearly():
-    model = tiny("llama")
+    model = tiny_4heads("llama")
     with toptheta.sparsify(model):
         pass
     model.set_attn_implementation("toptheta")
@@ -366,12 +340,12 @@ def test_model_outside_the_block_with_our_implementation_fails_clearly():
 ])
 def test_meaningless_combinations_are_refused(sparsifier, comp, message):
     with pytest.raises(ValueError, match=message):
-        with toptheta.sparsify(tiny("llama", 1), sparsifier, comp):
+        with toptheta.sparsify(tiny_4heads("llama", 1), sparsifier, comp):
             pass
 
 
 def test_thresholds_for_another_model_shape_are_refused():
     thresholds = Thresholds(torch.zeros(3, 4, 1), [2, 2, 2], "post", {"fingerprint": {"layers": 3, "heads": 4, "kv_heads": 2, "head_dim": 16}})
     with pytest.raises(ValueError, match="calibrated for a model with"):
-        with toptheta.sparsify(tiny("llama"), toptheta.TopTheta(thresholds), []):
+        with toptheta.sparsify(tiny_4heads("llama"), toptheta.TopTheta(thresholds), []):
             pass

@@ -15,60 +15,35 @@ import pytest
 import torch
 
 import toptheta
-from test_fast_paths import _configs, _decode_data, _prefill_data, tiny
+from conftest import BACKEND_NAMES, assert_same_stats, attend, backend_data, configs, prefill_data, tiny_6heads
 from toptheta.attention import backends, fused, fused_decode, fused_prefill
 from toptheta.attention.backends import AttentionCall
 
 CONFIGS = ["dense", "topk-post-vmc", "topk-pre-sdc-vmc", "theta-post-vmc", "theta-pre", "theta-pre-sdc-vmc",
            "theta-pre-calsdc-vmc"]
 SHAPES = ["causal", "masked", "decode", "decode-bf16"]
-NAMES = [b.name for b in backends.backends()]
 
 
-def _data(shape: str):
-    if shape.startswith("decode"):
-        q, k, v, valid = _decode_data(dtype=torch.bfloat16 if shape == "decode-bf16" else torch.float32)
-        return (q, k, v, valid), "decode"
-    q, k, v, valid = _prefill_data()
-    return (q, k, v, valid if shape == "masked" else None), "prefill"
-
-
-def _attend(data, phase, sparsifier, comp):
-    q, k, v, valid = data
-    stats = toptheta.SparsityStats(num_layers=1, num_heads=q.shape[1], num_kv_heads=k.shape[1])
-    out = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=sparsifier, compensations=comp,
-                                    stats=stats, phase=phase)
-    return out, stats
-
-
-def _same_stats(a, b):
-    for name, x in a.state_dict().items():
-        torch.testing.assert_close(x, b.state_dict()[name], atol=1e-5, rtol=1e-5, msg=name)
-    for name in ("prefill_kept", "prefill_valid", "decode_kept", "decode_valid", "vrow_kept", "vrow_valid"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name  # counts: exactly
-    assert a.clamped_rows == b.clamped_rows
-
-
-@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_each_backend_serves_exactly_what_it_declares(monkeypatch, backend, shape, name):
-    sparsifier, comp = _configs()[name]
-    data, phase = _data(shape)
+    sparsifier, comp = configs()[name]
+    data, phase = backend_data(shape)
     call = AttentionCall(*data, 0.5, 0, sparsifier, tuple(comp), None, None, None, None, None, phase)
     call.forced = True
     reason = backends.get(backend).refuse(call)
     monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
-    reference, reference_stats = _attend(data, phase, sparsifier, comp)
+    reference, reference_stats = attend(data, phase, sparsifier, comp)
     monkeypatch.setenv("TOPTHETA_BACKEND", backend)
     if reason is not None:
         with pytest.raises(RuntimeError, match=re.escape(reason)):
-            _attend(data, phase, sparsifier, comp)
+            attend(data, phase, sparsifier, comp)
         return
-    out, stats = _attend(data, phase, sparsifier, comp)
+    out, stats = attend(data, phase, sparsifier, comp)
     tol = 1e-2 if shape == "decode-bf16" else 1e-5
     torch.testing.assert_close(out.float(), reference.float(), atol=tol, rtol=tol)
-    _same_stats(stats, reference_stats)
+    assert_same_stats(stats, reference_stats)
     assert stats.backend_calls == {backend: 1} and reference_stats.backend_calls == {"plain": 1}
 
 
@@ -87,9 +62,9 @@ def test_the_registry_chooses_todays_fast_path_on_cpu(monkeypatch, name, shape):
     if any(m.extension() is None for m in (fused, fused_prefill, fused_decode)):
         pytest.skip("the C++ kernels could not be built here")
     monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
-    sparsifier, comp = _configs()[name]
-    data, phase = _data(shape)
-    _, stats = _attend(data, phase, sparsifier, comp)
+    sparsifier, comp = configs()[name]
+    data, phase = backend_data(shape)
+    _, stats = attend(data, phase, sparsifier, comp)
     assert stats.backend_calls == {CHOICES[name, shape]: 1}
     assert stats.summary()["backend_calls"] == {CHOICES[name, shape]: 1}
     assert toptheta.SparsityStats.from_json(stats.to_json()).backend_calls == stats.backend_calls
@@ -97,10 +72,10 @@ def test_the_registry_chooses_todays_fast_path_on_cpu(monkeypatch, name, shape):
 
 def test_an_unknown_forced_backend_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TOPTHETA_BACKEND", "cuda-magic")
-    sparsifier, comp = _configs()["dense"]
-    data, phase = _data("causal")
+    sparsifier, comp = configs()["dense"]
+    data, phase = backend_data("causal")
     with pytest.raises(ValueError, match="names no attention backend; known: .*plain"):
-        _attend(data, phase, sparsifier, comp)
+        attend(data, phase, sparsifier, comp)
 
 
 def test_a_new_backend_is_one_registration(monkeypatch):
@@ -120,9 +95,9 @@ def test_a_new_backend_is_one_registration(monkeypatch):
     monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
     backends.register(Doubling())
     try:
-        _, stats = _attend(*_data("causal"), *_configs()["dense"])
+        _, stats = attend(*backend_data("causal"), *configs()["dense"])
         assert stats.backend_calls == {"test-dense": 1}
-        _, stats = _attend(*_data("causal"), *_configs()["theta-pre"])
+        _, stats = attend(*backend_data("causal"), *configs()["theta-pre"])
         assert "test-dense" not in stats.backend_calls
     finally:
         backends.unregister("test-dense")
@@ -136,12 +111,12 @@ CPU_BACKENDS = ["cpu-prefill", "cpu-decode", "cpu-select", "torch-decode"]
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_cpu_backends_refuse_meta_tensors(monkeypatch, backend):
     name = "theta-post-vmc"
-    sparsifier, comp = _configs()[name]
-    data, phase = _data("decode" if "decode" in backend else "causal")
+    sparsifier, comp = configs()[name]
+    data, phase = backend_data("decode" if "decode" in backend else "causal")
     data = tuple(t.to("meta") if t is not None else None for t in data)
     monkeypatch.setenv("TOPTHETA_BACKEND", backend)
     with pytest.raises(RuntimeError, match="on meta"):
-        _attend(data, phase, sparsifier, comp)
+        attend(data, phase, sparsifier, comp)
 
 
 def test_the_cpp_kernels_refuse_meta_tensors():
@@ -171,10 +146,10 @@ def test_off_the_cpu_no_layer_call_reads_a_tensor_on_the_host(monkeypatch, name,
     """Meta tensors have no values: any .item(), bool(), int() or .cpu() of one raises. The statistics stay on the
     device and name the backend (sdpa for dense, the plain kernel otherwise)."""
     monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
-    sparsifier, comp = _configs()[name]
-    data, phase = _data(shape)
+    sparsifier, comp = configs()[name]
+    data, phase = backend_data(shape)
     data = tuple(t.to("meta") if t is not None else None for t in data)
-    out, stats = _attend(data, phase, sparsifier, comp)
+    out, stats = attend(data, phase, sparsifier, comp)
     assert out.device.type == "meta"
     assert stats.backend_calls == {"sdpa" if name == "dense" else "plain": 1}
     assert list(stats._on_device) == [torch.device("meta")]  # counted there, not yet read
@@ -194,21 +169,21 @@ def test_device_counters_are_read_once_and_add_to_the_cpu_ones():
 
 def test_statistics_name_the_backend_of_every_layer_call(monkeypatch):
     monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
-    model = tiny("llama")
-    sparsifier, comp = _configs(layers=2)["topk-pre-sdc-vmc"]
+    model = tiny_6heads("llama")
+    sparsifier, comp = configs(layers=2)["topk-pre-sdc-vmc"]
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
     with toptheta.sparsify(model, sparsifier, comp) as stats:
         model(ids)
     assert stats.backend_calls == {"plain": 2}  # one call per layer
     monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
-    sparsifier, comp = _configs(layers=2)["dense"]
+    sparsifier, comp = configs(layers=2)["dense"]
     with toptheta.sparsify(model, sparsifier, comp) as stats:
         model(ids)
     assert stats.backend_calls == {"plain": 2}
 
 
 def test_paused_statistics_record_nothing():
-    model = tiny("llama")
+    model = tiny_6heads("llama")
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
     with toptheta.sparsify(model, toptheta.TopK(3, "post")) as stats:
         with stats.paused():
@@ -223,7 +198,7 @@ def test_the_batch_size_probe_is_not_counted(monkeypatch):
     must not enter the kept fractions, which then equal a fixed batch size's."""
     from lm_eval.models.huggingface import HFLM
 
-    from helpers_lm import load_tasks
+    from conftest import load_tasks
     from toptheta.evaluation import batched_lm
     from toptheta.evaluation.calibration_inputs import build_requests
     from toptheta.evaluation.shared_context_lm import BatchedHFLM, SharedContextHFLM
@@ -268,12 +243,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_cpu_backends_refuse_cuda_tensors(monkeypatch, backend):
-    sparsifier, comp = _configs()["theta-post-vmc"]
-    data, phase = _data("decode" if "decode" in backend else "causal")
+    sparsifier, comp = configs()["theta-post-vmc"]
+    data, phase = backend_data("decode" if "decode" in backend else "causal")
     data = tuple(t.cuda() if t is not None else None for t in data)
     monkeypatch.setenv("TOPTHETA_BACKEND", backend)
     with pytest.raises(RuntimeError, match="on cuda"):
-        _attend(data, phase, sparsifier, comp)
+        attend(data, phase, sparsifier, comp)
 
 
 @pytest.mark.gpu
@@ -282,21 +257,21 @@ def test_cpu_backends_refuse_cuda_tensors(monkeypatch, backend):
 @pytest.mark.parametrize("shape", ["causal", "masked", "decode"])
 def test_cuda_equals_the_cpu_reference_without_synchronising(monkeypatch, name, shape):
     monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
-    sparsifier, comp = _configs()[name]
-    data, phase = _data(shape)
+    sparsifier, comp = configs()[name]
+    data, phase = backend_data(shape)
     monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
-    reference, reference_stats = _attend(data, phase, sparsifier, comp)
+    reference, reference_stats = attend(data, phase, sparsifier, comp)
     monkeypatch.delenv("TOPTHETA_BACKEND")
     data = tuple(t.cuda() if t is not None else None for t in data)
-    _attend(data, phase, sparsifier, comp)  # warm-up: the threshold tables move to the device once
+    attend(data, phase, sparsifier, comp)  # warm-up: the threshold tables move to the device once
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, stats = _attend(data, phase, sparsifier, comp)
+        out, stats = attend(data, phase, sparsifier, comp)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out.cpu(), reference, atol=1e-4, rtol=1e-4)
-    _same_stats(stats, reference_stats)
+    assert_same_stats(stats, reference_stats)
 
 
 @pytest.mark.gpu
@@ -321,8 +296,8 @@ def test_no_host_read_inside_a_layer_call_on_cuda(name):
         return sum("called a synchronizing" in str(w.message) for w in seen)
 
     def syncs(layers: int) -> tuple[int, int, dict]:
-        model = tiny("llama", layers=layers).cuda()
-        sparsifier, comp = _configs(layers=layers)[name]
+        model = tiny_6heads("llama", layers=layers).cuda()
+        sparsifier, comp = configs(layers=layers)[name]
         ids = torch.randint(0, 97, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         mask = torch.ones_like(ids)
         mask[1, :7] = 0  # left padding
@@ -348,14 +323,14 @@ def test_no_host_read_inside_a_layer_call_on_cuda(name):
 def test_generate_on_cuda_gives_the_cpu_tokens_and_counts(name):
     """Greedy decoding with left padding on a GPU (Triton serving the Top-θ calls) against the plain kernel on CPU:
     the same tokens and the same kept counts in float32; bfloat16 generates without error and keeps a part."""
-    sparsifier, comp = _configs(layers=2)[name]
+    sparsifier, comp = configs(layers=2)[name]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (2, 24), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding
     runs = {}
     for device, dtype in (("cpu", torch.float32), ("cuda", torch.float32), ("cuda", torch.bfloat16)):
-        model = tiny("llama").to(device, dtype)
+        model = tiny_6heads("llama").to(device, dtype)
         with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=8,
                                  do_sample=False, pad_token_id=0)
@@ -418,10 +393,10 @@ def test_the_triton_backend_lowers_masks_thresholds_and_statistics(monkeypatch):
     from toptheta.attention.backends import triton as triton_backend
 
     seen = {}
-    sparsifier, comp = _configs()["theta-pre-sdc-vmc"]
-    data, phase = _data("masked")
+    sparsifier, comp = configs()["theta-pre-sdc-vmc"]
+    data, phase = backend_data("masked")
     monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
-    reference, reference_stats = _attend(data, phase, toptheta.Dense(), [])
+    reference, reference_stats = attend(data, phase, toptheta.Dense(), [])
     B, H, Q, _ = data[0].shape
 
     def prefill_attention(query, key, value, **kwargs):
@@ -442,22 +417,22 @@ def test_the_triton_backend_lowers_masks_thresholds_and_statistics(monkeypatch):
     monkeypatch.setenv("TOPTHETA_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     try:
-        out, stats = _attend(data, phase, toptheta.Dense(), [])
+        out, stats = attend(data, phase, toptheta.Dense(), [])
         assert seen["key_start"].tolist() == [0, 5] and seen["q_offset"] == 0 and seen["theta"] is None
         torch.testing.assert_close(out, reference)
-        _same_stats(stats, reference_stats)
+        assert_same_stats(stats, reference_stats)
         assert stats.backend_calls == {"triton": 1}
-        out, stats = _attend(data, phase, sparsifier, comp)
+        out, stats = attend(data, phase, sparsifier, comp)
         call = AttentionCall(*data, 0.5, 0, sparsifier, tuple(comp), None, None, None, None, None, phase)
         n = data[3].sum(-1)  # (B, 1, Q)
         assert torch.equal(seen["theta"], call.thetas(n, causal=False)[0])
         assert seen["placement"] == "pre" and seen["sdc"] == "exact" and seen["vmc"] is True
         window = data[3] & torch.ones(Q, Q, dtype=torch.bool).triu(-3)  # a sliding window: not one key range
         with pytest.raises(RuntimeError, match="not causal with left padding"):
-            _attend((*data[:3], window), phase, sparsifier, comp)
+            attend((*data[:3], window), phase, sparsifier, comp)
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(RuntimeError, match="CUDA tensors"):
-            _attend(data, phase, sparsifier, comp)
+            attend(data, phase, sparsifier, comp)
     finally:
         backends.unregister("triton")
         if triton_backend.BACKEND is not None:
@@ -467,7 +442,7 @@ def test_the_triton_backend_lowers_masks_thresholds_and_statistics(monkeypatch):
 def test_a_section_holds_the_backend_calls_made_inside_it(monkeypatch):
     monkeypatch.delenv("TOPTHETA_BACKEND", raising=False)
     stats = toptheta.SparsityStats(1, 6, 2)
-    q, k, v, valid = _prefill_data()
+    q, k, v, valid = prefill_data()
     run = lambda: toptheta.sparse_attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=toptheta.TopK(3, "pre"),  # noqa
                                             stats=stats)
     run()

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 import toptheta
-from test_attention import qkv, tiny
-from test_config import cfg
-from test_target_kept import sparse_rows
+from conftest import cfg, qkv, sparse_rows, tiny_4heads
 from toptheta import pipeline
 from toptheta.attention import backends
 from toptheta.attention.backends.call import AttentionCall
@@ -239,7 +237,7 @@ def test_fast_backends_refuse_the_baselines_with_a_reason(make, monkeypatch):
 @pytest.mark.parametrize("make", [lambda placement: toptheta.TopP(0.6, placement),
                                   lambda placement: toptheta.SkipSoftmax(12.0, placement)])  # a random model: flat rows
 def test_cached_decode_equals_full_forward_and_generate_runs(make):
-    model = tiny("llama")
+    model = tiny_4heads("llama")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (1, 16), generator=g)
     for sparsifier, comp in ((make("post"), [toptheta.VMC()]), (make("pre"), [toptheta.SDC("exact"), toptheta.VMC()])):
@@ -259,9 +257,9 @@ def test_cached_decode_equals_full_forward_and_generate_runs(make):
 
 def test_checks_refuse_meaningless_compensations():
     with pytest.raises(ValueError, match="threshold sparsifier"):
-        toptheta.sparsify(tiny("llama"), toptheta.TopP(0.9, "pre"), [toptheta.SDC("exp-threshold")]).__enter__()
+        toptheta.sparsify(tiny_4heads("llama"), toptheta.TopP(0.9, "pre"), [toptheta.SDC("exp-threshold")]).__enter__()
     with pytest.raises(ValueError, match="needs pre-softmax"):
-        toptheta.sparsify(tiny("llama"), toptheta.SkipSoftmax(1.0, "post"), [toptheta.SDC("exact")]).__enter__()
+        toptheta.sparsify(tiny_4heads("llama"), toptheta.SkipSoftmax(1.0, "post"), [toptheta.SDC("exact")]).__enter__()
 
 
 # ---- matched sparsity: the parameter fitted to a target ---------------------------------------------------------

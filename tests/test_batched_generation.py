@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from test_fast_paths import _configs, tiny
 
 import toptheta
+from conftest import configs, tiny_6heads
 from toptheta.attention import decode
 from toptheta.evaluation.batched_generation import eos_ids, greedy_generate_batch, unsupported_settings
 
@@ -38,8 +38,8 @@ def _counts(stats) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch,name", [("llama", "theta-post-vmc"), ("qwen2", "theta-pre-sdc-vmc"),
                                        ("llama", "topk-post"), ("qwen2", "dense")])
 def test_a_batch_decodes_each_prompts_own_tokens_and_counts_no_row_past_its_end(arch, name):
-    model = tiny(arch)
-    sparsifier, comp = _configs(layers=2)[name]
+    model = tiny_6heads(arch)
+    sparsifier, comp = configs(layers=2)[name]
     prompts, limits = _prompts(), [6, 3, 8, 0]
     with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp):
         free = _one_at_a_time(model, prompts, [8] * len(prompts))
@@ -67,7 +67,7 @@ def test_a_batch_decodes_each_prompts_own_tokens_and_counts_no_row_past_its_end(
 
 
 def test_batch_of_one_is_model_generate_exactly():
-    model = tiny("llama")
+    model = tiny_6heads("llama")
     prompt = _prompts()[1]
     with torch.no_grad():
         ids = torch.tensor([prompt])
@@ -78,7 +78,7 @@ def test_batch_of_one_is_model_generate_exactly():
 
 
 def test_bad_arguments_and_unhonoured_generation_settings_are_refused():
-    model = tiny("llama")
+    model = tiny_6heads("llama")
     with pytest.raises(ValueError, match="2 prompts but 1 token limits"):
         greedy_generate_batch(model, [[5], [6]], max_new_tokens=[3], pad_token_id=0, eos_token_ids={2})
     with pytest.raises(ValueError, match="at least one token"):
@@ -125,10 +125,10 @@ def test_passkey_task_decoded_in_batches_has_the_samples_and_per_length_stats_of
 def test_lm_eval_generate_until_batches_stop_each_sequence_at_its_own_end(monkeypatch):
     """BatchedHFLM's greedy generate_until batches: batch 1's texts, and exactly its rows in the statistics (each
     sequence leaves at its stop string or token limit; model.generate would run finished ones to the batch's end)."""
-    from helpers_lm import tiny_model, tiny_tokenizer
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
+    from conftest import tiny_model, tiny_tokenizer
     from toptheta.evaluation.shared_context_lm import BatchedHFLM
 
     tokenizer = tiny_tokenizer()
@@ -209,9 +209,9 @@ def _shared_prompts() -> list[list[int]]:
 def test_shared_prefixes_run_once_with_each_prompts_tokens_and_statistics(arch, name):
     from toptheta.evaluation.prefix_sharing import generate_shared, plan
 
-    model = tiny(arch)
+    model = tiny_6heads(arch)
     model.generation_config.eos_token_id = None
-    sparsifier, comp = _configs(layers=2)[name]
+    sparsifier, comp = configs(layers=2)[name]
     prompts, limits = _shared_prompts(), [6, 3, 0, 8, 5]
     base, shared = plan([p for p, n in zip(prompts, limits) if n])
     # The base: the key at 57; its own shared part stops 16 tokens before its end, the one at 3 is too short.
@@ -248,7 +248,7 @@ def test_prefix_sharing_refuses_what_it_cannot_do():
     gemma = build_tiny_model("gemma3", num_layers=2, num_heads=2, num_kv_heads=1)
     with pytest.raises(ValueError, match="sliding-window layers .* leave task.share_prefix unset"):
         check_decoding({"share_prefix": True}, gemma)
-    model = tiny("llama")
+    model = tiny_6heads("llama")
     check_decoding({"share_prefix": True}, model)
     cache = growing_cache(model)
     with pytest.raises(ValueError, match="holds 0 positions"):

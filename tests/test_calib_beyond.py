@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import toptheta
-from test_config import cfg
+from conftest import cfg
 from toptheta import pipeline, thresholds_cache
 from toptheta.calibration import Thresholds
 from toptheta.store.rows import summary_rows

@@ -14,13 +14,7 @@ from toptheta.calibration.calibrate import as_batch
 L, H, VOCAB, T = 3, 4, 97, 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster, and far steadier on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: one thread is faster, and far steadier
 
 
 @pytest.fixture(scope="module")

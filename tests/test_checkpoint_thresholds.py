@@ -8,9 +8,9 @@ import logging
 
 import pytest
 import torch
-from helpers_lm import tiny_model, tiny_tokenizer
 
 import toptheta
+from conftest import cfg, tiny_model, tiny_tokenizer
 from toptheta.calibration import Thresholds
 from toptheta.calibration.checkpoint import INDEX, matching, settings_of
 
@@ -79,8 +79,6 @@ def test_a_second_set_is_kept_beside_the_first_and_chosen_by_settings(tmp_path):
 def test_run_py_uses_the_thresholds_a_model_folder_carries(tmp_path, monkeypatch, caplog):
     """`run.py model.source=<folder>`: the first run calibrates and the thresholds are saved into the folder; a
     second store with that folder reads them (one log line) and calibrates nothing."""
-    from test_reliability import cfg
-
     from toptheta import calibration, pipeline
 
     folder, _, _ = _calibrate_folder(tmp_path)

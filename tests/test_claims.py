@@ -14,6 +14,7 @@ from pathlib import Path
 import filelock
 import pytest
 
+from conftest import cfg
 from toptheta.store import claims
 from toptheta.store.runs import RunStore
 
@@ -130,15 +131,11 @@ def test_a_run_finished_by_another_job_while_waiting_is_reused_not_recomputed(tm
     """The pipeline looks for the run again once it holds the claim (the other job may have stored it)."""
     import contextlib
 
-    from hydra import compose, initialize_config_dir
+    from toptheta import pipeline
 
-    from toptheta import config, pipeline
-
-    config.register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["model=tiny-llama", "task=smoke", "sparsifier=topk", "sparsifier.k=8",
-                                           "sparsifier.layer_k=null", "baseline=false", f"results_dir={tmp_path}"])
-    (spec,) = pipeline.plan(cfg)
+    config = cfg("model=tiny-llama", "task=smoke", "sparsifier=topk", "sparsifier.k=8", "sparsifier.layer_k=null",
+                 "baseline=false", f"results_dir={tmp_path}")
+    (spec,) = pipeline.plan(config)
     claimed = []
 
     @contextlib.contextmanager
@@ -152,7 +149,7 @@ def test_a_run_finished_by_another_job_while_waiting_is_reused_not_recomputed(tm
 
     monkeypatch.setattr(RunStore, "claim", claim_after_the_other_job)
     monkeypatch.setattr(pipeline, "execute", execute)
-    pipeline.run(cfg)
+    pipeline.run(config)
     assert claimed == [spec.run_id]
 
 
@@ -183,7 +180,6 @@ def test_two_parallel_jobs_of_one_configuration_compute_each_run_once(tmp_path):
 def test_a_job_runs_its_own_configuration_before_waiting_on_a_claimed_baseline(tmp_path, monkeypatch):
     """In a sweep every job shares the dense baseline: a job that finds it claimed runs its sparse run first (instead
     of holding an idle GPU while it waits), then waits for the baseline and reuses or computes it."""
-    from test_runner import cfg
     from toptheta import pipeline
 
     monkeypatch.setenv(claims.LOCK_ENV, "flock")

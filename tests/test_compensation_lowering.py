@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import toptheta
-from test_backends import NAMES, _attend, _data
-from test_fast_paths import _configs
+from conftest import BACKEND_NAMES, attend, backend_data, configs
 from toptheta.attention import backends
 from toptheta.attention.backends import AttentionCall
 from toptheta.compensation import KernelCompensation, check_compensation, lower
@@ -37,25 +36,25 @@ def test_lowering_is_what_each_compensation_declares():
     assert lower([vmc], "post") == KernelCompensation(sdc=None, vmc=True)
     assert lower([sdc, vmc], None) == KernelCompensation()  # dense: nothing to put back
     assert lower([HalfSDC()], "post").sdc is None and lower([HalfSDC()], "pre").sdc.scale == 0.5
-    pre = _configs()["theta-pre"][0]
+    pre = configs()["theta-pre"][0]
     check_compensation(pre, [HalfSDC(), toptheta.VMC()])  # VMC sees HalfSDC's denominator: accepted
     with pytest.raises(TypeError, match="compensation objects"):
         check_compensation(pre, [object()])
 
 
-@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("shape", ["causal", "masked", "decode"])
 def test_a_new_compensation_runs_on_every_backend_without_a_kernel_change(monkeypatch, backend, shape):
-    sparsifier = _configs()["theta-pre"][0]
+    sparsifier = configs()["theta-pre"][0]
     ours, reference = [HalfSDC(), toptheta.VMC()], [toptheta.SDC("exact", scale=0.5), toptheta.VMC()]
-    data, phase = _data(shape)
+    data, phase = backend_data(shape)
     call = AttentionCall(*data, 0.5, 0, sparsifier, tuple(ours), None, None, None, None, None, phase)
     call.forced = True
     if backends.get(backend).refuse(call) is not None:
         pytest.skip(f"{backend} does not serve this call")
     monkeypatch.setenv("TOPTHETA_BACKEND", backend)
-    out, stats = _attend(data, phase, sparsifier, ours)
-    expected, expected_stats = _attend(data, phase, sparsifier, reference)
+    out, stats = attend(data, phase, sparsifier, ours)
+    expected, expected_stats = attend(data, phase, sparsifier, reference)
     assert stats.backend_calls == expected_stats.backend_calls == {backend: 1}
     assert torch.equal(out, expected)
     for name, value in stats.state_dict().items():

@@ -11,9 +11,9 @@ import typing
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
+from conftest import cfg
 from toptheta import config, pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,12 +21,6 @@ CONF = ROOT / "conf"
 YAMLS = sorted(p.relative_to(CONF) for p in CONF.rglob("*.yaml") if p.parent != CONF)
 GROUPS = {"model": config.ModelConfig, "sparsifier": config.SparsifierConfig, "comp": config.CompConfig,
           "calib": config.CalibConfig, "task": config.TaskConfig, "logger": config.LoggerConfig}
-
-
-def cfg(*overrides: str):
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def first_command(path: Path) -> list[str]:

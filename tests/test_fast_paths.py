@@ -9,49 +9,13 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import toptheta
+from conftest import H, HKV, assert_same_stats, configs, decode_data, prefill_data, random_thresholds, tiny_6heads
 from toptheta.attention import decode, prefill
 from toptheta.calibration import Thresholds
 
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
-H, HKV = 6, 2  # GQA: 3 query heads per KV head
-
-
-def _thresholds(placement: str, layers: int = 1, k: int = 3, max_n: int = 80) -> Thresholds:
-    """θ per (layer, head, n) that keeps a part of each row of the random data below (not all, not one)."""
-    g = torch.Generator().manual_seed(7)
-    n = torch.arange(max_n + 1).clamp(min=1).float()
-    if placement == "pre":
-        values = 0.8 + 0.4 * torch.rand(layers, H, 1, generator=g) + 0.0 * n  # scaled logits
-    else:
-        values = (1.5 + torch.rand(layers, H, 1, generator=g)) / n  # a few times the uniform probability
-    values[..., :2] = float("nan")
-    sdc_mass = torch.rand(layers, H, max_n + 1, generator=g) * n
-    return Thresholds(values.contiguous(), [k] * layers, placement, sdc_mass=sdc_mass)
-
-
-def _configs(layers: int = 1):
-    """Every sparsifier × placement × compensation worth distinguishing."""
-    pre, post = _thresholds("pre", layers), _thresholds("post", layers)
-    return {
-        "dense": (toptheta.Dense(), []),
-        "topk-post": (toptheta.TopK(3, "post"), []),
-        "topk-post-vmc": (toptheta.TopK(3, "post"), [toptheta.VMC()]),
-        "topk-pre": (toptheta.TopK(3, "pre"), []),
-        "topk-pre-sdc-vmc": (toptheta.TopK(3, "pre"), [toptheta.SDC("exact"), toptheta.VMC()]),
-        "theta-post": (toptheta.TopTheta(post), []),
-        "theta-post-vmc": (toptheta.TopTheta(post), [toptheta.VMC()]),
-        "theta-pre": (toptheta.TopTheta(pre), []),
-        "theta-pre-sdc": (toptheta.TopTheta(pre), [toptheta.SDC("exact")]),
-        "theta-pre-sdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("exact"), toptheta.VMC()]),
-        "theta-pre-expsdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("exp-threshold"), toptheta.VMC()]),
-        "theta-pre-calsdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("calibrated"), toptheta.VMC()]),
-    }
-
-
-CONFIGS = list(_configs())
+CONFIGS = list(configs())
 
 
 def _run(fast: bool, monkeypatch, data, sparsifier, comp, **kw):
@@ -68,34 +32,14 @@ def _run(fast: bool, monkeypatch, data, sparsifier, comp, **kw):
     return out, seen, stats
 
 
-def _assert_same_stats(a, b):
-    for name, x in a.state_dict().items():
-        torch.testing.assert_close(x, b.state_dict()[name], atol=1e-5, rtol=1e-5, msg=name)
-    for name in ("prefill_kept", "decode_kept", "vrow_kept", "vrow_valid", "prefill_valid", "decode_valid"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name  # counts: exactly
-    assert a.clamped_rows == b.clamped_rows
-
-
-def _decode_data(B=3, K=40, D=8, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, 1, D, generator=g) * 2
-    k = torch.randn(B, HKV, K, D, generator=g) * 2
-    v = torch.randn(B, HKV, K, D, generator=g)
-    valid = torch.ones(B, 1, 1, K, dtype=torch.bool)
-    if B > 2:
-        valid[1, ..., :5] = False  # left padding
-        valid[2, ..., :K - 2] = False  # a sequence with 2 valid keys: a short row, kept whole
-    return q.to(dtype), k.to(dtype), v.to(dtype), valid
-
-
 # ---- sparse decode -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("masked", [True, False])
 def test_decode_equals_the_plain_kernel(monkeypatch, name, masked):
     decode.reset()
-    sparsifier, comp = _configs()[name]
-    q, k, v, valid = _decode_data()
+    sparsifier, comp = configs()[name]
+    q, k, v, valid = decode_data()
     data = (q, k, v, valid if masked else None)
     fast, fast_keep, fast_stats = _run(True, monkeypatch, data, sparsifier, comp, observe=True)
     slow, slow_keep, slow_stats = _run(False, monkeypatch, data, sparsifier, comp, observe=True)
@@ -103,7 +47,7 @@ def test_decode_equals_the_plain_kernel(monkeypatch, name, masked):
     assert (fast_keep[0] is None) == (slow_keep[0] is None)
     if fast_keep[0] is not None:
         assert torch.equal(fast_keep[0], slow_keep[0])
-    _assert_same_stats(fast_stats, slow_stats)
+    assert_same_stats(fast_stats, slow_stats)
     if name != "dense":
         assert 0 < fast_stats.kept_vrow_fraction < 1
 
@@ -112,8 +56,8 @@ def test_decode_equals_the_plain_kernel(monkeypatch, name, masked):
 def test_decode_steps_with_a_growing_cropped_and_edited_cache(monkeypatch, name):
     """The running V sum follows a growing cache and is rebuilt after a crop or an edit."""
     decode.reset()
-    sparsifier, comp = _configs()[name]
-    q, k, v, valid = _decode_data(K=60, seed=1)
+    sparsifier, comp = configs()[name]
+    q, k, v, valid = decode_data(K=60, seed=1)
     lengths = [30, 31, 32, 33, 28, 29, 29, 45]  # grow, crop, grow, same length again, jump
     for step, K in enumerate(lengths):
         kk, vv = k[:, :, :K].clone(), v[:, :, :K].clone()
@@ -124,14 +68,14 @@ def test_decode_steps_with_a_growing_cropped_and_edited_cache(monkeypatch, name)
         fast, _, fs = _run(True, monkeypatch, data, sparsifier, comp)
         slow, _, ss = _run(False, monkeypatch, data, sparsifier, comp)
         torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5, msg=f"step {step}, K={K}")
-        _assert_same_stats(fs, ss)
+        assert_same_stats(fs, ss)
 
 
 def test_decode_gathers_only_the_kept_value_rows(monkeypatch):
     """V rows nobody kept are never read: poisoning them with NaN leaves the output finite and unchanged."""
     decode.reset()
-    sparsifier, comp = _configs()["theta-post-vmc"]
-    q, k, v, valid = _decode_data(B=1, K=64)
+    sparsifier, comp = configs()["theta-post-vmc"]
+    q, k, v, valid = decode_data(B=1, K=64)
     seen = []
     toptheta.sparse_attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=sparsifier,
                               observer=lambda rows: seen.append(rows.keep))
@@ -145,30 +89,22 @@ def test_decode_gathers_only_the_kept_value_rows(monkeypatch):
 
 def test_decode_low_precision_cache_matches_within_rounding(monkeypatch):
     decode.reset()
-    sparsifier, comp = _configs()["topk-post-vmc"]
-    data = _decode_data(dtype=torch.bfloat16)
+    sparsifier, comp = configs()["topk-post-vmc"]
+    data = decode_data(dtype=torch.bfloat16)
     monkeypatch.setattr(decode, "BLOCK_KEYS", 16)  # several conversion blocks
     fast, fast_keep, fs = _run(True, monkeypatch, data, sparsifier, comp, observe=True)
     slow, slow_keep, ss = _run(False, monkeypatch, data, sparsifier, comp, observe=True)
     assert fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast.float(), slow.float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(fast_keep[0], slow_keep[0])
-    _assert_same_stats(fs, ss)
-
-
-def tiny(arch: str, layers: int = 2) -> torch.nn.Module:
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(vocab_size=97, hidden_size=96, intermediate_size=96, num_hidden_layers=layers,
-                        num_attention_heads=H, num_key_value_heads=HKV, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return model_cls(config).eval()
+    assert_same_stats(fs, ss)
 
 
 @pytest.mark.parametrize("arch,name", [("llama", "theta-post-vmc"), ("llama", "topk-pre-sdc-vmc"),
                                        ("qwen2", "theta-pre-sdc-vmc"), ("qwen2", "dense")])
 def test_generate_with_fast_decode_gives_the_same_tokens_and_stats(monkeypatch, arch, name):
-    model = tiny(arch)
-    sparsifier, comp = _configs(layers=2)[name]
+    model = tiny_6heads(arch)
+    sparsifier, comp = configs(layers=2)[name]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (2, 20), generator=g)
     mask = torch.ones_like(ids)
@@ -185,7 +121,7 @@ def test_generate_with_fast_decode_gives_the_same_tokens_and_stats(monkeypatch, 
     (fast_out, fast_stats), (slow_out, slow_stats) = results
     assert torch.equal(fast_out.sequences, slow_out.sequences)
     torch.testing.assert_close(torch.stack(fast_out.scores), torch.stack(slow_out.scores), atol=1e-4, rtol=1e-4)
-    _assert_same_stats(fast_stats, slow_stats)
+    assert_same_stats(fast_stats, slow_stats)
     assert fast_stats.decode_steps.max() == 5
     if name != "dense":
         assert 0 < fast_stats.kept_vrow_fraction < 1
@@ -199,7 +135,7 @@ def test_a_growing_cache_generates_what_the_dynamic_cache_does(arch, name):
     views) or not (sdpa); it grows past its first buffer and starts over after a crop."""
     from toptheta.attention import cache as kv
 
-    model = tiny(arch)
+    model = tiny_6heads(arch)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (2, 20), generator=g)
     mask = torch.ones_like(ids)
@@ -208,7 +144,7 @@ def test_a_growing_cache_generates_what_the_dynamic_cache_does(arch, name):
     for growing in (True, False):
         decode.reset()
         past = kv.growing_cache(model) if growing else None
-        with torch.no_grad(), (toptheta.sparsify(model, *_configs(layers=2)[name]) if name else _no_stats()) as stats:
+        with torch.no_grad(), (toptheta.sparsify(model, *configs(layers=2)[name]) if name else _no_stats()) as stats:
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
                                  output_scores=True, return_dict_in_generate=True, cache=past)
         results.append((out, stats, past))
@@ -216,7 +152,7 @@ def test_a_growing_cache_generates_what_the_dynamic_cache_does(arch, name):
     assert torch.equal(a.sequences, b.sequences)
     torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores), atol=1e-5, rtol=1e-5)
     if name:
-        _assert_same_stats(sa, sb)
+        assert_same_stats(sa, sb)
     layer = past.layers[0]
     assert isinstance(layer, kv.GrowingLayer) and layer._kbuf.shape[-2] > layer.keys.shape[-2] == 31
     assert not layer.keys.is_contiguous() and layer._owns_views()  # views of the buffer, no per-step copy
@@ -255,8 +191,8 @@ def test_decode_kernel_equals_the_plain_kernel(monkeypatch, torch_threads, name,
         pytest.skip("the decode kernel could not be built here (no C++ compiler?)")
     decode.reset()
     monkeypatch.setattr(decode, "MIN_KEYS_PER_TASK", 8)
-    sparsifier, comp = _configs()[name]
-    q, k, v, valid = _decode_data()
+    sparsifier, comp = configs()[name]
+    q, k, v, valid = decode_data()
     stats = _kernel_equals_plain(monkeypatch, fused_decode, (q, k, v, valid if masked else None), sparsifier, comp)
     if name != "dense":
         assert 0 < stats.kept_vrow_fraction < 1
@@ -276,17 +212,17 @@ def test_decode_kernel_empty_rows_and_low_precision_caches(monkeypatch):
     for thresholds, comp in ((Thresholds(values, [3], "pre"), [toptheta.SDC("exact"), toptheta.VMC()]),
                              (Thresholds(probs, [3], "post"), [toptheta.VMC()])):
         decode.reset()
-        data = _decode_data(seed=3)
+        data = decode_data(seed=3)
         sparsifier = toptheta.TopTheta(thresholds)
         fast, _, fs = _run(True, monkeypatch, data, sparsifier, comp)
         slow, _, ss = _run(False, monkeypatch, data, sparsifier, comp)
         torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
-        _assert_same_stats(fs, ss)
+        assert_same_stats(fs, ss)
         assert fs.empty_rows.sum() > 0
     calls = []
     monkeypatch.setattr(fused_decode, "extension", _counting(fused_decode.extension, calls))
-    sparsifier, comp = _configs()["theta-post-vmc"]
-    _run(True, monkeypatch, _decode_data(dtype=torch.bfloat16), sparsifier, comp)
+    sparsifier, comp = configs()["theta-post-vmc"]
+    _run(True, monkeypatch, decode_data(dtype=torch.bfloat16), sparsifier, comp)
     assert not calls
 
 
@@ -294,16 +230,6 @@ def test_decode_kernel_empty_rows_and_low_precision_caches(monkeypatch):
 
 PREFILL_CONFIGS = ["dense", "theta-pre", "theta-pre-sdc", "theta-pre-sdc-vmc", "theta-pre-expsdc-vmc",
                    "theta-pre-calsdc-vmc", "theta-post", "theta-post-vmc"]
-
-
-def _prefill_data(B=2, Q=50, K=50, D=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Q, D, generator=g) * 2
-    k = torch.randn(B, HKV, K, D, generator=g) * 2
-    v = torch.randn(B, HKV, K, D, generator=g)
-    valid = torch.ones(Q, K, dtype=torch.bool).tril(K - Q)[None, None].repeat(B, 1, 1, 1)
-    valid[1, ..., :5] = False  # left padding
-    return q, k, v, valid
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -327,8 +253,8 @@ def _needs_kernel():
 def test_prefill_equals_the_plain_kernel(monkeypatch, torch_threads, name, shape):
     _needs_kernel()
     monkeypatch.setattr(prefill, "KEY_BLOCK", 16)  # several key blocks: the online softmax rescales
-    sparsifier, comp = _configs()[name]
-    q, k, v, valid = _prefill_data(K=70 if shape == "context" else 50)  # context: 20 cached keys before the queries
+    sparsifier, comp = configs()[name]
+    q, k, v, valid = prefill_data(K=70 if shape == "context" else 50)  # context: 20 cached keys before the queries
     data = (q, k, v, valid if shape == "masked" else None)
     assert prefill.attention(*data, scaling=0.5, layer=0, sparsifier=sparsifier, compensations=comp) is not None
     stats = _kernel_equals_plain(monkeypatch, prefill.fused_prefill, data, sparsifier, comp)
@@ -345,7 +271,7 @@ def _kernel_equals_plain(monkeypatch, module, data, sparsifier, comp):
     assert calls, f"{module.__name__} did not run"
     slow, _, slow_stats = _run(False, monkeypatch, data, sparsifier, comp)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
-    _assert_same_stats(fast_stats, slow_stats)
+    assert_same_stats(fast_stats, slow_stats)
     return fast_stats
 
 
@@ -369,25 +295,25 @@ def test_prefill_empty_and_clamped_rows_match(monkeypatch, torch_threads):
     for thresholds, comp in ((pre, []), (pre, [toptheta.SDC("exact"), toptheta.VMC()]),
                              (pre, [toptheta.SDC("exp-threshold"), toptheta.VMC()]), (post, []),
                              (post, [toptheta.VMC()])):
-        data = _prefill_data(seed=3)
+        data = prefill_data(seed=3)
         sparsifier = toptheta.TopTheta(thresholds)
         for _ in range(2):  # the second call reads the cached θ lookup of the first
             fast, _, fs = _run(True, monkeypatch, data, sparsifier, comp)
             slow, _, ss = _run(False, monkeypatch, data, sparsifier, comp)
             torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
-            _assert_same_stats(fs, ss)
+            assert_same_stats(fs, ss)
             assert fs.empty_rows.sum() > 0 and fs.clamped_rows > 0
 
 
 def test_paths_the_one_pass_kernel_does_not_serve_run_the_plain_kernel(monkeypatch):
-    pre = _thresholds("pre")
+    pre = random_thresholds("pre")
     assert not prefill.supports(toptheta.TopK(3, "pre"))
-    assert not prefill.supports(toptheta.TopTheta(_thresholds("post"), empty_rows="reference"))
+    assert not prefill.supports(toptheta.TopTheta(random_thresholds("post"), empty_rows="reference"))
     assert not prefill.supports(toptheta.TopTheta(pre), observer=print)
     assert not prefill.supports(toptheta.TopTheta(pre, empty_rows="reference"))
     assert not prefill.supports(toptheta.TopTheta(pre), phase="decode")  # decode stats need the keep mask
     assert prefill.supports(toptheta.TopTheta(pre)) and prefill.supports(toptheta.Dense())
-    q, k, v, _ = _prefill_data()
+    q, k, v, _ = prefill_data()
     assert prefill.attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=toptheta.TopK(3, "pre")) is None
 
 
@@ -420,8 +346,8 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch,
     fused_prefill.extension.cache_clear()
     monkeypatch.setattr(cpp, "load_inline", no_compiler)
     try:
-        sparsifier, comp = _configs()["theta-pre-sdc-vmc"]
-        data = _prefill_data()
+        sparsifier, comp = configs()["theta-pre-sdc-vmc"]
+        data = prefill_data()
         with caplog.at_level(logging.INFO, logger="toptheta"):
             first, _, _ = _run(True, monkeypatch, data, sparsifier, comp)
             second, _, _ = _run(True, monkeypatch, data, sparsifier, comp)
@@ -437,8 +363,8 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch,
                                        ("qwen2", "dense"), ("llama", "theta-post-vmc")])
 def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch, torch_threads, arch, name):
     _needs_kernel()
-    model = tiny(arch)
-    sparsifier, comp = _configs(layers=2)[name]
+    model = tiny_6heads(arch)
+    sparsifier, comp = configs(layers=2)[name]
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 97, (2, 30), generator=g)
     mask = torch.ones_like(ids)
@@ -452,7 +378,7 @@ def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch
     (a, sa), (b, sb) = results
     real = mask.bool()
     torch.testing.assert_close(a[real], b[real], atol=1e-4, rtol=1e-4)
-    _assert_same_stats(sa, sb)
+    assert_same_stats(sa, sb)
 
 
 @pytest.mark.parametrize("name", PREFILL_CONFIGS)
@@ -462,7 +388,7 @@ def test_prefill_rows_do_not_depend_on_batch_padding_or_packing(monkeypatch, tor
     Top-θ decisions as scoring one request at a time (issue 9: log-likelihoods equal, not merely close)."""
     _needs_kernel()
     monkeypatch.setattr(prefill, "KEY_BLOCK", 16)  # several key blocks
-    sparsifier, comp = _configs()[name]
+    sparsifier, comp = configs()[name]
     g = torch.Generator().manual_seed(3)
     C, first, second = 36, 3, 4  # context, then two continuations; both inside the context's last key block
     L = C + second

@@ -11,16 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import smoke_manager
+
 ROOT = Path(__file__).resolve().parents[1]
 TOPK = "pretrained=tiny-llama,sparsifier=topk,k=8,layer_k=none,comp=vmc"
-
-
-def _smoke_manager():
-    from lm_eval.tasks import TaskManager
-
-    from toptheta.evaluation.tasks.render import STATIC_DIR
-
-    return TaskManager(include_path=[str(STATIC_DIR)], include_defaults=False)
 
 
 def test_import_toptheta_registers_the_model_without_importing_it():
@@ -93,7 +87,7 @@ def test_simple_evaluate_by_name_matches_the_sparsified_model_and_reports_statis
     from toptheta.models import load_model
 
     results = lm_eval.simple_evaluate(model="toptheta", model_args=TOPK, tasks=["smoke"], limit=2, log_samples=True,
-                                      task_manager=_smoke_manager())
+                                      task_manager=smoke_manager())
     report = results["config"]["toptheta"]
     assert report["sparsifier"] == {"name": "topk", "k": 8, "layer_k": {}, "placement": "post"}
     assert report["comp"]["vmc"] is True and report["calibration"] is None
@@ -174,7 +168,7 @@ def test_toptheta_eval_warns_once_per_task_about_nearly_dense_runs_and_rows_past
     monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="toptheta"):
         dense_like = lm_eval.simple_evaluate(model="toptheta", model_args=TOPK.replace("k=8", "k=512"),
-                                             tasks=["smoke"], limit=2, task_manager=_smoke_manager())
+                                             tasks=["smoke"], limit=2, task_manager=smoke_manager())
     assert dense_like["config"]["toptheta"]["stats"]["smoke"]["kept_attention_fraction"] == 1.0
     assert caplog.text.count("toptheta-eval smoke kept every attention element") == 1
 
@@ -183,7 +177,7 @@ def test_toptheta_eval_warns_once_per_task_about_nearly_dense_runs_and_rows_past
     caplog.clear()
     lm = TopThetaLM(pretrained="tiny-llama", k=2, layer_k="none", placement="post", comp="vmc", calib_samples=1)
     with caplog.at_level(logging.WARNING, logger="toptheta"):
-        results = lm_eval.simple_evaluate(model=lm, tasks=["smoke"], limit=4, task_manager=_smoke_manager())
+        results = lm_eval.simple_evaluate(model=lm, tasks=["smoke"], limit=4, task_manager=smoke_manager())
         lm.get_model_info()  # asked again: no second warning
     clamped = results["config"]["toptheta"]["stats"]["smoke"]["clamped_rows"]
     assert clamped > 0  # one short calibration document: the evaluated rows run past it

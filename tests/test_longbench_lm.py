@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers_lm import load_tasks, tiny_model, tiny_tokenizer
+from conftest import load_tasks, tiny_model, tiny_tokenizer
 from toptheta.evaluation import lm_eval_adapter as adapter
 from toptheta.evaluation.tasks import check_tasks
 

@@ -14,16 +14,17 @@ import pytest
 from lm_eval.models.huggingface import HFLM
 
 import toptheta
-from helpers_lm import load_tasks
+from conftest import accuracy, load_tasks, score
 from toptheta.compat import replace_sampler
 from toptheta.evaluation import lm_eval_adapter as adapter
 from toptheta.evaluation import prefix_cache
 from toptheta.evaluation.calibration_inputs import build_requests
 from toptheta.evaluation.shared_context_lm import SharedContextHFLM
 from toptheta.models import build_tiny_model
-from test_shared_context import _accuracy, _one_thread, _score, tokenizer  # noqa: F401  (fixtures shared)
 
 COUNTS = ("prefill_attention_elements", "clamped_rows", "empty_rows")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +90,15 @@ def test_prefix_cache_gives_stocks_numbers_for_every_sparsifier(monkeypatch, mod
         sparsifiers = {name: sparsifiers[name] for name in ("topk-post-vmc", "toptheta-pre-sdc-vmc", "toptheta-post-vmc")}
     seen = _spy_groups(monkeypatch)
     for name, (sparsifier, comps) in sparsifiers.items():
-        reference, ref_stats = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
+        reference, ref_stats = score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
         for kwargs in ({"batch_size": 1}, {"batch_size": "auto"}, {"batch_size": "auto", "prefix_cache": False}):
             before = len(seen)
-            answers, stats = _score(SharedContextHFLM, model, tokenizer, requests, sparsifier, comps, **kwargs)
+            answers, stats = score(SharedContextHFLM, model, tokenizer, requests, sparsifier, comps, **kwargs)
             assert len(seen) == before + kwargs.get("prefix_cache", True), name  # the cache ran (or not)
             tolerance = 1e-4 if name.startswith("topk") else 1e-5
             assert max(abs(a[0] - b[0]) for a, b in zip(reference, answers)) < tolerance, (name, kwargs)
             assert [a[1] for a in reference] == [b[1] for b in answers], name
-            assert _accuracy(answers, requests) == _accuracy(reference, requests), name
+            assert accuracy(answers, requests) == accuracy(reference, requests), name
             for key in COUNTS:
                 assert stats[key] == ref_stats[key], (name, key)
             for key in ("kept_attention_fraction", "kept_vrow_fraction"):
@@ -119,8 +120,8 @@ def test_thresholds_on_the_evaluated_rows_keep_the_same_elements(models, tokeniz
     ids = [[tokenizer.encode(r.args[0] + r.args[1])] for r in requests[:8]]
     comps = [toptheta.VMC()] if placement == "post" else [toptheta.SDC("exact"), toptheta.VMC()]
     sparsifier = toptheta.TopTheta(toptheta.calibrate(model, ids, k=8, placement=placement, progress=False))
-    reference, ref_stats = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
-    answers, stats = _score(SharedContextHFLM, model, tokenizer, requests, sparsifier, comps, batch_size="auto")
+    reference, ref_stats = score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
+    answers, stats = score(SharedContextHFLM, model, tokenizer, requests, sparsifier, comps, batch_size="auto")
     assert max(abs(a[0] - b[0]) for a, b in zip(reference, answers)) < 1e-5
     for key in ("kept_attention_fraction", "kept_vrow_fraction", "prefill_attention_elements"):
         assert stats[key] == ref_stats[key], key

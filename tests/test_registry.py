@@ -11,13 +11,11 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 import toptheta
-from test_lm_eval_cli import _smoke_manager
-from test_runner import CONF
-from toptheta import config, pipeline, registry
+from conftest import cfg, smoke_manager
+from toptheta import pipeline, registry
 from toptheta.compensation import KernelCompensation
 from toptheta.registry import Parameter
 from toptheta.sparsifiers.base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
@@ -72,12 +70,6 @@ def registered():
     yield
     registry.unregister("recent")
     registry.unregister("halfsdc")
-
-
-def cfg(*overrides: str):
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 # The new sparsifier and compensation as a command line: run.py sparsifier.name=recent +sparsifier.window=4 ...
@@ -172,7 +164,7 @@ def test_a_new_sparsifier_and_compensation_run_through_toptheta_eval():
 
     results = lm_eval.simple_evaluate(
         model="toptheta", model_args="pretrained=tiny-llama,sparsifier=recent,window=4,layer_k=none,comp=halfsdc+vmc",
-        tasks=["smoke"], limit=2, log_samples=True, task_manager=_smoke_manager())
+        tasks=["smoke"], limit=2, log_samples=True, task_manager=smoke_manager())
     report = results["config"]["toptheta"]
     assert report["sparsifier"] == {"name": "recent", "k": None, "layer_k": {}, "placement": "pre", "window": 4}
     assert report["comp"] == {"sdc": None, "sdc_scale": 1.0, "vmc": True, "halfsdc": True}
@@ -196,7 +188,7 @@ def test_toptheta_eval_serves_the_baselines_with_their_parameter(args, kind, val
     from toptheta.models import load_model
 
     results = lm_eval.simple_evaluate(model="toptheta", model_args=f"pretrained=tiny-llama,{args},layer_k=none,comp=vmc",
-                                      tasks=["smoke"], limit=2, task_manager=_smoke_manager())
+                                      tasks=["smoke"], limit=2, task_manager=smoke_manager())
     report = results["config"]["toptheta"]
     key = args.split(",")[1].split("=")[0]
     assert report["sparsifier"][key] == value and report["sparsifier"]["k"] is None

@@ -6,18 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from toptheta import config, pipeline
+from conftest import cfg
+from toptheta import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-
-
-def cfg(*overrides: str):
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 # ---- item 6: layer_k from the command line, and layers the model does not have --------------------------------
@@ -64,7 +57,7 @@ def test_a_layer_beyond_the_model_is_refused_before_any_evaluation(sparsifier, t
 
 def test_the_library_refuses_a_layer_beyond_the_model():
     import toptheta
-    from helpers_lm import tiny_model
+    from conftest import tiny_model
 
     model = tiny_model()  # 2 layers
     with pytest.raises(ValueError, match=r"layer\(s\) \[2\].*has 2 layers"):
@@ -99,7 +92,7 @@ def _hand_written_loop(model, prompt, steps: int, mark_decode: bool):
 
 def test_the_readme_decoding_loop_records_what_generate_records():
     import torch
-    from helpers_lm import tiny_model
+    from conftest import tiny_model
 
     import toptheta
 
@@ -199,7 +192,7 @@ def test_a_sigma_add_that_makes_theta_meaningless_is_refused_at_planning(sigma):
 
 def test_post_softmax_thresholds_below_zero_are_refused_after_calibration(caplog):
     import torch
-    from helpers_lm import tiny_model
+    from conftest import tiny_model
 
     import toptheta
 
@@ -248,7 +241,7 @@ def _bypassing_model():
     (as custom modeling code that never asks transformers' attention interface does)."""
     import copy
 
-    from helpers_lm import tiny_model
+    from conftest import tiny_model
 
     model = tiny_model()
     for layer in model.model.layers:
@@ -259,7 +252,7 @@ def _bypassing_model():
 
 def test_a_model_whose_attention_bypasses_the_interface_is_refused_before_evaluating():
     import torch
-    from helpers_lm import tiny_model
+    from conftest import tiny_model
 
     import toptheta
     from toptheta.attention.backend import check_supported

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import toptheta
+from conftest import cfg
 from toptheta.evaluation.passkey import FILLER_SENTENCES
 from toptheta.evaluation.ruler import SUBTASKS, RulerSettings, build_ruler_records, named_items, score_ruler
 
@@ -250,7 +251,6 @@ def test_shared_haystacks_run_once_with_each_prompts_tokens_and_statistics(tmp_p
 
 def test_a_tiny_llama_run_through_the_pipeline_reports_scores_per_length_and_subtask(tmp_path, monkeypatch):
     import pandas as pd
-    from test_config import cfg
 
     from toptheta import pipeline
 

@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from toptheta import builders, config, pipeline
+from conftest import cfg
+from toptheta import builders, pipeline
 from toptheta.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,12 +17,6 @@ CONF = ROOT / "conf"
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def cfg(*overrides: str):
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("sparsifier", options("sparsifier"))

@@ -9,34 +9,22 @@ is padded.
 from __future__ import annotations
 
 import pytest
-import torch
 from lm_eval.models.huggingface import HFLM
 
 import toptheta
-from helpers_lm import load_tasks
+from conftest import accuracy, load_tasks, score
 from toptheta.evaluation import lm_eval_adapter as adapter
 from toptheta.evaluation import shared_context_lm
 from toptheta.evaluation.calibration_inputs import build_requests
 from toptheta.evaluation.shared_context_lm import BatchedHFLM, SharedContextHFLM
-from toptheta.models import build_tiny_model, build_tiny_tokenizer
+from toptheta.models import build_tiny_model
 
 COUNTS = ("prefill_attention_elements", "decode_steps", "clamped_rows")  # the same rows, counted as often
 # A score within a few ulps of θ may land on either side with another (equally valid) summation order.
 FRACTIONS = ("kept_attention_fraction", "kept_vrow_fraction", "mean_dropped_mass")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is faster, and ~10x faster on a loaded machine (no spinning workers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +59,12 @@ def _sparsifiers(model, tokenizer, requests):
     }
 
 
-def _score(lm_class, model, tokenizer, requests, sparsifier, comps, **kwargs):
-    lm = lm_class(pretrained=model, tokenizer=tokenizer, **kwargs)
-    with toptheta.sparsify(model, sparsifier, comps) as stats:
-        answers = lm.loglikelihood(requests, disable_tqdm=True)
-    return answers, stats.summary()
-
-
-def _accuracy(answers, requests):
-    """acc of lm-eval's multiple-choice rule: the choice with the highest log-likelihood is the label."""
-    docs = {}
-    for (ll, _), request in zip(answers, requests, strict=True):
-        docs.setdefault(request.doc_id, (request.doc["label"], []))[1].append(ll)
-    return sum(max(range(len(lls)), key=lls.__getitem__) == label for label, lls in docs.values()) / len(docs)
-
-
 def _assert_same(reference, candidate, requests):
     (ref, ref_stats), (out, out_stats) = reference, candidate
     assert len(out) == len(ref)
     assert max(abs(a[0] - b[0]) for a, b in zip(ref, out)) < 1e-4
     assert [a[1] for a in ref] == [b[1] for b in out]
-    assert _accuracy(out, requests) == _accuracy(ref, requests)
+    assert accuracy(out, requests) == accuracy(ref, requests)
     for name in COUNTS:
         assert out_stats[name] == ref_stats[name], name
     for name in FRACTIONS:
@@ -108,10 +81,10 @@ def test_fast_paths_match_stock_hflm_for_every_sparsifier(models, tokenizer, req
     if arch != "llama":  # the other architectures: one post- and one pre-softmax configuration
         sparsifiers = {name: sparsifiers[name] for name in ("topk-post-vmc", "toptheta-pre-sdc-vmc")}
     for name, (sparsifier, comps) in sparsifiers.items():
-        reference = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
+        reference = score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
         assert reference[1]["kept_attention_fraction"] < 1.0 or name == "dense"
         for lm_class, batch_size in ((BatchedHFLM, 5), (SharedContextHFLM, 1), (SharedContextHFLM, "auto")):
-            candidate = _score(lm_class, model, tokenizer, requests, sparsifier, comps, batch_size=batch_size)
+            candidate = score(lm_class, model, tokenizer, requests, sparsifier, comps, batch_size=batch_size)
             _assert_same(reference, candidate, requests)
 
 
@@ -123,9 +96,9 @@ def test_batched_auto_and_truncated_requests_match_stock(models, tokenizer, requ
     lengths = sorted(len(tokenizer.encode(r.args[0] + r.args[1])) for r in requests)
     max_length = lengths[len(lengths) // 2]
     for kwargs in ({}, {"max_length": max_length}):
-        reference = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1, **kwargs)
+        reference = score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1, **kwargs)
         for lm_class in (BatchedHFLM, SharedContextHFLM):
-            candidate = _score(lm_class, model, tokenizer, requests, sparsifier, comps, batch_size="auto", **kwargs)
+            candidate = score(lm_class, model, tokenizer, requests, sparsifier, comps, batch_size="auto", **kwargs)
             _assert_same(reference, candidate, requests)
 
 
@@ -134,10 +107,10 @@ def test_stock_hflm_right_padding_would_count_padded_rows(models, tokenizer, req
     count the padded rows (its log-likelihoods are right). BatchedHFLM does not."""
     model = models["llama"]
     sparsifier, comps = toptheta.TopK(k=8, placement="post"), [toptheta.VMC()]
-    one = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
-    stock = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=4)
+    one = score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
+    stock = score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=4)
     assert stock[1]["prefill_attention_elements"] > one[1]["prefill_attention_elements"]
-    _assert_same(one, _score(BatchedHFLM, model, tokenizer, requests, sparsifier, comps, batch_size=4), requests)
+    _assert_same(one, score(BatchedHFLM, model, tokenizer, requests, sparsifier, comps, batch_size=4), requests)
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
@@ -149,8 +122,8 @@ def test_shared_context_runs_each_context_once(models, tokenizer, requests, pref
     handle = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args or [kwargs["input_ids"]])[0].shape),
                                              with_kwargs=True)
     try:
-        _score(SharedContextHFLM, model, tokenizer, requests, toptheta.Dense(), [], batch_size=1,
-               prefix_cache=prefix_cache)
+        score(SharedContextHFLM, model, tokenizer, requests, toptheta.Dense(), [], batch_size=1,
+              prefix_cache=prefix_cache)
     finally:
         handle.remove()
     documents = len({r.doc_id for r in requests})
@@ -211,9 +184,9 @@ def test_fast_paths_make_stocks_top_theta_decisions_even_on_ties(monkeypatch, mo
     ids = [[tokenizer.encode(r.args[0] + r.args[1])] for r in requests[:8]]
     for placement, comps in (("post", [toptheta.VMC()]), ("pre", [toptheta.SDC("exact"), toptheta.VMC()])):
         sparsifier = toptheta.TopTheta(toptheta.calibrate(model, ids, k=8, placement=placement, progress=False))
-        reference, ref_stats = _score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
+        reference, ref_stats = score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
         for lm_class, batch_size in ((BatchedHFLM, 5), (SharedContextHFLM, 1), (SharedContextHFLM, "auto")):
-            answers, stats = _score(lm_class, model, tokenizer, requests, sparsifier, comps, batch_size=batch_size)
+            answers, stats = score(lm_class, model, tokenizer, requests, sparsifier, comps, batch_size=batch_size)
             assert max(abs(a[0] - b[0]) for a, b in zip(reference, answers)) < 1e-5
             for name in ("kept_attention_fraction", "kept_vrow_fraction"):  # ratios of counts: exactly
                 assert stats[name] == ref_stats[name], name

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 
 import pytest
-from test_config import cfg
+from conftest import cfg
 
 from toptheta import config, pipeline
 from toptheta.spec import CalibSpec, CompSpec, ModelSpec, RunSpec, SparsifierSpec, TaskSpec

@@ -4,7 +4,6 @@ tolerance, unreachable targets are refused before evaluation, and both settings 
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 import toptheta
-from test_config import cfg
+from conftest import cfg, sparse_rows
 from toptheta import pipeline
 from toptheta.calibration import target_kept
 from toptheta.models import build_tiny_model
@@ -47,15 +46,6 @@ def test_resolve_k_corrects_for_a_method_that_keeps_more():
     k, kept, tried = target_kept.resolve_k(0.1, lengths, None, 4, keeps_more)
     assert abs(kept / 0.1 - 1) <= target_kept.TOLERANCE and len(tried) >= 2
     assert k < target_kept.topk_k_for(lengths, 0.1, None, 4)
-
-
-def sparse_rows(tmp_path, *overrides):
-    """A tiny-llama run on smoke (2-shot, 4 questions) with ``overrides``; its sparse summary rows."""
-    c = cfg("model=tiny-llama", "task=smoke", "task.num_fewshot=2", "task.limit=4", "calib.num_samples=6",
-            f"results_dir={tmp_path}", "log_samples=false", *overrides)
-    pipeline.run(c)
-    with open(tmp_path / "summary.csv", newline="") as fh:
-        return [row for row in csv.DictReader(fh) if row["sparsifier"] != "dense"]
 
 
 @pytest.mark.parametrize("sparsifier", [("sparsifier=topk", "comp=vmc", "sparsifier.placement=post"),

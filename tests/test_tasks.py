@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers_lm import load_tasks, tiny_model, tiny_tokenizer
+from conftest import load_tasks, tiny_model, tiny_tokenizer
 from toptheta.evaluation import lm_eval_adapter as adapter
 from toptheta.evaluation import task_loading
 from toptheta.evaluation.calibration_inputs import build_requests
