@@ -1,6 +1,6 @@
 """A whole decode step (issue 29, item 7): the per-call shortcuts give the plain numbers, and the benchmarks run.
 
-* θ of a causal decode row comes from per-length tables (``backends/call._uniform_row_thresholds``): the same bits
+* θ of a causal decode row comes from per-length tables (``backends/call._uniformrow_thresholds_of``): the same bits
   and clamped counts as the general lookup, at every length around k, the table's end and beyond;
 * the running V sum's one-row shortcut (``decode._running_mean`` without a mask) equals its masked form;
 * ``scripts/bench_decode.py --step`` measures sdpa and our model step side by side, served by the C++ decode kernel;

@@ -89,11 +89,11 @@ def _check_jobs(name, jobs, tmp_path):
         specs = pipeline.plan(cfg)
         for spec in specs:
             seen.add(spec.run_id)
-        sparse = specs[-1].config
+        sparse = specs[-1]
         method = next(o.split("=", 1)[1] for o in job if o.startswith("+experiment/method="))
-        assert sparse["sparsifier"]["name"] == method.split("-")[0]
-        assert sparse["sparsifier"]["placement"] == method.split("-")[1]
-        assert bool(sparse["comp"]["vmc"]) == method.endswith("vmc")
+        assert sparse.sparsifier.name == method.split("-")[0]
+        assert sparse.sparsifier.placement == method.split("-")[1]
+        assert bool(sparse.comp.vmc) == method.endswith("vmc")
     return seen
 
 
@@ -233,7 +233,7 @@ def test_fast_mode_covers_every_swept_dimension():
     for name in EXPERIMENTS:
         if not name.endswith("/smol"):
             continue
-        kept = {E._key(o) for job in fast_jobs(name) for o in job[1:]} - {E._key(o) for o in fast_overrides(name)}
+        kept = {E.override_key(o) for job in fast_jobs(name) for o in job[1:]} - {E.override_key(o) for o in fast_overrides(name)}
         assert "experiment/method" in kept, name
     assert len(fast_jobs("granularity/smol")) == 4 and len(fast_jobs("compensation/smol")) == 5
 

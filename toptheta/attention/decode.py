@@ -179,10 +179,10 @@ def _fused(query, key, value, valid_row, n, ks: int, ke: int, *, scaling: float,
         return None
     sparse = type(sparsifier) is TopTheta
     post = sparse and sparsifier.placement == "post"
-    rows = RowBlock(layer, "decode", prefill._shape_only(B, H, 1, Kc, query.device), n)
+    rows = RowBlock(layer, "decode", prefill.shape_only(B, H, 1, Kc, query.device), n)
     theta = raw = cal = vbar = prefill._EMPTY
     if sparse:
-        theta, raw, rows.clamped_rows = prefill._row_thresholds(sparsifier, rows, cache=valid_row is None)
+        theta, raw, rows.clamped_rows = prefill.row_thresholds_of(sparsifier, rows, cache=valid_row is None)
         theta, raw = theta.view(B, H), raw.view(B, H)
         mass = lowered.calibrated_mass(layer, n, sparsifier)  # (B, H|1, 1), None unless calibrated SDC
         if mass is not None:

@@ -97,11 +97,11 @@ def attention(
         n = vm.sum(-1)  # (B, 1, Q)
         mask = vm[:, 0]  # (B, Q, K), any strides
     if sparse or counting:
-        rows = RowBlock(layer, phase, _shape_only(B, H, Q, K, query.device), n)
+        rows = RowBlock(layer, phase, shape_only(B, H, Q, K, query.device), n)
     theta = raw = cal = vbar = _EMPTY
     vmc_mode = 0
     if sparse:
-        theta, raw, rows.clamped_rows = _row_thresholds(sparsifier, rows, cache=valid is None)
+        theta, raw, rows.clamped_rows = row_thresholds_of(sparsifier, rows, cache=valid is None)
         mass = lowered.calibrated_mass(layer, n, sparsifier)  # (B, H|1, Q), None unless calibrated SDC
         if mass is not None:
             cal = mass.expand(B, H, Q).contiguous()
@@ -126,7 +126,7 @@ def attention(
     return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
-def _row_thresholds(sparsifier: TopTheta, rows: RowBlock, cache: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+def row_thresholds_of(sparsifier: TopTheta, rows: RowBlock, cache: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(θ the kernel compares with, θ as calibrated, rows clamped), each (B, H, Q) float32 contiguous: the lowering
     every backend shares (``backends/call.py``); ``cache``: a causal call, whose lookups are memoised."""
     B, H, Q, K = rows.logits.shape
@@ -137,7 +137,7 @@ _EMPTY = torch.empty(0)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 
 
-def _shape_only(B: int, H: int, Q: int, K: int, device) -> torch.Tensor:
+def shape_only(B: int, H: int, Q: int, K: int, device) -> torch.Tensor:
     """A (B, H, Q, K) stand-in for the logits, which this path never materialises (the statistics read the shape)."""
     return torch.zeros((), device=device).expand(B, H, Q, K)
 

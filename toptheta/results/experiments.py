@@ -106,7 +106,7 @@ def split_choices(text: str) -> list[str]:
     return [c for c in out if c]
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
@@ -117,7 +117,7 @@ def jobs(name: str, overrides: Sequence[str] = (), root: str | Path | None = Non
     sweep of its own. Each job starts with `experiment=<name>`; duplicates are dropped, order kept.
     """
     params = sweep_params(name, root)
-    given = {_key(o): o for o in overrides}
+    given = {override_key(o): o for o in overrides}
     axes = []
     for key, values in params.items():
         if key.lstrip("+~") in given:

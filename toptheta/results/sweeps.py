@@ -148,8 +148,8 @@ def _job_models(name: str) -> set[str]:
     from hydra import compose
 
     jobs = experiments.jobs(name)
-    models = {o.split("=", 1)[1] for job in jobs for o in job if experiments._key(o) == "model"}
-    plain = next((job for job in jobs if not any(experiments._key(o) == "model" for o in job)), None)
+    models = {o.split("=", 1)[1] for job in jobs for o in job if experiments.override_key(o) == "model"}
+    plain = next((job for job in jobs if not any(experiments.override_key(o) == "model" for o in job)), None)
     if plain is not None:
         models.add(str(compose("config", overrides=plain).model.name))
     return models

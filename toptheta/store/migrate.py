@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from .rows import STAT_COLUMNS, SUMMARY_COLUMNS, summary_rows
-from .runs import DONE_MARKER, RunStore, _write_text_atomic
+from ..atomic import write_text_atomic
+from .runs import DONE_MARKER, RunStore
 
 
 def _read(path: Path) -> Any:
@@ -104,7 +105,7 @@ def restore_summary(store: RunStore, run_id: str) -> int:
 def migrate(results_dir: str | Path, *, dry_run: bool = False) -> int:
     """Rewrite summary.csv from the run directories; returns the number of rows written."""
     store = RunStore(results_dir)
-    with store._summary_lock():
+    with store.summary_lock():
         old_rows = []
         if store.summary_path.exists():
             with open(store.summary_path, newline="", encoding="utf-8") as fh:
@@ -119,7 +120,7 @@ def migrate(results_dir: str | Path, *, dry_run: bool = False) -> int:
         writer.writeheader()
         writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
         if not dry_run:
-            _write_text_atomic(store.summary_path, buffer.getvalue())
+            write_text_atomic(store.summary_path, buffer.getvalue(), fsync=True)
     print(f"{'would write' if dry_run else 'wrote'} {store.summary_path}: {len(rows)} rows "
           f"({len(covered)} runs rebuilt from their directories, {len(kept)} rows kept as they were)")
     return len(rows)

@@ -217,7 +217,7 @@ class RunStore:
                 shutil.rmtree(old, ignore_errors=True)
 
     @contextlib.contextmanager
-    def _summary_lock(self) -> Iterator[None]:
+    def summary_lock(self) -> Iterator[None]:
         """Exclusive lock on a separate lock file (summary.csv itself gets replaced); see claims.py."""
         with claim(self.results_dir / "summary.csv.lock", "summary.csv"):
             yield
@@ -241,7 +241,7 @@ class RunStore:
         rows = [dict(r) for r in rows]
         if not rows:
             return
-        with self._summary_lock():
+        with self.summary_lock():
             old_columns: list[str] = []
             old_rows: list[dict[str, str]] = []
             if self.summary_path.exists():

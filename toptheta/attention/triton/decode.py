@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
                      per_row, per_sequence, row_bounds, stats_arguments, value_means)
-from .prefill import TINY, _pv, _scores
+from .prefill import TINY, tile_pv, tile_scores
 
 MAX_ROWS = 256  # GP·QP rows per program
 PROGRAMS_PER_SM = 4  # chunks are sized so that (sequence, KV head, chunk) programs fill each SM this many times
@@ -128,7 +128,7 @@ def _decode_logits(
     l_i = tl.zeros([GP * QP], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+        s, valid = tile_scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
         tl.store(s_rows[:, None] + offs_n[None, :], s, mask=valid)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -190,7 +190,7 @@ def _decode_select(
         cols = tl.max(keep.to(tl.int32), 0)
         tiles += 1
         if tl.max(cols, 0) > 0:
-            acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
+            acc = tile_pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
         else:  # nobody keeps a key of this tile: no V load, no P·V
             skipped += 1
 

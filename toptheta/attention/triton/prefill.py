@@ -38,7 +38,7 @@ TINY = tl.constexpr(1.1754943508222875e-38)  # float32 tiny, the plain kernel's 
 
 
 @triton.jit
-def _scores(q, K_ptr, offs_n, offs_d, lo_row, hi_row, stride_kn, stride_kd, D, scaling,
+def tile_scores(q, K_ptr, offs_n, offs_d, lo_row, hi_row, stride_kn, stride_kd, D, scaling,
             SCALE_Q: tl.constexpr, IEEE: tl.constexpr):
     """(BLOCK_M, BLOCK_N) float32 scaled logits of one key tile, −inf outside each row's [lo_row, hi_row)."""
     valid = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] < hi_row[:, None])
@@ -55,7 +55,7 @@ def _scores(q, K_ptr, offs_n, offs_d, lo_row, hi_row, stride_kn, stride_kd, D, s
 
 
 @triton.jit
-def _pv(acc, w, V_ptr, offs_n, offs_dv, cols, stride_vn, stride_vd, DV, IEEE: tl.constexpr):
+def tile_pv(acc, w, V_ptr, offs_n, offs_dv, cols, stride_vn, stride_vd, DV, IEEE: tl.constexpr):
     """acc + w·V over one key tile, reading only the V rows some row of the block keeps (``cols``)."""
     v = tl.load(V_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=(cols[:, None] > 0) & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
@@ -116,7 +116,7 @@ def _prefill_kernel(
     if POST:  # pass 1: the row max and the dense denominator
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+            s, valid = tile_scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
@@ -133,7 +133,7 @@ def _prefill_kernel(
     skipped = 0
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+        s, valid = tile_scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
         if POST:
             w = tl.exp(s - m_fin[:, None]) / tl.maximum(l_i, TINY)[:, None]  # dense probabilities
             keep = valid & (w > theta[:, None])
@@ -156,11 +156,11 @@ def _prefill_kernel(
         if SKIP_TILES:
             cols = tl.max(keep.to(tl.int32), 0)  # (BLOCK_N,) V rows some row keeps
             if tl.max(cols, 0) > 0:
-                acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
+                acc = tile_pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
             else:  # nothing passed θ in this tile: no V load, no P·V
                 skipped += 1
         else:  # every V row of the key range, no branch: no cross-warp reduction per tile, loads can pipeline
-            acc = _pv(acc, w, Vb, offs_n, offs_dv, (offs_n < hi).to(tl.int32), svn, svd, DV, IEEE)
+            acc = tile_pv(acc, w, Vb, offs_n, offs_dv, (offs_n < hi).to(tl.int32), svn, svd, DV, IEEE)
 
     if not POST:
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -169,14 +169,14 @@ def _prefill_kernel(
             if tl.max(empty.to(tl.int32), 0) > 0:  # rare: keep each empty row's maximum (the same logits again)
                 for start in range(lo, hi, BLOCK_N):
                     offs_n = start + tl.arange(0, BLOCK_N)
-                    s, valid = _scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
+                    s, valid = tile_scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
                     keep = valid & empty[:, None] & (s >= m_fin[:, None])
                     w = tl.where(keep, tl.exp(s - m_fin[:, None]), 0.0)
                     cols = tl.max(keep.to(tl.int32), 0)
                     if tl.max(cols, 0) > 0:
                         r_i += tl.sum(w, 1)
                         cnt += tl.sum(keep.to(tl.int32), 1)
-                        acc = _pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
+                        acc = tile_pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
 
     # Epilogue: denominators, compensation, statistics.
     if POST:
