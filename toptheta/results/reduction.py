@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import comparisons, figures, labels, precision, selection, verdicts
+from . import comparisons, figures, labels, precision, selection
+from .comparisons import LEVEL, MARGIN, Verdict
 
 HOLDS_AT = 3.0
 MATCHED_SLACK = 0.10  # how far the evaluated rows of a run matched to a target may land from it (target_kept.py)
@@ -81,7 +82,7 @@ def reduction_table(rows: pd.DataFrame, results_dir: str | Path | None, supersed
                 tested.append((run, interval))
             if not tested:
                 continue
-            good = [(run, i) for run, i in tested if i.low > -verdicts.MARGIN]
+            good = [(run, i) for run, i in tested if i.low > -MARGIN]
             largest = max(1.0 / float(run[x]) for run, _ in tested)
             row = {"setting": setting, "series": series, "measure": figures.X_LABELS[x], "runs": len(tested),
                    "non_inferior_runs": len(good), "largest_tested_reduction": largest}
@@ -100,7 +101,7 @@ def reduction_table(rows: pd.DataFrame, results_dir: str | Path | None, supersed
                            mc_low=i.mc_low, mc_high=i.mc_high, resamples=i.resamples, seeds=int(run.get("seeds", 1)),
                            reaches_3x=False, reaches_10x=False, group=run["group"],
                            run_id=",".join(comparisons.run_ids(run)))
-            row["_fails"] = all(i.high < -verdicts.MARGIN for run, i in tested if reaches(run, x, HOLDS_AT))
+            row["_fails"] = all(i.high < -MARGIN for run, i in tested if reaches(run, x, HOLDS_AT))
             row["_tested_3x"] = any(reaches(run, x, HOLDS_AT) for run, _ in tested)
             out.append(row)
     table = pd.DataFrame(out)
@@ -114,7 +115,7 @@ def _interval(d, data) -> precision.Interval:
     """The run − dense interval at 95 %, precise at the non-inferiority bound; from two stderrs when unpaired."""
     if data is d:  # no per-question outcomes: the normal interval, exact (no resampling)
         return precision.Interval(d.diff, d.ci_low, d.ci_high, 0.0, 0.0, 0, d.level)
-    (i,) = precision.precise([data], levels=(verdicts.LEVEL,), boundary=-verdicts.MARGIN)
+    (i,) = precision.precise([data], levels=(LEVEL,), boundary=-MARGIN)
     return i
 
 
@@ -156,9 +157,9 @@ def _flag(value) -> bool:
     return value is not None and not pd.isna(value) and bool(value)
 
 
-def claim_verdict(claim: tuple[str, str], table: pd.DataFrame, left_out: Sequence[str] = ()) -> verdicts.Verdict:
+def claim_verdict(claim: tuple[str, str], table: pd.DataFrame, left_out: Sequence[str] = ()) -> Verdict:
     """Claim 6 pooled over the settings of `table` (see the module docstring)."""
-    v = verdicts.Verdict(*claim)
+    v = Verdict(*claim)
     settings = setting_verdicts(table)
     v.settings = settings
     v.pairs = [{"group": s["run_group"], "a": s["series"], "b": "Baseline", "reduction": s["reduction"], "kept": s["kept"], "runs": s["runs"], "diff": s["diff"],

@@ -41,44 +41,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from . import comparisons, informative, labels, paired, pooled, precision, reduction
-from .comparisons import CALIBRATION, IN_DOMAIN, LEVEL, as_text, close, find_pairs, pick
-
-MARGIN = 0.01
-
-
-@dataclass
-class Verdict:
-    claim: str
-    kind: str  # superiority | non-inferiority
-    pairs: list[dict[str, Any]] = field(default_factory=list)
-    effect: float | None = None
-    ci_low: float | None = None
-    ci_high: float | None = None
-    verdict: str = "undecided"
-    note: str = ""
-    settings: list[dict[str, Any]] = field(default_factory=list)  # per_setting(): the claim in each setting
-    uninformative: list[dict[str, Any]] = field(default_factory=list)  # per_setting() of the excluded settings
-    mc_low: float | None = None  # the Monte Carlo error of each bound (precision.py)
-    mc_high: float | None = None
-    resamples: int | None = None
-    table: pd.DataFrame | None = None  # claim 6: its reduction table (reduction.py), informative settings only
-
-    def as_row(self) -> dict[str, Any]:
-        ci = "" if self.ci_low is None else f"[{self.ci_low:+.3f}, {self.ci_high:+.3f}]"
-        effect = "" if self.effect is None else f"{self.effect:+.3f}"
-        mc = ", ".join("" if e is None or pd.isna(e) else f"{e:.4f}" for e in (self.mc_low, self.mc_high))
-        mc = "" if mc == ", " else mc
-        return {"claim": self.claim, "effect": effect, "95% CI": ci, "MC error of the bounds": mc,
-                "resamples": "" if self.resamples is None else f"{self.resamples:,}", "pairs": len(self.pairs),
-                "verdict": self.verdict if self.pairs else "undecided (no runs yet)", "note": self.note}
-
+from .comparisons import CALIBRATION, IN_DOMAIN, LEVEL, MARGIN, Verdict, as_text, close, find_pairs, pick
 
 def decide(kind: str, low: float, high: float, margin: float = MARGIN) -> str:
     """The verdict rule of the module docstring."""
