@@ -18,7 +18,7 @@ Each method scores all requests inside its own ``toptheta.sparsify`` block; the 
 time (min and median over --repeats; on a shared machine the min is the better estimate), speed-up
 over stock, acc and acc_norm (lm-eval's own process_results), the largest log-likelihood difference
 from stock, and the kept attention fraction. Thresholds are calibrated once per setting on --calib-docs
-train documents of the same task and cached under ~/.cache/toptheta/bench/.
+train documents of the same task and cached where run.py caches thresholds ($TOPTHETA_CACHE/thresholds/).
 
 With --prefix-cache, the few-shot regime of the paper instead (25 shots; issue 27): ``shared`` (each context once,
 as above) against ``prefix`` (SharedContextHFLM's prefix cache: the token prefix that contexts share runs once) on
@@ -50,8 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import toptheta  # noqa: E402
-from toptheta.cachedir import cache_dir  # noqa: E402
-from toptheta.thresholds_cache import calibrate_on_task  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from toptheta import config  # noqa: E402
+from toptheta.spec import RunSpec  # noqa: E402
+from toptheta.thresholds_cache import obtain_thresholds, thresholds_claim  # noqa: E402
 from toptheta.results import bench_report  # noqa: E402
 from toptheta.evaluation.calibration_inputs import build_requests  # noqa: E402
 from toptheta.evaluation.task_loading import load_tasks, task_manager  # noqa: E402
@@ -76,18 +79,22 @@ def build_task(task: str, data_dir, num_fewshot: int, limit: int, seed: int = 12
 
 def thresholds_for(model, tokenizer, task: str, k: int, data_dir, calib_docs: int, num_fewshot: int = 0,
                    sampler: str | None = None) -> toptheta.Thresholds:
-    """Top-θ post-softmax thresholds from `calib_docs` train documents of `task` (cached), their rows built as the
-    evaluated ones (`num_fewshot` shots drawn by `sampler`)."""
-    cache = cache_dir("bench")
-    shots = f"_{num_fewshot}shot{'_' + sampler if sampler else ''}" if num_fewshot else ""
-    path = cache / f"smollm2-135m_{task}_k{k}_post_docs{calib_docs}{shots}.safetensors"
-    if path.is_file():
-        return toptheta.Thresholds.load(path, model)
-    print(f"calibrating k={k} on {calib_docs} documents of {task} train", flush=True)
-    thresholds = calibrate_on_task(model, tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot,
-                                   num_samples=calib_docs, fewshot_sampler=sampler, k=k, placement="post",
-                                   layer_k=LAYER_K, progress=False)
-    thresholds.save(path)
+    """Top-θ post-softmax thresholds from `calib_docs` train documents of `task`, their rows built as the evaluated
+    ones (`num_fewshot` shots drawn by `sampler`): run.py's thresholds cache, keyed as a run with these settings
+    (calib=paper's defaults, comp=none) keys them, model fingerprint and calibration settings included."""
+    calib = OmegaConf.to_container(OmegaConf.structured(config.CalibConfig), enum_to_str=True)
+    calib = {key: value for key, value in calib.items() if key not in ("beyond", "cover_shots")}  # at their defaults
+    calib.update(task=task, num_samples=calib_docs, num_fewshot=num_fewshot,
+                 **({"fewshot_sampler": sampler} if sampler else {}))
+    spec = RunSpec.for_thresholds(
+        model={"name": "smollm2-135m", "source": "smollm2-135m", "revision": None, "dtype": "float32",
+               "max_length": None},
+        sparsifier={"name": "toptheta", "k": k, "placement": "post", "layer_k": LAYER_K},
+        comp={"sdc": None, "sdc_scale": 1.0, "vmc": False}, calib=calib,
+        data_dir_path=str(data_dir) if data_dir else None)
+    with thresholds_claim(spec, model):
+        thresholds, path = obtain_thresholds(spec, model, tokenizer)
+    print(f"thresholds k={k} from {calib_docs} documents of {task} train: {path}", flush=True)
     return thresholds
 
 
