@@ -31,6 +31,26 @@ def test_topk_fraction_from_lengths_is_what_the_kernel_counts(k, layer_k):
                                                                                    abs=1e-12)
 
 
+@pytest.mark.parametrize("k,layer_k", [(1, None), (3, {0: 12}), (6, {1: 2}), (40, None)])
+def test_topk_fraction_counts_sliding_window_layers_as_the_kernel_does(k, layer_k):
+    """Gemma-3's sliding-window layers hold a row to the window's keys: the closed form takes each layer's window
+    (model_facts.layer_windows), as the statistics count them; without the windows it would count too few."""
+    from toptheta.evaluation.model_facts import layer_windows
+
+    model = build_tiny_model("gemma3", num_layers=4)
+    windows = layer_windows(model)
+    assert any(w is not None for w in windows) and any(w is None for w in windows)
+    lengths = [5, 17, 33, 12]
+    torch.manual_seed(0)
+    with toptheta.sparsify(model, toptheta.TopK(k=k, placement="post", layer_k=layer_k), []) as stats:
+        for n in lengths:
+            model(input_ids=torch.randint(0, 250, (1, n)))
+    kept = target_kept.topk_kept_fraction(lengths, k, layer_k, 4, windows)
+    assert kept == pytest.approx(stats.kept_attention_fraction, abs=1e-12)
+    if k < max(w for w in windows if w):
+        assert target_kept.topk_kept_fraction(lengths, k, layer_k, 4) < kept
+
+
 def test_topk_k_for_lands_on_the_target_or_refuses():
     lengths = [800, 860, 900]
     for target, layer_k in ((1 / 3, {0: 512, 1: 512}), (1 / 10, {0: 512, 1: 512}), (1 / 20, {0: 128, 1: 128})):
@@ -46,6 +66,10 @@ def test_resolve_k_corrects_for_a_method_that_keeps_more():
     k, kept, tried = target_kept.resolve_k(0.1, lengths, None, 4, keeps_more)
     assert abs(kept / 0.1 - 1) <= target_kept.TOLERANCE and len(tried) >= 2
     assert k < target_kept.topk_k_for(lengths, 0.1, None, 4)
+    windows = [64, None, 64, None]  # with sliding windows: the same correction, from the windowed Top-k fraction
+    keeps_more = lambda k: 1.3 * target_kept.topk_kept_fraction(lengths, k, None, 4, windows)  # noqa: E731
+    k, kept, tried = target_kept.resolve_k(0.1, lengths, None, 4, keeps_more, windows=windows)
+    assert abs(kept / 0.1 - 1) <= target_kept.TOLERANCE
 
 
 @pytest.mark.parametrize("sparsifier", [("sparsifier=topk", "comp=vmc", "sparsifier.placement=post"),

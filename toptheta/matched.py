@@ -45,6 +45,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     from .calibration.target_kept import resolve_k
     from .calibration.target_param import fit_parameter
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
+    from .evaluation.model_facts import layer_windows
 
     target = spec.sparsifier.target_kept
     if target is None:
@@ -107,7 +108,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                                         "tried": tried, "calibration_sequences": len(sequences),
                                         **({"target_measure": "vrows"} if vrows else {})}
     k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
-                               measure if spec.calib is not None else None)
+                               measure if spec.calib is not None else None, windows=layer_windows(model))
     log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows.task)
     return with_value(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
                            "calibration_sequences": len(sequences)}
