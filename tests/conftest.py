@@ -110,15 +110,15 @@ def tiny_6heads(arch: str, layers: int = 2) -> torch.nn.Module:
     return model_cls(config).eval()
 
 
-def qkv(B=2, H=4, Hkv=2, Q=12, K=12, D=8, seed=0):
-    """Seeded random causal (q, k, v, valid); the second sequence is left-padded by 3 keys."""
+def qkv(B=2, H=4, Hkv=2, Q=12, K=12, D=8, seed=0, left_pad=3):
+    """Seeded random causal (q, k, v, valid); the second sequence is left-padded by ``left_pad`` keys."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, Q, D, generator=g) * 2
     k = torch.randn(B, Hkv, K, D, generator=g) * 2
     v = torch.randn(B, Hkv, K, D, generator=g)
     valid = torch.ones(Q, K, dtype=torch.bool).tril(K - Q)[None, None].repeat(B, 1, 1, 1)
-    if B > 1:
-        valid[1, :, :, :3] = False  # left padding of 3 in the second sequence
+    if B > 1 and left_pad:
+        valid[1, :, :, :left_pad] = False  # left padding in the second sequence
     return q, k, v, valid
 
 

@@ -2,11 +2,13 @@
 exp-threshold SDC bound, the phase of a forward, and the selectable empty-row rule."""
 
 import copy
+import functools
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
+import conftest
 import toptheta
 from toptheta.attention import fused
 from toptheta.attention.backend import decoding
@@ -62,13 +64,7 @@ def test_sparse_run_with_a_static_cache_never_attends_to_empty_slots():
 
 # ---- item 2: exp-threshold SDC on rows where nothing beats θ -------------------------------------------------
 
-def qkv(B=1, H=4, Hkv=2, Q=12, K=12, D=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Q, D, generator=g) * 2
-    k = torch.randn(B, Hkv, K, D, generator=g) * 2
-    v = torch.randn(B, Hkv, K, D, generator=g)
-    valid = torch.ones(Q, K, dtype=torch.bool).tril(K - Q)[None, None].repeat(B, 1, 1, 1)
-    return q, k, v, valid
+qkv = functools.partial(conftest.qkv, B=1, left_pad=0)  # one sequence by default; several without padding
 
 
 def logits_of(q, k, valid, scale=0.5):
