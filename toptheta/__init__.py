@@ -31,7 +31,7 @@ def _register_lm_eval_model() -> None:
     """
     try:
         import lm_eval.models  # noqa: F401  (registers lm-eval's own lazy entries)
-        from lm_eval.api.registry import model_registry
+        from lm_eval.api.registry import model_registry  # lm-eval: optional for the attention library
     except ImportError:  # lm-eval missing or too old: the library works without it
         return
     if "toptheta" not in model_registry:

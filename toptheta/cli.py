@@ -19,12 +19,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import toptheta  # noqa: F401  (registers the "toptheta" model with lm-eval)
+
+from .evaluation.tasks import check_tasks, resolve_data_dir, task_names
+from .evaluation.tasks.render import STATIC_DIR, write_task_dir
+
 
 def main(argv: list[str] | None = None) -> None:
-    import toptheta  # noqa: F401  (registers the "toptheta" model with lm-eval)
-    from lm_eval.utils import setup_logging
+    from lm_eval.utils import setup_logging  # lm-eval: loaded when the command runs, not on import
 
-    from .compat import HarnessCLI  # lm-eval's private command-line class
+    from .compat import HarnessCLI  # lm-eval's private command-line class (compat.__getattr__, lazy on purpose)
 
     setup_logging()
     parser = HarnessCLI()
@@ -47,9 +51,6 @@ def include_dir(tasks: list[str], data_dir, user_include: str | None, target: Pa
     lm-eval's command line takes one include path, so our static tasks, the rendered ones and the user's
     files are copied into one directory. None (nothing to add) when no task is ours.
     """
-    from .evaluation.tasks import check_tasks, resolve_data_dir, task_names
-    from .evaluation.tasks.render import STATIC_DIR, write_task_dir
-
     ours = [t for t in tasks if t in set(task_names())]
     if not ours:
         return user_include

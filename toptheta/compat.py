@@ -49,7 +49,7 @@ SDPA_MASK_KEYWORDS = ("allow_is_causal_skip", "allow_is_bidirectional_skip")
 def register_attention(name: str, attention, mask) -> None:
     """Register ``attention`` (transformers' attention-function signature) and its ``mask`` function under ``name``;
     a model loaded or switched to ``attn_implementation=name`` then uses both."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # heavy: torch._dynamo, triton (see the note above)
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, attention)
@@ -58,7 +58,7 @@ def register_attention(name: str, attention, mask) -> None:
 
 def sdpa_mask(*args, **kwargs):
     """``masking_utils.sdpa_mask``: sdpa's boolean mask (None where it is purely causal and skipping is allowed)."""
-    from transformers.masking_utils import sdpa_mask as build
+    from transformers.masking_utils import sdpa_mask as build  # heavy (see the note above)
 
     return build(*args, **kwargs)
 
@@ -75,7 +75,7 @@ def set_cache_layers(cache, layers: list) -> None:
 
 def registered_attention() -> set[str]:
     """Names of the attention implementations transformers knows now (``eager`` is built in, not registered)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # heavy (see the note above)
 
     return {"eager", *ALL_ATTENTION_FUNCTIONS.keys()}
 
@@ -106,7 +106,7 @@ HFLM_ATTRIBUTES = ("batch_size_per_gpu", "batch_sizes", "max_batch_size", "cache
 
 def __getattr__(name: str):
     if name == "HarnessCLI":  # toptheta-eval's parser: lm-eval's command line, loaded on first use
-        from lm_eval._cli.harness import HarnessCLI
+        from lm_eval._cli.harness import HarnessCLI  # lm-eval: optional; lazy on purpose
 
         return HarnessCLI
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -120,7 +120,7 @@ def compile_templates_once() -> None:
     ARC-Easy's 2,376 25-shot contexts took 5 minutes here, 90 % of it in Jinja's compiler. The compiled templates
     are kept per template text in the same environment, so every rendering is what lm-eval's own would be.
     """
-    from lm_eval import utils as lm_eval_utils
+    from lm_eval import utils as lm_eval_utils  # lm-eval: optional for the attention library
 
     if getattr(lm_eval_utils.apply_template, "_toptheta_cached", False):
         return
@@ -142,7 +142,7 @@ def replace_sampler(task, name: str) -> None:
     override of ``fewshot_config`` at load time replaces the whole task config (lm-eval 0.4.13), so the sampler
     is swapped here, the one place that touches it.
     """
-    from lm_eval.api import samplers
+    from lm_eval.api import samplers  # lm-eval: optional for the attention library
 
     docs = task.fewshot_docs()
     if docs is None or not hasattr(task, "sampler"):
@@ -152,14 +152,14 @@ def replace_sampler(task, name: str) -> None:
 
 def hflm_max_length(model, tokenizer) -> int:
     """The context length HFLM uses for ``model`` when max_length is None (lm-eval's own rule)."""
-    from lm_eval.models.utils import resolve_max_length
+    from lm_eval.models.utils import resolve_max_length  # lm-eval: optional for the attention library
 
     return resolve_max_length(model.config, tokenizer)
 
 
 def max_gen_toks(gen_kwargs: dict, default: int) -> int:
     """The generation budget of a generate_until request, as HFLM reads it from the request's gen_kwargs."""
-    from lm_eval.models.utils import normalize_gen_kwargs
+    from lm_eval.models.utils import normalize_gen_kwargs  # lm-eval: optional for the attention library
 
     return normalize_gen_kwargs(gen_kwargs, default)["max_gen_toks"]
 

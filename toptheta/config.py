@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
+from omegaconf import DictConfig, MISSING
 
 from .evaluation.ruler import RulerSettings  # a plain dataclass (no heavy imports): task.ruler's schema
 from .registry import active_compensations, compensation_kinds, sparsifier_kind, sparsifier_names, task_kind_names
@@ -69,8 +69,6 @@ OPTIONAL_TASK_FIELDS = ("lm_eval_task", "include_path", "timeout_s", "lengths", 
 
 def _open_dict(key_type: type, element_type: type):
     """An empty typed mapping node without the struct flag: overrides may add keys (Hydra sets struct on the rest)."""
-    from omegaconf import DictConfig
-
     return DictConfig({}, key_type=key_type, element_type=element_type, flags={"struct": False})
 
 
@@ -215,7 +213,7 @@ class Config:
 def register() -> None:
     """Make `config_schema` (conf/config.yaml's first default) known to Hydra; idempotent. Call it after registering
     a sparsifier or compensation of your own: the schema then has its settings (see `schema`)."""
-    from hydra.core.config_store import ConfigStore
+    from hydra.core.config_store import ConfigStore  # hydra: only to compose; the library modules import without it
 
     ConfigStore.instance().store(name="config_schema", node=schema())
 

@@ -9,6 +9,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
+from . import sparsify
+from .calibration.target_kept import resolve_k
+from .calibration.target_param import fit_parameter
+from .evaluation.model_facts import layer_windows
 from .registry import Parameter, sparsifier_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
@@ -39,13 +45,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     Top-k's fraction follows from the rows' lengths; Top-θ's is measured with the thresholds of each k tried
     (calibrated and cached as any run's); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
     fraction (calibration/target_param.py). Fails with the fix when the target is out of reach."""
-    import torch
-
-    from . import sparsify
-    from .calibration.target_kept import resolve_k
-    from .calibration.target_param import fit_parameter
-    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
-    from .evaluation.model_facts import layer_windows
+    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length  # lm-eval: heavy, matched runs only
 
     target = spec.sparsifier.target_kept
     if target is None:

@@ -13,15 +13,30 @@ import json
 import logging
 import os
 import shutil
+import socket
+import sys
 import time
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from . import sparsify
+from .attention.backend import check_supported
+from .attention.popularity import VRowPopularity
 from .builders import check_combination, check_sparsifies, needs_thresholds
+from .config import COMP_FIELDS, OPTIONAL_TASK_FIELDS, VROW_POPULARITY_DEFAULTS, check
+from .evaluation.generation import Paused, check_context, check_decoding, evaluate_generation
+from .evaluation.tasks import calibration_name, check_tasks, is_longbench
+from .evaluation.tasks import resolve_data_dir as resolve
+from .guards import warn_unintended
 from .matched import kept_in_sparsified_layers, resolve_target
 from .registry import LM_EVAL_KIND, active_compensations, sparsifier_kind, task_kind
+from .results.wandb_logger import make_logger
 from .spec import ModelSpec, RunSpec, TaskSpec
+from .store.migrate import restore_summary
+from .store.rows import summary_rows
+from .store.runs import RunStore
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 log = logging.getLogger("toptheta")
@@ -31,8 +46,6 @@ log = logging.getLogger("toptheta")
 
 def resolve_data_dir(value) -> str | None:
     """``auto``: $TOPTHETA_DATA_DIR, else the data shipped in toptheta/data; ``hub`` or null: the hub (None)."""
-    from .evaluation.tasks import resolve_data_dir as resolve
-
     path = resolve(value)
     return None if path is None else str(path)
 
@@ -53,9 +66,6 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     Types and choices were checked when Hydra composed `cfg` into toptheta.config's schema; ranges are
     checked here first, then combinations, tasks and data files, all before any model loads.
     """
-    from .config import COMP_FIELDS, OPTIONAL_TASK_FIELDS, check
-    from .store.runs import RunStore
-
     check(cfg)
     c = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     sparsifier, comp, task, calib = c["sparsifier"], dict(c["comp"]), c["task"], c["calib"]
@@ -137,8 +147,7 @@ def _check_tasks(task: dict, calib_task: str | None, data_dir: str | None) -> No
     A name outside our catalogue is any lm-eval task (its own data source) or one of the user's YAMLs under
     task.include_path; thresholds are always calibrated on one of ours (calib.task / task.calib_task).
     """
-    from .evaluation.lm_eval_adapter import check_external_tasks, is_catalogued
-    from .evaluation.tasks import calibration_name, check_tasks
+    from .evaluation.lm_eval_adapter import check_external_tasks, is_catalogued  # lm-eval: heavy, only when checking
 
     root = Path(data_dir) if data_dir else None
     if task["kind"] == "lm_eval" and is_catalogued(task["lm_eval_task"]):
@@ -159,8 +168,7 @@ def evaluate(task: TaskSpec, model, tokenizer, data_dir: str | None, model_spec:
     parts read back from ``checkpoint``, a directory where passkey saves each finished length; ``stop`` is asked
     between those parts whether to pause, raising generation.Paused)."""
     if task.kind == LM_EVAL_KIND:
-        from .evaluation.lm_eval_adapter import clip_samples, evaluate_tasks
-        from .evaluation.tasks import is_longbench
+        from .evaluation.lm_eval_adapter import clip_samples, evaluate_tasks  # lm-eval: heavy, lm_eval tasks only
 
         # Chat models get their template on generation tasks (LongBench's convention), never on
         # multiple-choice ones, whose scores compare loglikelihoods of raw continuations.
@@ -175,8 +183,6 @@ def evaluate(task: TaskSpec, model, tokenizer, data_dir: str | None, model_spec:
         if results.get("samples"):  # stored per run: few-shot prompts and long contexts clipped
             results["samples"] = clip_samples(results["samples"])
         return results
-    from .evaluation.generation import evaluate_generation
-
     results = evaluate_generation(task.settings, model, tokenizer, chat_template=model_spec.chat_template, stats=stats,
                                   checkpoint=checkpoint, stop=stop)
     return _count_generated(results, tokenizer)
@@ -202,11 +208,8 @@ def _count_generated(results: dict, tokenizer) -> dict:
 
 def job_invocation() -> dict:
     """How this job was started (command line, Hydra overrides, sweep), saved in each run directory."""
-    import socket
-    import sys
-
     info = {"argv": list(sys.argv), "cwd": os.getcwd(), "host": socket.gethostname(), "pid": os.getpid()}
-    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig  # hydra: not loaded by `import toptheta.pipeline`
 
     if HydraConfig.initialized():
         hc = HydraConfig.get()
@@ -221,9 +224,6 @@ def _popularity_recorder(task: TaskSpec, model):
     """The task's V-row popularity recorder (task.vrow_popularity) and the KV group it stores, or (None, None)."""
     if task.vrow_popularity is None:
         return None, None
-    from .attention.popularity import VRowPopularity
-    from .config import VROW_POPULARITY_DEFAULTS
-
     popularity = {**VROW_POPULARITY_DEFAULTS, **task.vrow_popularity}
     recorder = VRowPopularity.for_model(model, int(popularity["layer"]), max_steps=popularity["max_steps"])
     if not 0 <= int(popularity["group"]) < recorder.kv_heads:
@@ -233,10 +233,6 @@ def _popularity_recorder(task: TaskSpec, model):
 
 
 def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, invocation: dict | None = None) -> list[dict]:
-    from . import sparsify
-    from .guards import warn_unintended
-    from .store.rows import summary_rows
-
     recorder, group = _popularity_recorder(spec.task, model)  # bad settings fail before calibration
     planned, (spec, target) = spec, resolve_target(spec, model, tokenizer)  # matched sparsity: k resolved here
     thresholds, thresholds_ref = (None, None)
@@ -297,8 +293,6 @@ def stop_requested(results_dir: str | Path) -> bool:
 def _restore_summary(store, spec: RunSpec, held: bool = False) -> None:
     """A stored run whose summary rows are missing (its job was killed between the two writes) gets them back from
     its directory, under its claim (a job still writing the run holds it: then nothing is done here)."""
-    from .store.migrate import restore_summary
-
     with contextlib.nullcontext(True) if held else store.claim(spec.run_id, wait=False) as mine:
         restored = restore_summary(store, spec.run_id) if mine else 0
     if restored:
@@ -308,12 +302,9 @@ def _restore_summary(store, spec: RunSpec, held: bool = False) -> None:
 
 def run(cfg: DictConfig):
     """The main flow of ``python run.py``; returns the comparison table (a pandas DataFrame)."""
-    from .attention.backend import check_supported
-    from .models import load_model
-    from .results.summary import load_summary
-    from .store.runs import RunStore
-    from .results.tables import comparison_table
-    from .results.wandb_logger import make_logger
+    from .models import load_model  # heavy: transformers' model classes (torch._dynamo, triton)
+    from .results.summary import load_summary  # pandas: not loaded by `import toptheta.pipeline`
+    from .results.tables import comparison_table  # pandas
 
     started = time.time()
     specs = plan(cfg)  # fails here, in seconds, on anything wrong with the configuration
@@ -342,8 +333,6 @@ def run(cfg: DictConfig):
         longest_row = cfg.task.max_length or m.max_length or info.max_position_embeddings
         check_sparsifies(specs[-1].sparsifier.settings, info.num_layers, longest_row, m.name)
         if cfg.task.kind != "lm_eval":
-            from .evaluation.generation import check_context, check_decoding
-
             task = OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True)
             check_context(task, info.max_position_embeddings, m.name)
             check_decoding(task, model)
@@ -351,10 +340,6 @@ def run(cfg: DictConfig):
         logger = make_logger(OmegaConf.to_container(cfg.logger, resolve=True, enum_to_str=True),
                              {"sweep": job.get("sweep"), "job": f"job{job['job']}" if job.get("sweep") else None})
         try:
-            import torch
-
-            from .evaluation.generation import Paused
-
             with torch.no_grad():
                 # The claim makes parallel jobs (a sweep's launcher, several shells) compute each run once. A run
                 # another job holds (typically the dense baseline every job of a sweep shares) is put off: this job

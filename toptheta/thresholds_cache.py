@@ -16,7 +16,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import calibration
 from .cachedir import cache_dir
+from .calibration import Thresholds, calibration_compensation, compensation_labels, model_fingerprint
+from .calibration.checkpoint import matching, run_settings
+from .calibration.thresholds import DamagedThresholds
+from .store.claims import claim
 
 if TYPE_CHECKING:
     from .spec import RunSpec
@@ -30,8 +35,6 @@ def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
     The compensation enters as what calibration applies (e.g. ["VMC"]), not as calib.compensation or the
     run's comp, so settings that calibrate alike share one file.
     """
-    from .calibration import calibration_compensation, compensation_labels
-
     sparsifier, calib = spec.sparsifier, spec.calib
     applied = calibration_compensation(spec.comp.objects(), sparsifier.placement, calib.compensation, calib.tac)
     identity = {"model": spec.model.source, "revision": spec.model.revision, "dtype": spec.model.dtype,
@@ -59,8 +62,7 @@ def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int
     calibrated row lengths reach past the longest evaluated request (with fixed exemplars the longest test question
     is longer than any train question after the same exemplars); first_n exemplars then are the first
     `num_fewshot + cover_shots` train documents for both passes, which no calibration document is."""
-    from .calibration import calibrate
-    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length
+    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length  # lm-eval: heavy, only to calibrate
 
     shots = num_fewshot or 0
     reserve = cover_shots if fewshot_sampler == "first_n" else 0
@@ -73,14 +75,11 @@ def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int
                  shots + cover_shots, cover_shots, max(map(len, longer)), max(map(len, requests)), shots)
         requests += longer
     log.info("calibrating on %d sequences of %s (train split)", len(requests), task)
-    return calibrate(model, [[r] for r in requests], seed=seed, **options)
+    return calibration.calibrate(model, [[r] for r in requests], seed=seed, **options)  # tests replace calibrate
 
 
 def obtain_thresholds(spec: RunSpec, model, tokenizer):
     """Load cached thresholds for this calibration key, or calibrate and cache them."""
-    from .calibration import Thresholds, model_fingerprint
-    from .calibration.thresholds import DamagedThresholds
-
     calib, sparsifier = spec.calib, spec.sparsifier
     path = thresholds_dir() / spec.model.name / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
     options = {"lookup": calib.lookup, "smooth_sigma": calib.smooth_sigma}
@@ -123,9 +122,6 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
 
 def checkpoint_thresholds(spec: RunSpec, model, options: dict):
     """(thresholds, file) a model folder (model.source) carries for exactly this run's settings, else None."""
-    from .calibration import calibration_compensation, compensation_labels
-    from .calibration.checkpoint import matching, run_settings
-
     source = os.path.expanduser(str(spec.model.source))
     if not os.path.isdir(source):
         return None
@@ -138,8 +134,5 @@ def checkpoint_thresholds(spec: RunSpec, model, options: dict):
 
 def thresholds_claim(spec: RunSpec, model):
     """The claim on calibrating this thresholds key: parallel jobs calibrate it once, the others wait and reuse."""
-    from .calibration import model_fingerprint
-    from .store.claims import claim
-
     key = thresholds_key(spec, model_fingerprint(model))
     return claim(thresholds_dir() / spec.model.name / f"{key}.lock", f"thresholds {key}")

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -80,7 +81,7 @@ def build(name: str, source: str, functions: list[str], what: str, fallback: str
         return None
     suffix, flags = _target()
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load_inline  # heavy (torch's build tools): only when a kernel builds
 
         log.info("toptheta: loading %s (the first build takes about a minute, then it is cached)", what)
         directory = build_directory(f"{name}_{suffix}")
@@ -111,8 +112,7 @@ def build_directory(name: str):
 @contextlib.contextmanager
 def build_lock(path, timeout: float):
     """An exclusive ``flock`` on ``path`` (released by the OS when the holder dies), or TimeoutError after ``timeout``."""
-    import fcntl
-    import time
+    import fcntl  # POSIX only: elsewhere a build fails into the fallback, and `import toptheta` still works
 
     with open(path, "a+") as handle:
         deadline = time.monotonic() + timeout

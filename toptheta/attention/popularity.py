@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..sparsifiers.base import RowBlock
+from .backend import model_shape
 
 
 class VRowPopularity:
@@ -61,8 +62,6 @@ class VRowPopularity:
     @classmethod
     def for_model(cls, model: torch.nn.Module, layer: int, *, max_steps: int | None = None) -> "VRowPopularity":
         """A recorder for ``layer`` of ``model`` (its KV grouping read from the model)."""
-        from .backend import model_shape
-
         layers, _, kv_heads = model_shape(model)
         if not 0 <= layer < layers:
             raise ValueError(f"layer must be in [0, {layers}) for this model, got {layer}")

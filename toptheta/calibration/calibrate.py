@@ -13,6 +13,7 @@ import logging
 from typing import Iterable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from .. import compat
 from ..attention.backend import model_shape, sparsify
@@ -208,8 +209,6 @@ def _check_arguments(k, layer_k, num_layers, statistic, granularity, lookup, smo
 
 def _run(model, inputs, sparsifier, compensations, collector, generate_tokens: int, progress: bool) -> tuple[int, int]:
     """Calibration forwards (or greedy generations) under no_grad; returns (sequences, tokens)."""
-    from tqdm.auto import tqdm
-
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

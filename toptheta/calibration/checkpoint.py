@@ -178,7 +178,7 @@ def _folder_config(directory: Path):
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} is not a Hugging Face model folder (no config.json); write the model "
                                 "there first: model.save_pretrained(folder)")
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers' auto classes: half a second, only for a folder's config
 
     return AutoConfig.from_pretrained(str(directory))
 

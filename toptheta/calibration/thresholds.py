@@ -220,7 +220,7 @@ class Thresholds:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``path`` (safetensors with the metadata as JSON in its header), atomically."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # safetensors: not loaded by `import toptheta`, only to write a file
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,14 +237,14 @@ class Thresholds:
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write these thresholds into a Hugging Face model folder, beside its weights (see ``checkpoint.py``)."""
-        from .checkpoint import save_pretrained
+        from .checkpoint import save_pretrained  # cycle: checkpoint imports this module
 
         return save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, model=None, **kwargs) -> "Thresholds":
         """Read thresholds a model folder carries (``save_pretrained``), refusing another model (``checkpoint.py``)."""
-        from .checkpoint import from_pretrained
+        from .checkpoint import from_pretrained  # cycle: checkpoint imports this module
 
         return from_pretrained(directory, model, **kwargs)
 
@@ -255,7 +255,7 @@ class Thresholds:
 
         ``overrides``: ``lookup`` and ``smooth_sigma``, which only change how lengths are filled at run time.
         """
-        from safetensors import safe_open
+        from safetensors import safe_open  # safetensors: not loaded by `import toptheta`, only to read a file
 
         path = Path(path)
         if not path.is_file():
@@ -323,7 +323,7 @@ def check_thresholds_fit(model, sparsifier, compensations=()) -> None:
 
 def stamp(metadata: dict) -> dict:
     """Add the package version and the date to calibration metadata."""
-    from .. import __version__
+    from .. import __version__  # cycle: toptheta/__init__ imports this module before it sets __version__
 
     return {**metadata, "toptheta_version": __version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

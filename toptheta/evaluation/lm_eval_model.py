@@ -56,9 +56,16 @@ from typing import Any
 import torch
 from lm_eval.api.registry import register_model
 
-from ..config import CompConfig
+from .. import builders, pipeline, sparsify, thresholds_cache
+from ..attention.backend import check_supported
+from ..calibration import Thresholds
+from ..calibration.checkpoint import check_settings, matching
+from ..config import CompConfig, sparsifier_problems
+from ..guards import warn_unintended
 from ..registry import compensation_kinds, sparsifier_kind, sparsifier_names
+from ..spec import RunSpec
 from .shared_context_lm import SharedContextHFLM, check_decode_batch
+from .tasks import calibration_name, check_tasks, resolve_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +130,7 @@ class TopThetaLM(SharedContextHFLM):
                  data_dir: str | None = "auto", dtype: str = "float32", device: str | None = None,
                  device_map: str | None = None, revision: str | None = None, chunk_size: int | None = None,
                  **hflm_kwargs):
-        from .. import builders, pipeline
-        from ..models import load_model
-        from .tasks import resolve_data_dir
+        from ..models import load_model  # heavy: transformers' model classes (torch._dynamo, triton)
 
         # Every setting is checked before the model loads, by the checks run.py's configuration meets
         # (config.sparsifier_problems); the settings of sparsifiers and compensations are model_args named as their
@@ -164,20 +169,14 @@ class TopThetaLM(SharedContextHFLM):
                                             revision=revision)
         self.info = info
         super().__init__(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
-        from ..attention.backend import check_supported
-
         check_supported(model)  # sinks, or attention that bypasses the interface: refused before any request
         builders.check_sparsifies(self.sparse_cfg, info.num_layers, self.max_length, info.name)
         self.thresholds, self.thresholds_path = None, None
         if thresholds is not None:
-            from ..calibration import Thresholds
-
             self.thresholds = Thresholds.load(thresholds, model, lookup=self.calib["lookup"], beyond=beyond)
             self.thresholds_path = str(thresholds)
             self._check_file_settings(f"thresholds={thresholds}", info.num_layers)
         elif self.needs_thresholds:  # a model folder that carries its own (Thresholds.save_pretrained)
-            from ..calibration.checkpoint import matching
-
             wanted = {"k_per_layer": self._k_per_layer(info.num_layers), "placement": self.sparse_cfg["placement"],
                       "granularity": granularity, "sigma_add": float(sigma_add), "calibration_documents": calib_samples,
                       "cover_shots": calib_cover_shots, "fewshot_sampler": self.calib.get("fewshot_sampler"),
@@ -193,8 +192,6 @@ class TopThetaLM(SharedContextHFLM):
     def _settings(name: str, k, layer_k, placement: str, comp, model_args: dict) -> tuple[dict, dict]:
         """(sparsifier, comp) settings as run.py's pipeline has them, checked; the model_args that name a
         sparsifier's or compensation's setting are removed from ``model_args`` (HFLM's own remain)."""
-        from ..config import sparsifier_problems
-
         sparse_keys = {key for kind in map(sparsifier_kind, sparsifier_names()) for key in kind.keys}
         comp_keys = {key for kind in compensation_kinds() for key in (kind.name, *kind.keys)}
         settings = {key: model_args.pop(key) for key in sorted((sparse_keys | comp_keys) & set(model_args))}
@@ -219,8 +216,6 @@ class TopThetaLM(SharedContextHFLM):
     def _check_file_settings(self, source: str, num_layers: int) -> None:
         """A thresholds file calibrated for another k, layer_k or placement is refused: Top-θ would keep the file's
         k while the report names the requested one."""
-        from ..calibration.checkpoint import check_settings
-
         if not self.needs_thresholds:
             return
         meta = self.thresholds.metadata
@@ -241,8 +236,6 @@ class TopThetaLM(SharedContextHFLM):
         return self._sparsified(super().generate_until, requests, disable_tqdm)
 
     def _sparsified(self, method: Callable, requests: list, disable_tqdm: bool) -> list:
-        from .. import sparsify
-
         by_task: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
             by_task.setdefault(request.task_name or "unnamed", []).append(i)
@@ -257,8 +250,6 @@ class TopThetaLM(SharedContextHFLM):
         return out
 
     def _build(self, tasks: list[str]):
-        from .. import builders
-
         if self.needs_thresholds and self.thresholds is None:
             self.thresholds, self.thresholds_path = self._calibrate(tasks)
         sparsifier = builders.build_sparsifier(self.sparse_cfg, self.thresholds)
@@ -266,9 +257,6 @@ class TopThetaLM(SharedContextHFLM):
 
     def _calibrate(self, tasks: list[str]):
         """Cached thresholds for these settings, calibrated now if no job has yet (thresholds_cache.obtain_thresholds)."""
-        from .. import thresholds_cache
-        from ..spec import RunSpec
-
         calib = self.calib = {**self.calib, "task": self.calib["task"] or self._calibration_task(tasks)}
         model_cfg = {"name": self.info.name, "source": self.info.source, "revision": self.info.revision,
                      "dtype": str(self._model.dtype).removeprefix("torch."), "max_length": self.max_length}
@@ -281,8 +269,6 @@ class TopThetaLM(SharedContextHFLM):
 
     def _calibration_task(self, tasks: list[str]) -> str:
         """The evaluated task when it is the only one and its train split is available, else arc_challenge."""
-        from .tasks import calibration_name, check_tasks
-
         if len(tasks) == 1:
             try:
                 check_tasks([calibration_name(tasks[0])], self.data_dir, None)
@@ -314,8 +300,6 @@ class TopThetaLM(SharedContextHFLM):
     def warn_unintended(self) -> None:
         """run.py's warnings (guards.py), once per task: a sparse task that kept nearly every attention element,
         and rows longer than any calibrated row."""
-        from ..guards import warn_unintended
-
         for task, stats in self.task_stats.items():
             if task not in self._warned:
                 self._warned.add(task)

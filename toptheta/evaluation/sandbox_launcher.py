@@ -49,7 +49,7 @@ def _libc():
     """(libc, ctypes), loaded on first use: only the namespace modes need them."""
     global _LIBC
     if _LIBC is None:
-        import ctypes
+        import ctypes  # only the namespace modes: the launcher starts once per program, imports stay few
 
         _LIBC = (ctypes.CDLL(None, use_errno=True), ctypes)
     return _LIBC

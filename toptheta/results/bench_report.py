@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+
 from ..atomic import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,9 +40,6 @@ def _load() -> list[float]:
 def machine(**extra: Any) -> dict[str, Any]:
     """The machine now (call it after setting torch's threads, before the timed work); `finish` adds the load
     average at the end."""
-    import torch
-    import transformers
-
     return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "load_start": _load(),

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from ..cachedir import cache_dir
 from . import experiments
 
@@ -34,7 +35,7 @@ PACKAGE = Path(__file__).resolve().parents[1]
 @contextlib.contextmanager
 def composing() -> Iterator[None]:
     """A Hydra context on conf/ (the schema registered); inside an already initialised one, that one is used."""
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_dir  # hydra and the schema (omegaconf): only to compose
     from hydra.core.global_hydra import GlobalHydra
 
     from toptheta.config import register
@@ -65,8 +66,6 @@ def plan_jobs(name: str, extra: Sequence[str] = ()) -> list[PlannedJob]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     planned = _plan_jobs(name, extra)
-    from ..atomic import write_text_atomic
-
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(cached, json.dumps([asdict(job) for job in planned]))
@@ -92,7 +91,7 @@ def _sources_fingerprint() -> str:
 
 
 def _plan_jobs(name: str, extra: Sequence[str]) -> list[PlannedJob]:
-    from hydra import compose
+    from hydra import compose  # hydra and the pipeline (omegaconf): only when planning
 
     from toptheta import pipeline
 
@@ -145,7 +144,7 @@ def run_owners(names: Iterable[str] | None = None, models: Iterable[str] | None 
 def _job_models(name: str) -> set[str]:
     """The model names an experiment's jobs use: their `model=` overrides, and the experiment's own model for
     jobs without one (one job composed). Inside `composing()`."""
-    from hydra import compose
+    from hydra import compose  # hydra: only to compose
 
     jobs = experiments.jobs(name)
     models = {o.split("=", 1)[1] for job in jobs for o in job if experiments.override_key(o) == "model"}

@@ -10,6 +10,7 @@ The reference notebook histograms the per-sample (k+1)-th largest scores; we kee
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -21,8 +22,6 @@ from matplotlib.figure import Figure
 def threshold_files(results_dir: str | Path) -> list[Path]:
     """Threshold files kept in run directories, one per distinct content (every run names its copy
     thresholds.safetensors, so files are told apart by a hash of their bytes)."""
-    import hashlib
-
     seen, out = set(), []
     for path in sorted(Path(results_dir, "runs").glob("*/*.safetensors")):
         key = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -34,7 +33,7 @@ def threshold_files(results_dir: str | Path) -> list[Path]:
 
 def load_values(path: str | Path) -> tuple[np.ndarray, np.ndarray | None, dict]:
     """(values, counts or None, header) of a threshold file, as numpy (no torch)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # safetensors: not loaded by importing this module, only to read a file
 
     with safe_open(str(path), framework="numpy") as fh:
         values = fh.get_tensor("values")

@@ -92,7 +92,7 @@ class WandbLogger:
     """Opens, fills and finishes one wandb run per ``log_run`` call."""
 
     def __init__(self, options: Mapping[str, Any], context: Mapping[str, Any] | None = None):
-        import wandb
+        import wandb  # wandb: optional, only with a wandb logger
 
         self.wandb = wandb
         self.options = dict(options)

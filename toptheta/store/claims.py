@@ -51,7 +51,7 @@ def lock_kind(directory: str | os.PathLike[str]) -> str:
 def _flock_works(directory: str) -> bool:
     """Whether flock works on a file in ``directory`` (ENOLCK, ENOSYS, EOPNOTSUPP: it does not)."""
     try:
-        import fcntl
+        import fcntl  # POSIX only: optional
     except ImportError:  # not a POSIX system
         return False
     Path(directory).mkdir(parents=True, exist_ok=True)

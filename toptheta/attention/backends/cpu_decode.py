@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import decode, fused_decode
 from . import Backend
 from .call import AttentionCall
 
@@ -16,8 +17,6 @@ class CpuDecode(Backend):
     priority = 40
 
     def refuse(self, call: AttentionCall) -> str | None:
-        from .. import decode, fused_decode
-
         B, H, Hkv, Q, K = call.shape
         if not call.on_cpu:
             return f"a CPU kernel, and the tensors are on {call.device}"
@@ -42,8 +41,6 @@ class CpuDecode(Backend):
         return None
 
     def run(self, call: AttentionCall):
-        from .. import decode
-
         return decode.attention(call.query, call.key, call.value, call.valid, scaling=call.scaling, layer=call.layer,
                                 sparsifier=call.sparsifier, compensations=call.compensations, stats=call.stats)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .. import fused_prefill, prefill
 from . import Backend
 from .call import AttentionCall
 
@@ -11,8 +12,6 @@ class CpuPrefill(Backend):
     priority = 30
 
     def refuse(self, call: AttentionCall) -> str | None:
-        from .. import fused_prefill, prefill
-
         B, H, Hkv, Q, K = call.shape
         if not call.on_cpu:
             return f"a CPU kernel, and the tensors are on {call.device}"
@@ -35,8 +34,6 @@ class CpuPrefill(Backend):
         return None
 
     def run(self, call: AttentionCall):
-        from .. import prefill
-
         out = prefill.attention(call.query, call.key, call.value, call.valid, scaling=call.scaling, layer=call.layer,
                                 sparsifier=call.sparsifier, compensations=call.compensations, stats=call.stats,
                                 phase=call.phase)

@@ -8,6 +8,8 @@ all fit in k) runs the torch ops inside the same call.
 from __future__ import annotations
 
 from ...sparsifiers.base import Sparsifier
+from .. import fused
+from ..kernel import plain_attention
 from . import Backend
 from .call import AttentionCall
 
@@ -27,15 +29,11 @@ class CpuSelect(Backend):
             return "prefill only (decode statistics need the keep mask itself)"
         if call.observer is not None:
             return "observers (calibration) read every view of the rows: the plain kernel serves them"
-        from .. import fused
-
         if fused.extension() is None:
             return "the fused CPU kernel could not be built (no C++ compiler, or TOPTHETA_FUSED=0)"
         return None
 
     def run(self, call: AttentionCall):
-        from ..kernel import plain_attention
-
         return plain_attention(call, fuse=True)
 
 

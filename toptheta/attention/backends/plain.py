@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..kernel import plain_attention
 from . import Backend
 from .call import AttentionCall
 
@@ -14,8 +15,6 @@ class Plain(Backend):
         return None
 
     def run(self, call: AttentionCall):
-        from ..kernel import plain_attention
-
         return plain_attention(call)
 
 

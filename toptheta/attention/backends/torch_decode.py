@@ -6,6 +6,7 @@ gathered rows reads their counts on the host (there the plain kernel serves deco
 
 from __future__ import annotations
 
+from .. import decode
 from . import Backend
 from .call import AttentionCall
 
@@ -15,8 +16,6 @@ class TorchDecode(Backend):
     priority = 35
 
     def refuse(self, call: AttentionCall) -> str | None:
-        from .. import decode
-
         B, H, Hkv, Q, K = call.shape
         if not call.on_cpu:
             return f"CPU only (it reads row counts on the host), and the tensors are on {call.device}"
@@ -31,8 +30,6 @@ class TorchDecode(Backend):
         return None
 
     def run(self, call: AttentionCall):
-        from .. import decode
-
         return decode.attention(call.query, call.key, call.value, call.valid, scaling=call.scaling, layer=call.layer,
                                 sparsifier=call.sparsifier, compensations=call.compensations, stats=call.stats,
                                 observer=call.observer, softcap=call.softcap, bias=call.bias, fused=False)

@@ -23,6 +23,8 @@ import weakref
 
 import torch
 
+from .. import decode
+from ..kernel import plain_attention
 from ..triton.common import stats_target
 from . import Backend
 from .call import AttentionCall
@@ -78,8 +80,6 @@ class TritonBackend(Backend):
                 self.failed.add(which)
             log.warning("toptheta: the Triton %s kernel cannot run this call (%s); using the plain kernel", which,
                         str(err).splitlines()[0] if str(err) else type(err).__name__)
-            from ..kernel import plain_attention
-
             return plain_attention(call)
 
     def _run(self, call: AttentionCall, which: str):
@@ -124,8 +124,6 @@ def running_value_sum(layer: int, value: torch.Tensor, key_start: torch.Tensor) 
     unchanged while the owner is the same: true of appends within one generation, the only place decode steps
     come from.
     """
-    from .. import decode
-
     B, Hkv, K, Dv = value.shape
     slot = ("triton", layer, B, Hkv, Dv, value.dtype, value.device)
     owner = value if value._base is None else value._base

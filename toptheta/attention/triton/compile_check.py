@@ -26,7 +26,7 @@ _DTYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 
 def compile_kernel(kernel, dtype: str, constexprs: dict, arch: int = 90, num_warps: int = 4, num_stages: int = 2):
     """The compiled kernel (``.metadata.shared`` in bytes) for inputs of ``dtype``."""
-    import triton
+    import triton  # triton: heavy and optional
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET (or set it to 0): the interpreter compiles nothing", file=sys.stderr)
         return 2
-    from . import decode, prefill
+    from . import decode, prefill  # triton: heavy; kernels decorated after the TRITON_INTERPRET check
 
     kernels = {"prefill": prefill._prefill_kernel, "decode_logits": decode._decode_logits,
                "decode_select": decode._decode_select, "decode_finish": decode._decode_finish}
