@@ -182,6 +182,28 @@ def test_prefill_with_a_sliding_window_and_a_cached_context(monkeypatch, name):
     assert int(n.max()) == W and int(n.min()) < W
 
 
+@pytest.mark.parametrize("name", ["pre-expsdc-vmc", "post-vmc"])
+def test_rows_without_keys_read_nothing_past_the_keys(monkeypatch, name):
+    """A block's padding rows (past Q) sit after the last key, and a window puts their first key past key_end: the
+    kernels give such rows the empty range at key_start, so no tile reaches keys past key_end. Here the cache holds
+    8 more keys than the sequences use, all NaN: the output is the plain kernel's on the 40 real keys."""
+    B, Q, K, W, extra = 2, 17, 40, 9, 8
+    q, k, v = _data(B, Q, K, seed=3)
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 26], window=W)
+    sparsifier, comp = _objects(name, "keep-max")
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "prefill")
+    nan = torch.full((B, HKV, extra, k.shape[-1]), float("nan"), device=DEVICE)
+    k_big, v_big = torch.cat([k, nan], 2), torch.cat([v, nan], 2)
+    ends = torch.full((B,), K, dtype=torch.int32, device=DEVICE)
+    for skip in (False, True):
+        res, stats = _triton(prefill_attention, q, k_big, v_big, n, sparsifier, comp, "prefill", key_start=ks,
+                             key_end=ends, q_offset=K - Q, window=W, block_m=16, block_n=16, skip_tiles=skip)
+        _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    dec = decode_attention(q[:, :, -1:], k_big, v_big, scaling=0.5, theta=None, placement=None, key_start=ks,
+                           key_end=ends, q_offset=K - 1, window=W, block_n=16)
+    assert not dec.out.isnan().any()
+
+
 def test_dense_prefill_and_decode_equal_the_plain_kernel(monkeypatch):
     B, Q, K = 2, 20, 20
     q, k, v = _data(B, Q, K, seed=4)

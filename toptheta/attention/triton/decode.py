@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
                      per_row, per_sequence, row_bounds, stats_arguments, value_means)
-from .prefill import TINY, tile_pv, tile_scores
+from .prefill import TINY, row_keys, tile_pv, tile_scores
 
 MAX_ROWS = 256  # GP·QP rows per program
 PROGRAMS_PER_SM = 4  # chunks are sized so that (sequence, KV head, chunk) programs fill each SM this many times
@@ -54,15 +54,8 @@ def _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window,
     g = r // QP
     qi = r % QP
     row_ok = (g < G) & (qi < Qn)
-    ks = tl.load(KS_ptr + b)
-    ke = tl.load(KE_ptr + b)
     pos = tl.load(QO_ptr + b) + qi
-    lo_row = tl.zeros([GP * QP], tl.int32) + ks
-    hi_row = tl.zeros([GP * QP], tl.int32) + ke
-    if CAUSAL:
-        hi_row = tl.minimum(hi_row, pos + 1)
-        lo_row = tl.maximum(lo_row, pos - window + 1)
-    hi_row = tl.where(row_ok, tl.maximum(hi_row, lo_row), lo_row)
+    lo_row, hi_row = row_keys(tl.load(KS_ptr + b), tl.load(KE_ptr + b), pos, row_ok, window, CAUSAL)
     return b, hkv, g, qi, row_ok, lo_row, hi_row
 
 

@@ -38,6 +38,21 @@ TINY = tl.constexpr(1.1754943508222875e-38)  # float32 tiny, the plain kernel's 
 
 
 @triton.jit
+def row_keys(ks, ke, pos, row_ok, window, CAUSAL: tl.constexpr):
+    """Each row's keys [lo_row, hi_row): the sequence's [ks, ke), causality, the window (common.row_bounds is the
+    same arithmetic). A row with no key (padding rows of the block, rows before the sequence's first key) gets the
+    empty range [ks, ks): its bounds stay inside the keys, so the tile loop (up to the largest hi_row) and the K and
+    V loads it masks never reach past them."""
+    lo_row = tl.zeros_like(pos) + ks
+    hi_row = tl.zeros_like(pos) + ke
+    if CAUSAL:
+        hi_row = tl.minimum(hi_row, pos + 1)
+        lo_row = tl.maximum(lo_row, pos - window + 1)
+    live = row_ok & (hi_row > lo_row)
+    return tl.where(live, lo_row, ks), tl.where(live, hi_row, ks)
+
+
+@triton.jit
 def tile_scores(q, K_ptr, offs_n, offs_d, lo_row, hi_row, stride_kn, stride_kd, D, scaling,
             SCALE_Q: tl.constexpr, IEEE: tl.constexpr):
     """(BLOCK_M, BLOCK_N) float32 scaled logits of one key tile, −inf outside each row's [lo_row, hi_row)."""
@@ -87,16 +102,9 @@ def _prefill_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Qn
 
-    # Each row's keys [lo_row, hi_row): padding, causality, window (common.row_bounds is the same arithmetic).
     ks = tl.load(KS_ptr + b)
-    ke = tl.load(KE_ptr + b)
     pos = tl.load(QO_ptr + b) + offs_m
-    lo_row = tl.zeros([BLOCK_M], tl.int32) + ks
-    hi_row = tl.zeros([BLOCK_M], tl.int32) + ke
-    if CAUSAL:
-        hi_row = tl.minimum(hi_row, pos + 1)
-        lo_row = tl.maximum(lo_row, pos - window + 1)
-    hi_row = tl.where(row_ok, tl.maximum(hi_row, lo_row), lo_row)
+    lo_row, hi_row = row_keys(ks, tl.load(KE_ptr + b), pos, row_ok, window, CAUSAL)
     n = hi_row - lo_row  # (BLOCK_M,) valid keys
     live = n > 0
     lo = tl.min(tl.where(live, lo_row, 1 << 30), 0)
