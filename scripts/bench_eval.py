@@ -50,8 +50,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import toptheta  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
 from toptheta import config  # noqa: E402
 from toptheta.spec import RunSpec  # noqa: E402
 from toptheta.thresholds_cache import obtain_thresholds, thresholds_claim  # noqa: E402
@@ -82,8 +80,8 @@ def thresholds_for(model, tokenizer, task: str, k: int, data_dir, calib_docs: in
     """Top-θ post-softmax thresholds from `calib_docs` train documents of `task`, their rows built as the evaluated
     ones (`num_fewshot` shots drawn by `sampler`): run.py's thresholds cache, keyed as a run with these settings
     (calib=paper's defaults, comp=none) keys them, model fingerprint and calibration settings included."""
-    calib = OmegaConf.to_container(OmegaConf.structured(config.CalibConfig), enum_to_str=True)
-    calib = {key: value for key, value in calib.items() if key not in ("beyond", "cover_shots")}  # at their defaults
+    calib = {key: value for key, value in config.defaults(config.CalibConfig).items()
+             if key not in ("beyond", "cover_shots")}  # at their defaults: out of the key, as run.py leaves them
     calib.update(task=task, num_samples=calib_docs, num_fewshot=num_fewshot,
                  **({"fewshot_sampler": sampler} if sampler else {}))
     spec = RunSpec.for_thresholds(

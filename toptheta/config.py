@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig, MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .evaluation.ruler import RulerSettings  # a plain dataclass (no heavy imports): task.ruler's schema
 from .registry import active_compensations, compensation_kinds, sparsifier_kind, sparsifier_names, task_kind_names
@@ -408,3 +408,8 @@ def _check_ruler(task: Any, get, need) -> None:
         settings["subtasks"] = list(settings["subtasks"])
     for key, value, valid in RulerSettings(**settings).problems():
         need(False, key, value, valid)
+
+
+def defaults(schema) -> dict:
+    """A config group's defaults as plain values (choices as their strings), as ``run.py`` composes them."""
+    return OmegaConf.to_container(OmegaConf.structured(schema), enum_to_str=True)

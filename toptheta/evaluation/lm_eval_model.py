@@ -60,7 +60,7 @@ from .. import builders, pipeline, sparsify, thresholds_cache
 from ..attention.backend import check_supported
 from ..calibration import Thresholds
 from ..calibration.checkpoint import check_settings, matching
-from ..config import CompConfig, sparsifier_problems
+from ..config import CalibConfig, CompConfig, defaults, sparsifier_problems
 from ..guards import warn_unintended
 from ..registry import compensation_kinds, sparsifier_kind, sparsifier_names
 from ..spec import RunSpec
@@ -74,9 +74,8 @@ SAMPLERS = (None, "default", "first_n")  # conf/task's fewshot_sampler
 BEYOND = ("clamp", "fit")  # conf/calib's beyond
 DEFAULT_LAYER_K = "0:512+1:512"  # conf/sparsifier/*.yaml's default: the paper keeps layers 0-1 dense
 # conf/calib/paper.yaml's settings, so thresholds calibrated here and by run.py share the cache.
-CALIB_DEFAULTS = {"statistic": "order", "granularity": "layer-head-n", "sigma_add": 0.1, "tac": True,
-                  "compensation": "run", "task": None, "num_samples": 120, "num_fewshot": None,
-                  "sample_frac": 1.0, "seed": 0, "decode_tokens": 0, "lookup": "nearest", "smooth_sigma": 0.0}
+CALIB_DEFAULTS = {key: value for key, value in defaults(CalibConfig).items()
+                  if key not in ("beyond", "cover_shots")}  # options at their defaults stay out of the cache key
 
 
 def parse_layer_k(value: Any) -> dict[int, int]:
