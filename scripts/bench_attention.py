@@ -76,7 +76,7 @@ import toptheta  # noqa: E402
 from toptheta.atomic import write_text_atomic  # noqa: E402
 from toptheta.attention import kernel as kernel_module  # noqa: E402
 from toptheta.attention import fused, prefill  # noqa: E402
-from toptheta.calibration.thresholds import Thresholds  # noqa: E402
+from toptheta.thresholds import Thresholds  # noqa: E402
 
 B, H, HKV, D = 1, 9, 3, 64  # SmolLM2-135M attention
 K_BUDGET = 64

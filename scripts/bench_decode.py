@@ -59,7 +59,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 import toptheta  # noqa: E402
 from toptheta.attention import decode, prefill  # noqa: E402
-from toptheta.calibration.thresholds import Thresholds  # noqa: E402
+from toptheta.thresholds import Thresholds  # noqa: E402
 from toptheta.results import bench_report  # noqa: E402
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}

@@ -29,7 +29,7 @@ import torch
 import toptheta
 from toptheta.attention.backend import decoding
 from toptheta.attention.cache import cache_keyword, growing_cache
-from toptheta.calibration.thresholds import Thresholds
+from toptheta.thresholds import Thresholds
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 VOCAB = 1024  # small on purpose: SmolLM2's 49k-row head alone would take longer than the attention at 16k

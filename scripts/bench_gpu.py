@@ -40,7 +40,7 @@ import torch
 
 import toptheta
 from toptheta.attention.stats import SparsityStats
-from toptheta.calibration.thresholds import Thresholds
+from toptheta.thresholds import Thresholds
 from toptheta.results import bench_report
 
 SHAPES = {"llama3-8b": (32, 8, 128), "tiny": (4, 2, 16)}

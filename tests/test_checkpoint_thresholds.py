@@ -1,4 +1,4 @@
-"""Thresholds beside the checkpoint (calibration/checkpoint.py), their dtype, and files whose settings disagree with
+"""Thresholds beside the checkpoint (thresholds/checkpoint.py), their dtype, and files whose settings disagree with
 the run's (issue 31, items 2 and 3)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import toptheta
 from conftest import cfg, tiny_model, tiny_tokenizer
 from toptheta.calibration import Thresholds
-from toptheta.calibration.checkpoint import INDEX, matching, settings_of
+from toptheta.thresholds.checkpoint import INDEX, matching, settings_of
 
 
 def _folder(tmp_path, name: str, seed: int = 0, **overrides):
@@ -153,7 +153,7 @@ def test_toptheta_eval_uses_the_thresholds_of_its_pretrained_folder(tmp_path, mo
 def test_cover_shots_and_sampler_are_settings_and_older_sets_read_as_zero_and_default(tmp_path):
     """A set saved before calib.cover_shots / fewshot_sampler existed (its metadata lacks them) serves runs at 0
     and the default sampler only; a set calibrated with cover_shots=4 on first_n exemplars serves only such runs."""
-    from toptheta.calibration.checkpoint import run_settings
+    from toptheta.thresholds.checkpoint import run_settings
     from toptheta.spec import CalibSpec, SparsifierSpec
 
     folder, model, _ = _calibrate_folder(tmp_path)

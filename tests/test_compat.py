@@ -82,7 +82,7 @@ def test_an_attention_function_and_its_mask_register_under_one_name():
 def test_a_models_hub_commit_is_read_from_its_config():
     model = build_tiny_model("llama", num_layers=1)
     require(compat.commit_hash(model.config) is None, "config._commit_hash (None for a model built in code)",
-            "calibration/thresholds.py (model_identity), calibration/calibrate.py")
+            "thresholds/table.py (model_identity), calibration/calibrate.py")
 
 
 def test_attention_functions_registry_lists_the_backends():

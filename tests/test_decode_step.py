@@ -21,7 +21,7 @@ import torch
 import toptheta
 from toptheta.attention import decode
 from toptheta.attention.backends import call as lowering
-from toptheta.calibration.thresholds import Thresholds
+from toptheta.thresholds import Thresholds
 
 ROOT = Path(__file__).resolve().parents[1]
 

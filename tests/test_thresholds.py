@@ -170,7 +170,7 @@ def brute_force_nearest(known: list[int], values: list[float], width: int) -> li
 
 @pytest.mark.parametrize("seed", range(6))
 def test_filling_matches_brute_force_on_random_keys_with_ties(seed):
-    from toptheta.calibration.thresholds import _fill
+    from toptheta.thresholds.table import _fill
 
     g = torch.Generator().manual_seed(seed)
     width = int(torch.randint(20, 400, (1,), generator=g))

@@ -48,7 +48,7 @@ SdcEstimator = _choices("SdcEstimator", "exact", "exp-threshold", "calibrated")
 Statistic = _choices("Statistic", "order", "target-k")
 Granularity = _choices("Granularity", "layer", "layer-n", "layer-head", "layer-head-n")
 Lookup = _choices("Lookup", "nearest", "linear")
-Beyond = _choices("Beyond", "clamp", "fit")  # toptheta.calibration.beyond.RULES
+Beyond = _choices("Beyond", "clamp", "fit")  # toptheta.thresholds.beyond.RULES
 TargetMeasure = _choices("TargetMeasure", "attention", "vrows")  # what sparsifier.target_kept is a fraction of
 CalibCompensation = _choices("CalibCompensation", "run", "reference", "none")
 FewshotSampler = _choices("FewshotSampler", "default", "first_n")  # lm-eval's samplers
@@ -135,7 +135,7 @@ class CalibConfig:
     lookup: Lookup = Lookup["nearest"]
     smooth_sigma: float = 0.0
     # Rows longer than any calibrated row: clamp (θ of the longest) or fit (a law of θ against n per layer and head,
-    # calibration/beyond.py). A run-time lookup option; clamp stays out of the run id.
+    # thresholds/beyond.py). A run-time lookup option; clamp stays out of the run id.
     beyond: Beyond = Beyond["clamp"]
     # Rows as long as the evaluated ones: the calibration documents also calibrate at num_fewshot + cover_shots shots
     # (thresholds_cache.calibrate_on_task), so 25-shot questions longer than any 25-shot calibration document still

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from . import calibration
 from .cachedir import cache_dir
 from .calibration import Thresholds, calibration_compensation, compensation_labels, model_fingerprint
-from .calibration.checkpoint import matching, run_settings
-from .calibration.thresholds import DamagedThresholds
+from .thresholds.checkpoint import matching, run_settings
+from .thresholds.table import DamagedThresholds
 from .store.claims import claim
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     calib, sparsifier = spec.calib, spec.sparsifier
     path = thresholds_dir() / spec.model.name / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
     options = {"lookup": calib.lookup, "smooth_sigma": calib.smooth_sigma}
-    beyond = calib.beyond  # rows past the calibrated lengths (calibration/beyond.py): at run time
+    beyond = calib.beyond  # rows past the calibrated lengths (thresholds/beyond.py): at run time
     loading = {**options, "beyond": beyond}
     found = checkpoint_thresholds(spec, model, loading)  # a model folder that carries its own (save_pretrained)
     if found is not None:

@@ -30,6 +30,7 @@ import torch
 from .. import compat
 from ..compensation import check_compensation
 from ..sparsifiers import Dense, Sparsifier
+from ..thresholds import check_thresholds_fit
 from . import decode
 from .kernel import sparse_attention
 from .stats import SparsityStats
@@ -198,8 +199,6 @@ def sparsify(
     check_compensation(sparsifier, compensation)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
-    from ..calibration.thresholds import check_thresholds_fit  # calibration imports this module
-
     check_thresholds_fit(model, sparsifier, compensation)
     register()
     modules = attention_modules(model)

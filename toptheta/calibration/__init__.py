@@ -3,7 +3,7 @@
 from .calibrate import COMPENSATION_MODES, STATISTICS, calibrate, calibration_compensation, compensation_labels
 from .collector import Collector, OrderStatCollector
 from .target_k import TargetKCollector
-from .thresholds import (GRANULARITIES, Thresholds, check_sdc_source, check_thresholds_fit, model_fingerprint,
+from ..thresholds import (GRANULARITIES, Thresholds, check_sdc_source, check_thresholds_fit, model_fingerprint,
                          model_identity, storage_bytes)
 
 __all__ = [

@@ -23,7 +23,7 @@ from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
 from .collector import PHASES, OrderStatCollector
 from .target_k import TargetKCollector
-from .thresholds import GRANULARITIES, LOOKUPS, Thresholds, model_dtype, model_fingerprint, model_identity, stamp
+from ..thresholds.table import GRANULARITIES, LOOKUPS, Thresholds, model_dtype, model_fingerprint, model_identity, stamp
 
 log = logging.getLogger("toptheta")
 

@@ -41,7 +41,7 @@ import functools
 import torch
 
 from ..sparsifiers.base import RowBlock, check_placement
-from .thresholds import GRANULARITIES
+from ..thresholds.table import GRANULARITIES
 
 PHASES = ("prefill", "decode")
 

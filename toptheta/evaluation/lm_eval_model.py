@@ -59,7 +59,7 @@ from lm_eval.api.registry import register_model
 from .. import builders, pipeline, sparsify, thresholds_cache
 from ..attention.backend import check_supported
 from ..calibration import Thresholds
-from ..calibration.checkpoint import check_settings, matching
+from ..thresholds.checkpoint import check_settings, matching
 from ..config import CalibConfig, CompConfig, defaults, sparsifier_problems
 from ..guards import warn_unintended
 from ..registry import compensation_kinds, sparsifier_kind, sparsifier_names

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import write_text_atomic
-from .thresholds import Thresholds, model_fingerprint, model_identity
+from .table import Thresholds, model_fingerprint, model_identity
 
 if TYPE_CHECKING:
     from ..spec import CalibSpec, SparsifierSpec
