@@ -1,15 +1,18 @@
 """The experiment runner: every config composes, bad input fails fast, a run is stored and resumable."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from conftest import cfg
 from toptheta import builders, pipeline
 from toptheta.spec import RunSpec
+from toptheta.store.migrate import migrate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -95,8 +98,6 @@ def test_end_to_end_tiny_run_writes_store_and_skips_repeat(tmp_path):
     args = ["model=tiny-llama", "task=smoke", "task.limit=8", "sparsifier.k=4", "sparsifier.layer_k=null",
             "calib.num_samples=4", f"results_dir={tmp_path}", "hydra.run.dir=" + str(tmp_path / "hydra")]
     env_cache = {"TOPTHETA_CACHE": str(tmp_path / "cache")}
-    import os
-
     first = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
                            timeout=600, env={**os.environ, **env_cache})
     assert first.returncode == 0, first.stderr[-3000:]
@@ -106,8 +107,6 @@ def test_end_to_end_tiny_run_writes_store_and_skips_repeat(tmp_path):
     for run in runs:  # log_samples is on by default: per-sample outputs in each run dir, of a sane size
         samples = run / "samples.json.gz"
         assert samples.is_file() and samples.stat().st_size < 1_000_000
-    import pandas as pd
-
     summary = pd.read_csv(tmp_path / "summary.csv")
     for column in ["run_id", "model", "sparsifier", "placement", "k", "comp", "granularity", "task", "num_fewshot",
                    "limit", "metric", "value", "stderr", "kept_attention_fraction", "kept_vrow_fraction", "git_commit"]:
@@ -120,6 +119,10 @@ def test_end_to_end_tiny_run_writes_store_and_skips_repeat(tmp_path):
                             timeout=600, env={**os.environ, **env_cache})
     assert second.returncode == 0 and "already finished" in second.stdout + second.stderr
     assert len(pd.read_csv(tmp_path / "summary.csv")) == len(summary)
+    # The store round trip: summary.csv rebuilt from the run directories is the file the runs appended, byte for byte
+    written = (tmp_path / "summary.csv").read_bytes()
+    migrate(tmp_path)
+    assert (tmp_path / "summary.csv").read_bytes() == written
 
 
 def test_readme_quickstart_commands_are_what_ci_runs():
@@ -139,7 +142,6 @@ def test_readme_quickstart_commands_are_what_ci_runs():
 ])
 def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkeypatch):
     """Decode steps happen inside sparsify: the sparse run reports a kept V-row fraction."""
-    import pandas as pd
 
     monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
     c = cfg("model=tiny-llama", f"task={task}", "sparsifier=topk", "sparsifier.k=8", "sparsifier.layer_k=null",
@@ -170,7 +172,6 @@ def test_generation_tasks_run_through_the_pipeline(task, extra, tmp_path, monkey
 def test_an_interrupted_passkey_run_resumes_at_its_length_with_the_same_numbers(tmp_path, monkeypatch):
     """Each finished length is saved beside the runs; a run interrupted in its second length generates only that
     one when run again, and stores what an uninterrupted run stores (statistics included)."""
-    import pandas as pd
 
     from toptheta.evaluation import generation
 
@@ -276,7 +277,6 @@ def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
 def test_the_smoke_command_records_sparse_rows(tmp_path, monkeypatch):
     """`python run.py model=tiny-llama sparsifier=toptheta comp=sdc+vmc task=smoke` with its defaults (k = 64,
     layer_k {0: 512, 1: 512}) sparsifies tiny-llama's other layers; fewer documents keep it fast."""
-    import pandas as pd
 
     monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
     pipeline.run(cfg("model=tiny-llama", "sparsifier=toptheta", "comp=sdc+vmc", "task=smoke", "task.limit=4",
@@ -288,9 +288,7 @@ def test_the_smoke_command_records_sparse_rows(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_smoke_command_runs_as_written(tmp_path):
-    import os
 
-    import pandas as pd
 
     result = run_cli("model=tiny-llama", "sparsifier=toptheta", "comp=sdc+vmc", "task=smoke", f"results_dir={tmp_path}",
                      f"hydra.run.dir={tmp_path / 'hydra'}", timeout=1200)

@@ -55,3 +55,37 @@ def test_section_defaults_are_the_schemas(section, schema):
         if section is CalibSpec and name == "num_samples":
             continue  # the schema's 120 is always in a planned spec; absent means a caller's own (None: all)
         assert getattr(typed, name) == want, f"{section.__name__}.{name}: {getattr(typed, name)!r} != schema {want!r}"
+
+
+@pytest.mark.parametrize("run_py, model_args", [
+    (("sparsifier=toptheta", "sparsifier.k=16", "comp=sdc+vmc"),
+     {"sparsifier": "toptheta", "k": 16, "comp": "sdc+vmc"}),
+    (("sparsifier=toptheta", "comp=vmc", "calib.beyond=fit", "calib.sigma_add=0.3"),
+     {"sparsifier": "toptheta", "comp": "vmc", "beyond": "fit", "sigma_add": 0.3}),
+    (("sparsifier=topp", "sparsifier.p=0.9", "comp=none"), {"sparsifier": "topp", "p": 0.9, "comp": "none"}),
+    (("sparsifier=dense",), {"sparsifier": "dense"}),
+])
+def test_toptheta_eval_and_run_py_read_the_same_settings_into_the_same_spec(tmp_path, run_py, model_args):
+    """One spec from both entry points: the same sparsifier, comp and calib sections, and so one thresholds file."""
+    from toptheta.calibration import model_fingerprint
+    from toptheta.thresholds_cache import thresholds_key
+    from transformers import LlamaConfig
+
+    planned = pipeline.plan(cfg("model=tiny-llama", "task=smoke", "calib.task=smoke", "calib.num_samples=8",
+                                f"results_dir={tmp_path}", *run_py))[-1]
+    spec, rest = RunSpec.from_model_args("tiny-llama", calib_task="smoke", calib_samples=8, calib_fewshot=0,
+                                         device="cpu", data_dir_path=planned.data_dir_path, batch_size=4, **model_args)
+    assert rest == {"batch_size": 4}  # HFLM's own
+    # the typed fields (a spec's settings may leave a default out: run.py's YAML spells empty_rows=keep-max)
+    assert spec.sparsifier == planned.sparsifier and spec.comp == planned.comp
+    assert spec.comp.objects() == planned.comp.objects()
+    if spec.calib is None:  # builds without thresholds: the same object
+        assert repr(spec.sparsifier.build()) == repr(planned.sparsifier.build())
+    assert (spec.calib is None) == (planned.calib is None)
+    if spec.calib is not None:
+        assert spec.calib == planned.calib
+        alone = RunSpec.for_thresholds(model=planned.model.settings, sparsifier=spec.sparsifier.settings,
+                                       comp=spec.comp.settings, calib=spec.calib.settings,
+                                       data_dir_path=spec.data_dir_path)
+        fingerprint = model_fingerprint(LlamaConfig())
+        assert thresholds_key(alone, fingerprint) == thresholds_key(planned, fingerprint)

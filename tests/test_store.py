@@ -292,3 +292,15 @@ def test_a_matched_run_records_what_its_target_is_a_fraction_of():
     assert measure(target_kept=0.1, target_measure="vrows") == "vrows"
     assert measure(target_kept=0.1) == "attention"
     assert measure() is None
+
+
+def test_the_committed_summary_is_what_its_run_directories_rebuild():
+    """The store round trip on the committed store: summary.csv is, byte for byte, what store/migrate.py rebuilds
+    from results/runs/ (so a refactor that changes no number regenerates the same file)."""
+    from toptheta.store.migrate import rebuilt_summary
+
+    results = Path(__file__).resolve().parents[1] / "results"
+    text, counts = rebuilt_summary(results)
+    assert counts["kept"] == 0  # every row has its run directory
+    assert text == (results / "summary.csv").read_text(encoding="utf-8"), (
+        "results/summary.csv differs from its rebuild: run python -m toptheta.store.migrate and commit it")

@@ -10,7 +10,7 @@ import logging
 from types import SimpleNamespace
 
 from .compensation import check_compensation
-from .registry import compensation_kinds, sparsifier_kind
+from .registry import active_compensations, compensation_kinds, sparsifier_kind
 
 log = logging.getLogger("toptheta")
 
@@ -19,6 +19,16 @@ def needs_thresholds(sparsifier: dict, comp: dict) -> bool:
     """The run needs calibrated thresholds: its sparsifier's own (Top-θ), or a compensation's (calibrated SDC)."""
     return sparsifier_kind(sparsifier["name"]).needs_thresholds or any(
         kind.active(comp) and kind.needs_thresholds(comp) for kind in compensation_kinds())
+
+
+def resolve_placement(sparsifier: dict, comp: dict) -> str | None:
+    """The placement a run selects at: None for dense; auto is pre when a compensation on prefers it (SDC), else post."""
+    if not sparsifier_kind(sparsifier["name"]).drops:
+        return None
+    placement = sparsifier.get("placement") or "auto"  # pre | post | auto (config.check allows nothing else)
+    if placement == "auto":
+        return "pre" if any(kind.prefers == "pre" for kind in active_compensations(comp)) else "post"
+    return placement
 
 
 def check_combination(name: str, placement: str | None, comp: dict) -> None:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import sparsify
 from .attention.backend import check_supported
 from .attention.popularity import VRowPopularity
-from .builders import check_combination, check_sparsifies, needs_thresholds
+from .builders import check_combination, check_sparsifies, needs_thresholds, resolve_placement
 from .config import COMP_FIELDS, OPTIONAL_TASK_FIELDS, VROW_POPULARITY_DEFAULTS, check
 from .evaluation.generation import Paused, check_context, check_decoding, evaluate_generation
 from .evaluation.tasks import calibration_name, check_tasks, is_longbench
@@ -34,8 +34,7 @@ from .matched import kept_in_sparsified_layers, resolve_target
 from .registry import LM_EVAL_KIND, active_compensations, sparsifier_kind, task_kind
 from .results.wandb_logger import make_logger
 from .spec import ModelSpec, RunSpec, TaskSpec
-from .store.migrate import restore_summary
-from .store.rows import summary_rows
+from .store.migrate import restore_summary, run_rows
 from .store.runs import RunStore
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
@@ -48,16 +47,6 @@ def resolve_data_dir(value) -> str | None:
     """``auto``: $TOPTHETA_DATA_DIR, else the data shipped in toptheta/data; ``hub`` or null: the hub (None)."""
     path = resolve(value)
     return None if path is None else str(path)
-
-
-def resolve_placement(sparsifier: dict, comp: dict) -> str | None:
-    """The placement a run selects at: None for dense; auto is pre when a compensation on prefers it (SDC), else post."""
-    if not sparsifier_kind(sparsifier["name"]).drops:
-        return None
-    placement = sparsifier.get("placement") or "auto"  # pre | post | auto (config.check allows nothing else)
-    if placement == "auto":
-        return "pre" if any(kind.prefers == "pre" for kind in active_compensations(comp)) else "post"
-    return placement
 
 
 def plan(cfg: DictConfig) -> list[RunSpec]:
@@ -262,12 +251,12 @@ def execute(spec: RunSpec, model, tokenizer, store, logger, chunk_size=None, inv
     extra_stats = {"vrow_popularity": recorder.to_dict(group)} if recorder is not None else {}
     warn_unintended(spec.label, spec.sparsifier.settings, spec.calib.settings if spec.calib else None, stats, thresholds)
     config = planned.stored_config()  # as planned: the run id's source
-    store.write_run(spec.run_id, config=config, lm_eval_results=results, stats={**summary, "per_layer": stats.per_layer(), **extra_stats},
-                    thresholds_ref=thresholds_ref, extra={"label": spec.label},
-                    texts={"invocation.json": json.dumps(invocation or {}, indent=2, default=str) + "\n"},
-                    copies={"thresholds.safetensors": thresholds_ref} if thresholds_ref else None)
-    rows = summary_rows(spec.run_id, config, results, summary,  # matched sparsity: the k (p, lam) chosen
-                        overrides={key: target[key] for key in ("k", "p", "lam") if key in target} if target else None)
+    run_dir = store.write_run(spec.run_id, config=config, lm_eval_results=results,
+                              stats={**summary, "per_layer": stats.per_layer(), **extra_stats},
+                              thresholds_ref=thresholds_ref, extra={"label": spec.label},
+                              texts={"invocation.json": json.dumps(invocation or {}, indent=2, default=str) + "\n"},
+                              copies={"thresholds.safetensors": thresholds_ref} if thresholds_ref else None)
+    rows = run_rows(run_dir)  # read back from what was stored, as a rebuild of summary.csv reads it (store/migrate.py)
     store.append_summary(rows)
     if checkpoint is not None:
         shutil.rmtree(checkpoint, ignore_errors=True)  # the run is stored: its parts are no longer needed

@@ -11,8 +11,9 @@ on registered kinds (``builders.build_sparsifier``, ``compensation_objects``) re
 whose registered kinds may carry fields of their own.
 
 Build one with ``RunSpec.from_identity`` (the pipeline's ``plan`` does, from a Hydra config; the store's
-``config.json`` reads back the same way) or ``RunSpec.for_thresholds`` (a calibration outside the pipeline, as
-``toptheta-eval`` needs).
+``config.json`` reads back the same way, and so can a dict from Python), ``RunSpec.from_model_args``
+(``toptheta-eval``'s model_args, read by model_args.py with run.py's checks) or ``RunSpec.for_thresholds`` (a
+calibration alone).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .builders import build_sparsifier, compensation_objects
+from .builders import build_sparsifier, compensation_objects, needs_thresholds
+from .model_args import DEFAULT_LAYER_K, calibration, resolve_device, sparsifier_and_comp
 
 
 class Section:
@@ -173,6 +175,26 @@ class RunSpec:
         """A spec that only calibrates (no task): what ``thresholds_cache.obtain_thresholds`` needs."""
         return cls.from_identity({"model": model, "sparsifier": sparsifier, "comp": comp, "calib": calib,
                                   "data_dir": "local" if data_dir_path else "hub"}, data_dir_path=data_dir_path)
+
+    @classmethod
+    def from_model_args(cls, pretrained: str, *, sparsifier: str = "toptheta", k: int | None = None,
+                        layer_k: Any = DEFAULT_LAYER_K, placement: str = "auto", comp: str | None = "vmc",
+                        calib_task: str | None = None, calib_samples: int = 120, calib_fewshot: int | None = None,
+                        calib_sampler: str | None = None, calib_cover_shots: int = 0, beyond: str = "clamp",
+                        granularity: str = "layer-head-n", sigma_add: float = 0.1, dtype: str = "float32",
+                        device: str | None = None, device_map: str | None = None, revision: str | None = None,
+                        data_dir_path: str | None = None, **rest) -> tuple[RunSpec, dict]:
+        """A spec from ``toptheta-eval``'s model_args (spelled as lm_eval_model.py documents them), checked as
+        ``run.py`` checks its config, and the model_args left for lm-eval's HFLM. No task: lm-eval chooses it."""
+        sparse, comp_settings, rest = sparsifier_and_comp(sparsifier, k, layer_k, placement, comp, rest)
+        calib = calibration(calib_task, calib_samples, calib_fewshot, calib_sampler, calib_cover_shots, beyond,
+                            granularity, sigma_add)
+        model = {"name": pretrained, "dtype": dtype, "device": resolve_device(device), "device_map": device_map,
+                 "revision": revision}
+        spec = cls.from_identity({"model": model, "sparsifier": sparse, "comp": comp_settings,
+                                  "calib": calib if needs_thresholds(sparse, comp_settings) else None,
+                                  "data_dir": "local" if data_dir_path else "hub"}, data_dir_path=data_dir_path)
+        return spec, rest
 
     def identity(self) -> dict:
         """The dict the run id is the hash of: every section's settings as planned (prefix_cache left out)."""

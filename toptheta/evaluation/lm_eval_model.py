@@ -48,70 +48,24 @@ file, and per task ``kept_attention_fraction``, ``kept_vrow_fraction``, ... (and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any
 
 import torch
 from lm_eval.api.registry import register_model
 
-from .. import builders, pipeline, sparsify, thresholds_cache
+from .. import builders, sparsify, thresholds_cache
 from ..attention.backend import check_supported
-from ..calibration import Thresholds
-from ..thresholds.checkpoint import check_settings, matching
-from ..config import CalibConfig, CompConfig, defaults, sparsifier_problems
 from ..guards import warn_unintended
-from ..registry import compensation_kinds, sparsifier_kind, sparsifier_names
-from ..spec import RunSpec
+from ..spec import CalibSpec, RunSpec
+from ..thresholds import Thresholds
+from ..thresholds.checkpoint import check_settings, matching
 from .shared_context_lm import SharedContextHFLM, check_decode_batch
 from .tasks import calibration_name, check_tasks, resolve_data_dir
 
 log = logging.getLogger(__name__)
-
-DEFAULT_K = 64  # the budget of Top-k and Top-θ when k is not given
-SAMPLERS = (None, "default", "first_n")  # conf/task's fewshot_sampler
-BEYOND = ("clamp", "fit")  # conf/calib's beyond
-DEFAULT_LAYER_K = "0:512+1:512"  # conf/sparsifier/*.yaml's default: the paper keeps layers 0-1 dense
-# conf/calib/paper.yaml's settings, so thresholds calibrated here and by run.py share the cache.
-CALIB_DEFAULTS = {key: value for key, value in defaults(CalibConfig).items()
-                  if key not in ("beyond", "cover_shots")}  # options at their defaults stay out of the cache key
-
-
-def parse_layer_k(value: Any) -> dict[int, int]:
-    """``0:512+1:512`` (or a dict) -> {0: 512, 1: 512}; ``none`` or empty -> {}."""
-    if value in (None, "", "none", "null", {}):
-        return {}
-    if isinstance(value, dict):
-        items = value.items()
-    else:
-        try:
-            items = [part.split(":") for part in str(value).split("+")]
-            items = [(int(a), int(b)) for a, b in items]
-        except ValueError:
-            raise ValueError(f"layer_k={value!r}: write layer:k pairs joined by '+', e.g. layer_k=0:512+1:512, "
-                             "or layer_k=none") from None
-    return {int(a): int(b) for a, b in items}
-
-
-def parse_comp(comp: Any, settings: dict) -> dict:
-    """``sdc+vmc`` -> the pipeline's comp dict: run.py's defaults (conf/comp/none.yaml: {"sdc": None, "sdc_scale": 1.0,
-    "vmc": False}), each named compensation switched on (``comp.<name>``: its model_arg, e.g. ``sdc=calibrated``, else
-    the value it takes when on), and the settings it reads (``sdc_scale``) from ``settings`` (model_args)."""
-    parts = [] if comp in (None, "", "none") else str(comp).split("+")
-    kinds = {kind.name: kind for kind in compensation_kinds()}
-    unknown = [p for p in parts if p not in kinds]
-    if unknown:
-        raise ValueError(f"comp={comp!r}: use none, or compensations joined by '+' from {', '.join(kinds)} "
-                         f"(e.g. sdc+vmc; the SDC estimator is the separate model_arg sdc=exact|exp-threshold|calibrated)")
-    out = {f.name: f.default for f in fields(CompConfig)}
-    for name in parts:
-        kind = kinds[name]
-        out[name] = settings.get(name, kind.on)
-        out.update({key: settings[key] for key in kind.keys if key in settings})
-    if "sdc_scale" in out:  # a number from the command line may arrive as an int
-        out["sdc_scale"] = float(out["sdc_scale"])
-    return out
 
 
 @register_model("toptheta")
@@ -121,96 +75,47 @@ class TopThetaLM(SharedContextHFLM):
     Multiple-choice requests are scored as ``run.py`` scores them (SharedContextHFLM: each context once, padded
     batches with a mask), so ``--batch_size`` > 1 never counts padded rows in the sparsity statistics."""
 
-    def __init__(self, pretrained: str, sparsifier: str = "toptheta", k: int | None = None, layer_k: Any = DEFAULT_LAYER_K,
-                 placement: str = "auto", comp: str | None = "vmc",
-                 thresholds: str | None = None, calib_task: str | None = None, calib_samples: int = 120,
-                 calib_fewshot: int | None = None, calib_sampler: str | None = None, calib_cover_shots: int = 0,
-                 beyond: str = "clamp", granularity: str = "layer-head-n", sigma_add: float = 0.1,
-                 data_dir: str | None = "auto", dtype: str = "float32", device: str | None = None,
-                 device_map: str | None = None, revision: str | None = None, chunk_size: int | None = None,
-                 **hflm_kwargs):
+    def __init__(self, pretrained: str, thresholds: str | None = None, data_dir: str | None = "auto",
+                 chunk_size: int | None = None, **model_args):
         from ..models import load_model  # heavy: transformers' model classes (torch._dynamo, triton)
 
-        # Every setting is checked before the model loads, by the checks run.py's configuration meets
-        # (config.sparsifier_problems); the settings of sparsifiers and compensations are model_args named as their
-        # sparsifier.<key> and comp.<key> (p, lam, sdc, sdc_scale, ...), taken out of HFLM's.
-        self.sparse_cfg, self.comp = self._settings(sparsifier, k, layer_k, placement, comp, hflm_kwargs)
-        check_decode_batch(hflm_kwargs.get("decode_batch"))
-        self.sparse_cfg["placement"] = pipeline.resolve_placement(self.sparse_cfg, self.comp)
-        builders.check_combination(sparsifier, self.sparse_cfg["placement"], self.comp)
-        if calib_sampler not in SAMPLERS:
-            raise ValueError(f"calib_sampler={calib_sampler!r}: use first_n (the task's exemplars are its first "
-                             "num_fewshot documents, task.fewshot_sampler=first_n in run.py) or default")
-        if not isinstance(calib_cover_shots, int) or isinstance(calib_cover_shots, bool) or calib_cover_shots < 0:
-            raise ValueError(f"calib_cover_shots={calib_cover_shots!r}: give 0 or a positive number of extra shots, "
-                             "e.g. calib_cover_shots=4 with calib_fewshot=25")
-        if beyond not in BEYOND:
-            raise ValueError(f"beyond={beyond!r}: use clamp (θ of the longest calibrated row) or fit (a law of θ "
-                             "against row length, extrapolated)")
+        # Every setting is read into a run spec and checked before the model loads, by the checks run.py's
+        # configuration meets (RunSpec.from_model_args); the model_args it does not read are HFLM's.
         self.data_dir = resolve_data_dir(data_dir)
-        self.calib = {**CALIB_DEFAULTS, "task": calib_task, "num_samples": calib_samples,
-                      "num_fewshot": calib_fewshot, "granularity": granularity, "sigma_add": float(sigma_add)}
-        # run.py's calib dict: options at the value they had before they existed are left out, so both share
-        # the thresholds cache (pipeline.plan)
-        for key, value, before in (("fewshot_sampler", calib_sampler, None), ("cover_shots", calib_cover_shots, 0),
-                                   ("beyond", beyond, "clamp")):
-            if value not in (before, "default"):
-                self.calib[key] = value
-        self.needs_thresholds = builders.needs_thresholds(self.sparse_cfg, self.comp)
+        self.spec, hflm_kwargs = RunSpec.from_model_args(
+            pretrained, data_dir_path=str(self.data_dir) if self.data_dir else None, **model_args)
+        check_decode_batch(hflm_kwargs.get("decode_batch"))
+        self.needs_thresholds = self.spec.calib is not None
         self.chunk_size = chunk_size
-        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={device} but CUDA is not available on this machine (torch "
-                             f"{torch.__version__}); pass device=cpu to run on the CPU, or install a CUDA build of "
-                             "torch where a GPU is present")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-        model, tokenizer, info = load_model(pretrained, dtype=dtype, device=device, device_map=device_map,
-                                            revision=revision)
+        model_spec = self.spec.model
+        model, tokenizer, info = load_model(pretrained, dtype=model_spec.dtype, device=model_spec.device,
+                                            device_map=model_spec.device_map, revision=model_spec.revision)
         self.info = info
         super().__init__(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
         check_supported(model)  # sinks, or attention that bypasses the interface: refused before any request
-        builders.check_sparsifies(self.sparse_cfg, info.num_layers, self.max_length, info.name)
+        sparse, calib = self.spec.sparsifier, self.spec.calib or CalibSpec()
+        builders.check_sparsifies(sparse.settings, info.num_layers, self.max_length, info.name)
         self.thresholds, self.thresholds_path = None, None
         if thresholds is not None:
-            self.thresholds = Thresholds.load(thresholds, model, lookup=self.calib["lookup"], beyond=beyond)
+            self.thresholds = Thresholds.load(thresholds, model, lookup=calib.lookup, beyond=calib.beyond)
             self.thresholds_path = str(thresholds)
             self._check_file_settings(f"thresholds={thresholds}", info.num_layers)
         elif self.needs_thresholds:  # a model folder that carries its own (Thresholds.save_pretrained)
-            wanted = {"k_per_layer": self._k_per_layer(info.num_layers), "placement": self.sparse_cfg["placement"],
-                      "granularity": granularity, "sigma_add": float(sigma_add), "calibration_documents": calib_samples,
-                      "cover_shots": calib_cover_shots, "fewshot_sampler": self.calib.get("fewshot_sampler"),
-                      **({"calibration_task": calib_task} if calib_task else {})}
-            found = (matching(pretrained, wanted, model, lookup=self.calib["lookup"], beyond=beyond)
+            wanted = {"k_per_layer": self._k_per_layer(info.num_layers), "placement": sparse.placement,
+                      "granularity": calib.granularity, "sigma_add": calib.sigma_add,
+                      "calibration_documents": calib.num_samples, "cover_shots": calib.cover_shots,
+                      "fewshot_sampler": calib.fewshot_sampler,
+                      **({"calibration_task": calib.task} if calib.task else {})}
+            found = (matching(pretrained, wanted, model, lookup=calib.lookup, beyond=calib.beyond)
                      if isinstance(pretrained, str) else None)
             if found is not None:
                 self.thresholds, self.thresholds_path = found
         self.task_stats: dict[str, Any] = {}
         self._warned: set[str] = set()  # tasks whose unintended-run warnings were given (guards.warn_unintended)
 
-    @staticmethod
-    def _settings(name: str, k, layer_k, placement: str, comp, model_args: dict) -> tuple[dict, dict]:
-        """(sparsifier, comp) settings as run.py's pipeline has them, checked; the model_args that name a
-        sparsifier's or compensation's setting are removed from ``model_args`` (HFLM's own remain)."""
-        sparse_keys = {key for kind in map(sparsifier_kind, sparsifier_names()) for key in kind.keys}
-        comp_keys = {key for kind in compensation_kinds() for key in (kind.name, *kind.keys)}
-        settings = {key: model_args.pop(key) for key in sorted((sparse_keys | comp_keys) & set(model_args))}
-        drops = name in sparsifier_names() and sparsifier_kind(name).drops
-        if drops:
-            budget = DEFAULT_K if sparsifier_kind(name).parameter is None else None
-            sparse = {"name": name, "k": budget if k is None else k, "layer_k": parse_layer_k(layer_k),
-                      "placement": placement}
-        else:  # dense (or a name the check below refuses): no budget, nothing to compensate
-            sparse, comp = {"name": name, "k": None, "layer_k": {}, "placement": placement}, None
-        sparse.update({key: value for key, value in settings.items() if key in sparse_keys})
-        comp = parse_comp(comp, {key: value for key, value in settings.items() if key in comp_keys})
-        problems = sparsifier_problems({**sparse, "target_kept": None}, comp, fits_target=False)
-        if problems:  # run.py's messages, in model_args' spelling (p=0.9, not sparsifier.p=0.9)
-            text = "; ".join(problems).replace("sparsifier.name=", "sparsifier=")
-            raise ValueError(text.replace("sparsifier.", "").replace("comp.", ""))
-        return sparse, comp
-
     def _k_per_layer(self, num_layers: int) -> list[int]:
-        return [self.sparse_cfg["layer_k"].get(layer, self.sparse_cfg["k"]) for layer in range(num_layers)]
+        sparse = self.spec.sparsifier
+        return [sparse.layer_k.get(layer, sparse.k) for layer in range(num_layers)]
 
     def _check_file_settings(self, source: str, num_layers: int) -> None:
         """A thresholds file calibrated for another k, layer_k or placement is refused: Top-θ would keep the file's
@@ -221,7 +126,7 @@ class TopThetaLM(SharedContextHFLM):
         layer_k = "+".join(f"{a}:{b}" for a, b in (meta.get("layer_k") or {}).items()) or "none"
         fix = (f"pass the file's settings (k={meta.get('k')},layer_k={layer_k},placement={self.thresholds.placement}), "
                "or drop thresholds= to calibrate for these")
-        check_settings(self.thresholds, self._k_per_layer(num_layers), self.sparse_cfg["placement"], source, fix)
+        check_settings(self.thresholds, self._k_per_layer(num_layers), self.spec.sparsifier.placement, source, fix)
 
     # ---- requests: each task's requests inside one sparsify block ----------------------------------------------
 
@@ -251,18 +156,18 @@ class TopThetaLM(SharedContextHFLM):
     def _build(self, tasks: list[str]):
         if self.needs_thresholds and self.thresholds is None:
             self.thresholds, self.thresholds_path = self._calibrate(tasks)
-        sparsifier = builders.build_sparsifier(self.sparse_cfg, self.thresholds)
-        return sparsifier, builders.compensation_objects(self.comp, self.thresholds)
+        return self.spec.sparsifier.build(self.thresholds), self.spec.comp.objects(self.thresholds)
 
     def _calibrate(self, tasks: list[str]):
-        """Cached thresholds for these settings, calibrated now if no job has yet (thresholds_cache.obtain_thresholds)."""
-        calib = self.calib = {**self.calib, "task": self.calib["task"] or self._calibration_task(tasks)}
-        model_cfg = {"name": self.info.name, "source": self.info.source, "revision": self.info.revision,
-                     "dtype": str(self._model.dtype).removeprefix("torch."), "max_length": self.max_length}
-        spec = RunSpec.for_thresholds(model=model_cfg, sparsifier=self.sparse_cfg, comp=self.comp, calib=calib,
-                                      data_dir_path=str(self.data_dir) if self.data_dir else None)
-        log.info("toptheta: thresholds for k=%s, placement=%s from %s's train split", self.sparse_cfg["k"],
-                 self.sparse_cfg["placement"], calib["task"])
+        """Cached thresholds for these settings, calibrated now unless a job has (thresholds_cache.obtain_thresholds)."""
+        calib = {**self.spec.calib.settings, "task": self.spec.calib.task or self._calibration_task(tasks)}
+        model = {"name": self.info.name, "source": self.info.source, "revision": self.info.revision,
+                 "dtype": str(self._model.dtype).removeprefix("torch."), "max_length": self.max_length}
+        self.spec = dataclasses.replace(self.spec, calib=CalibSpec.from_settings(calib))
+        spec = RunSpec.for_thresholds(model=model, sparsifier=self.spec.sparsifier.settings,
+                                      comp=self.spec.comp.settings, calib=calib, data_dir_path=self.spec.data_dir_path)
+        log.info("toptheta: thresholds for k=%s, placement=%s from %s's train split", spec.sparsifier.k,
+                 spec.sparsifier.placement, calib["task"])
         with torch.no_grad(), thresholds_cache.thresholds_claim(spec, self._model):
             return thresholds_cache.obtain_thresholds(spec, self._model, self.tokenizer)
 
@@ -289,9 +194,9 @@ class TopThetaLM(SharedContextHFLM):
         """Settings, thresholds file and per-task sparsity statistics (results["config"]["toptheta"])."""
         return {
             "model": {"name": self.info.name, "source": self.info.source, "revision": self.info.revision},
-            "sparsifier": self.sparse_cfg,
-            "comp": self.comp,
-            "calibration": ({**self.calib, "thresholds": self.thresholds_path}
+            "sparsifier": self.spec.sparsifier.settings,
+            "comp": self.spec.comp.settings,
+            "calibration": ({**self.spec.calib.settings, "thresholds": self.thresholds_path}
                             if self.needs_thresholds else None),
             "stats": {task: {**s.summary(), "per_layer": s.per_layer()} for task, s in self.task_stats.items()},
         }
@@ -302,8 +207,8 @@ class TopThetaLM(SharedContextHFLM):
         for task, stats in self.task_stats.items():
             if task not in self._warned:
                 self._warned.add(task)
-                warn_unintended(f"toptheta-eval {task}", self.sparse_cfg, self.calib if self.needs_thresholds else None,
-                                stats, self.thresholds)
+                warn_unintended(f"toptheta-eval {task}", self.spec.sparsifier.settings,
+                                self.spec.calib.settings if self.needs_thresholds else None, stats, self.thresholds)
 
     def get_model_info(self) -> dict:
         """lm-eval asks for this once, after the evaluation: the report, and the warnings its statistics call for."""

@@ -63,7 +63,8 @@ def run_rows(run_dir: Path) -> list[dict] | None:
     stats = _read(run_dir / "stats.json")
     stats = {k: v for k, v in stats.items()  # per-layer lists and records are not row statistics
              if not isinstance(v, list) and k not in ("per_layer", "vrow_popularity")}
-    overrides = {"k": stats["target"]["k"]} if isinstance(stats.get("target"), dict) else None  # as execute writes
+    target = stats.get("target")  # matched sparsity: the k (p, lam) target_kept chose
+    overrides = {key: target[key] for key in ("k", "p", "lam") if key in target} if isinstance(target, dict) else None
     new = summary_rows(run_dir.name, config, _read(run_dir / "lm_eval.json"), stats, overrides=overrides,
                        commit=meta.get("git_commit") or "", timestamp=meta.get("timestamp"))
     return _percent_to_fraction(config, new)
@@ -102,28 +103,39 @@ def restore_summary(store: RunStore, run_id: str) -> int:
     return len(rows)
 
 
+def rebuilt_summary(results_dir: str | Path) -> tuple[str, dict]:
+    """summary.csv's text as rebuilt from the run directories, and counts (rows, runs rebuilt, rows kept). A store
+    whose every row was appended by the pipeline (which reads its rows back from the run it stored) rebuilds to the
+    same bytes."""
+    store = RunStore(results_dir)
+    old_rows = []
+    if store.summary_path.exists():
+        with open(store.summary_path, newline="", encoding="utf-8") as fh:
+            old_rows = list(csv.DictReader(fh))
+    rows, covered = rebuilt_rows(results_dir)
+    _restore_scalar_stats(rows, old_rows)
+    kept = [r for r in old_rows if r.get("run_id") not in covered]
+    rows = sorted(kept + rows, key=lambda r: (str(r.get("timestamp") or ""), str(r["run_id"])))
+    columns = [*SUMMARY_COLUMNS, *sorted({k for r in rows for k in r} - set(SUMMARY_COLUMNS))]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    return buffer.getvalue(), {"rows": len(rows), "rebuilt": len(covered), "kept": len(kept)}
+
+
 def migrate(results_dir: str | Path, *, dry_run: bool = False) -> int:
     """Rewrite summary.csv from the run directories; returns the number of rows written."""
     store = RunStore(results_dir)
     with store.summary_lock():
-        old_rows = []
-        if store.summary_path.exists():
-            with open(store.summary_path, newline="", encoding="utf-8") as fh:
-                old_rows = list(csv.DictReader(fh))
-        rows, covered = rebuilt_rows(results_dir)
-        _restore_scalar_stats(rows, old_rows)
-        kept = [r for r in old_rows if r.get("run_id") not in covered]
-        rows = sorted(kept + rows, key=lambda r: (str(r.get("timestamp") or ""), str(r["run_id"])))
-        columns = [*SUMMARY_COLUMNS, *sorted({k for r in rows for k in r} - set(SUMMARY_COLUMNS))]
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
-        writer.writeheader()
-        writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
-        if not dry_run:
-            write_text_atomic(store.summary_path, buffer.getvalue(), fsync=True)
-    print(f"{'would write' if dry_run else 'wrote'} {store.summary_path}: {len(rows)} rows "
-          f"({len(covered)} runs rebuilt from their directories, {len(kept)} rows kept as they were)")
-    return len(rows)
+        text, counts = rebuilt_summary(results_dir)
+        unchanged = store.summary_path.exists() and store.summary_path.read_text(encoding="utf-8") == text
+        if not dry_run and not unchanged:
+            write_text_atomic(store.summary_path, text, fsync=True)
+    print(f"{'would write' if dry_run else 'wrote'} {store.summary_path}: {counts['rows']} rows "
+          f"({counts['rebuilt']} runs rebuilt from their directories, {counts['kept']} rows kept as they were)"
+          + ("; identical to the file there" if unchanged else ""))
+    return counts["rows"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
