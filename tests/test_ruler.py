@@ -127,8 +127,8 @@ def test_settings_out_of_range_and_lengths_too_short_are_refused_with_the_fix():
         records(hops=0)
     with pytest.raises(ValueError, match=r"task.ruler.subtasks=\['niah'\]: a non-empty list"):
         records(subtasks=["niah"])
-    with pytest.raises(ValueError, match="word_repeats=3: more than task.ruler.rare_repeats=3"):
-        records(word_repeats=3)
+    with pytest.raises(ValueError, match="word_repeats=2: more than task.ruler.rare_repeats=2"):
+        records(word_repeats=2)
     with pytest.raises(ValueError, match=r"longer length \(task.lengths\) or fewer planted items"):
         records(length=100)
     with pytest.raises(ValueError, match="prompts_per_length must be an integer >= 1"):
@@ -156,10 +156,12 @@ def test_multikey_scorer_takes_the_first_planted_number_and_refuses_a_distractor
 def test_multivalue_scorer_needs_every_value_and_no_distractor():
     r = _record("niah_multivalue")
     values, distractor = r["answer"], next(v for v in r["universe"] if v not in r["answer"])
+    n = len(values)
+    assert n >= 2
     assert score_ruler(" " + ", ".join(reversed(values)) + ".", r) == 1.0  # any order
-    assert score_ruler(" " + ", ".join(values[:-1]) + ".", r) == pytest.approx(0.75)  # one missing
-    assert score_ruler(" " + ", ".join([*values[:-1], distractor]) + ".", r) == pytest.approx(0.75)  # one wrong
-    assert score_ruler(" " + ", ".join([*values, distractor]) + ".", r) == pytest.approx(0.8)  # one too many
+    assert score_ruler(" " + ", ".join(values[:-1]) + ".", r) == pytest.approx((n - 1) / n)  # one missing
+    assert score_ruler(" " + ", ".join([*values[:-1], distractor]) + ".", r) == pytest.approx((n - 1) / n)  # one wrong
+    assert score_ruler(" " + ", ".join([*values, distractor]) + ".", r) == pytest.approx(n / (n + 1))  # one too many
     assert score_ruler(" " + ", ".join([*values, values[0]]) + ".", r) == 1.0  # named twice: once
 
 
@@ -180,8 +182,9 @@ def test_cwe_scorer_refuses_a_missing_or_a_rare_word():
     words, rare = r["answer"], next(w for w in r["universe"] if w not in r["answer"])
     listed = "\n".join(f"{i + 1}. {w.capitalize()}" for i, w in enumerate(words))
     assert score_ruler(listed, r) == 1.0  # any case, numbered or not
-    assert score_ruler(", ".join(words[1:]), r) == pytest.approx(0.8)  # a missing word
-    assert score_ruler(", ".join([*words[1:], rare]), r) == pytest.approx(0.8)  # a rare word instead
+    n = len(words)
+    assert score_ruler(", ".join(words[1:]), r) == pytest.approx((n - 1) / n)  # a missing word
+    assert score_ruler(", ".join([*words[1:], rare]), r) == pytest.approx((n - 1) / n)  # a rare word instead
     assert score_ruler(", ".join(words) + " are the most common words", r) == 1.0  # prose names no list word
     assert named_items("Lugu, tasu", "cwe", ["lugu", "tasu", "ledo"]) == ["lugu", "tasu"]
 

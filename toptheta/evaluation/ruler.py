@@ -94,14 +94,14 @@ class RulerSettings:
 
     subtasks: list[str] = field(default_factory=lambda: list(SUBTASKS))
     queries_per_haystack: int = 4
-    distractors: int = 7
+    distractors: int = 23
     keys: int = 4
-    values: int = 4
+    values: int = 2
     chains: int = 3
     hops: int = 3
-    words: int = 5
-    word_repeats: int = 24
-    rare_repeats: int = 3
+    words: int = 3
+    word_repeats: int = 40
+    rare_repeats: int = 2
 
     def problems(self) -> list[tuple[str, object, str]]:
         """What is out of range, as (setting, value, what it must be); empty when the settings are valid."""
