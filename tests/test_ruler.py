@@ -320,3 +320,40 @@ def test_verdicts_compare_a_ruler_run_once_not_once_per_view():
     rows["task"] = rows["task"].str.replace("passkey", "ruler").str.replace("ruler_2048", "ruler_2048_vt")
     rows["metric"] = "score,none"
     assert set(comparisons.store_rows(rows)["g_task"]) == {"ruler"}
+
+
+def test_a_matched_ruler_run_resolves_k_on_ruler_prompts_of_another_draw(tmp_path, monkeypatch):
+    """sparsifier.target_kept on the ruler task: the rows k is fitted on are ruler prompts of the run's lengths and
+    layout from another seed (registry.TaskKindEntry.target_prompts), never an evaluated prompt."""
+    from toptheta import matched, pipeline, registry
+    from toptheta.evaluation.ruler_run import ruler_records, ruler_target_prompts
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    knobs = ",".join(f"{k}:{v}" for k, v in SMALL.items())
+    overrides = ("model=tiny-llama", "task=ruler", "task.lengths=[500,700]", "task.prompts_per_length=2",
+                 f"task.ruler={{{knobs},subtasks:[niah_multikey,vt]}}", "sparsifier=topk", "sparsifier.layer_k=null",
+                 "comp=vmc", "sparsifier.placement=post", "sparsifier.target_kept=0.5",
+                 "sparsifier.target_measure=vrows", "baseline=false", "log_samples=false", f"results_dir={tmp_path}")
+    (spec,) = pipeline.plan(cfg(*overrides))
+    assert (spec.target.task, spec.target.kind) == ("ruler", "ruler")
+    prompts = ruler_target_prompts(spec.task.settings, TOK, matched.VROW_SEQUENCES, spec.target.seed)
+    evaluated = {r["prompt"] for r in ruler_records(spec.task.settings, TOK)}
+    assert len(prompts) == matched.VROW_SEQUENCES and not evaluated & set(prompts)
+    lengths = [len(TOK.encode(p)) for p in prompts]
+    assert min(lengths[::2]) > 400 and min(lengths[1::2]) > 600  # both lengths, interleaved
+    assert ruler_target_prompts(spec.task.settings, TOK, 4, 1) != prompts[:4]  # calib.seed draws other rows
+    used = []
+    entry = registry.task_kind("ruler")
+    registry.unregister_task_kind("ruler")
+    try:  # the same entry, its target prompts watched
+        registry.register_task_kind("ruler", check_context=entry.check_context, before_load=entry.before_load,
+                                    target_prompts=lambda *a: used.append(a[2:]) or ruler_target_prompts(*a))(entry.run)
+        pipeline.run(cfg(*overrides))
+    finally:
+        registry.unregister_task_kind("ruler")
+        registry.register_task_kind("ruler", check_context=entry.check_context, before_load=entry.before_load,
+                                    target_prompts=entry.target_prompts)(entry.run)
+    assert used == [(matched.VROW_SEQUENCES, 0)]  # the rows k was fitted on: ruler prompts, draw calib.seed
+    record = json.loads((tmp_path / "runs" / spec.run_id / "stats.json").read_text())["target"]
+    assert record["target_measure"] == "vrows" and record["k"] >= 1
+    assert record["calibration_sequences"] == matched.VROW_SEQUENCES

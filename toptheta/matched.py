@@ -14,8 +14,9 @@ import torch
 from . import sparsify
 from .calibration.target_kept import resolve_k
 from .calibration.target_param import fit_parameter
+from .evaluation.greedy import encode_prompt
 from .evaluation.model_facts import layer_windows
-from .registry import Parameter, sparsifier_kind
+from .registry import Parameter, sparsifier_kind, task_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 if TYPE_CHECKING:
@@ -51,17 +52,22 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     if target is None:
         return spec, None
     rows = spec.target
-    sequences = calibration_requests(
-        tokenizer, rows.task, data_dir=spec.data_dir_path, num_fewshot=rows.num_fewshot,
-        limit=rows.num_samples, max_length=spec.model.max_length or hflm_max_length(model, tokenizer),
-        seed=rows.seed, fewshot_sampler=rows.fewshot_sampler, draw=rows.seed)
+    vrows = spec.sparsifier.target_measure == "vrows"
+    if rows.kind is not None:  # the generation task's own prompts, another draw (ruler)
+        prompts = task_kind(rows.kind).target_prompts(spec.task.settings, tokenizer,
+                                                      VROW_SEQUENCES if vrows else MEASURE_SEQUENCES, rows.seed)
+        sequences = [encode_prompt(tokenizer, p, chat_template=spec.model.chat_template) for p in prompts]
+    else:
+        sequences = calibration_requests(
+            tokenizer, rows.task, data_dir=spec.data_dir_path, num_fewshot=rows.num_fewshot,
+            limit=rows.num_samples, max_length=spec.model.max_length or hflm_max_length(model, tokenizer),
+            seed=rows.seed, fewshot_sampler=rows.fewshot_sampler, draw=rows.seed)
     layer_k = spec.sparsifier.layer_k or {}
     num_layers = model.config.get_text_config().num_hidden_layers
 
     def with_value(k, key: str = "k") -> RunSpec:  # the spec with sparsifier.<key> (k, p or lam) resolved
         return spec.with_sparsifier(**{key: k})
 
-    vrows = spec.sparsifier.target_measure == "vrows"
     measured: dict = {}
 
     def measure(k, key: str = "k") -> float:

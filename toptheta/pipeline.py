@@ -108,10 +108,14 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         sparse.pop("target_kept", None)
     else:  # matched sparsity: k (a baseline's p or λ) is resolved on calibration rows built as the evaluated ones
         sparse[kind.tuned_key] = None
-        target_rows = {"task": calib_task or task.get("calib_task") or _evaluated_task(task),
-                       "num_fewshot": calib_cfg["num_fewshot"] if calib_cfg else task.get("num_fewshot"),
-                       "num_samples": calib.get("num_samples"), "seed": calib.get("seed", 0),
-                       "fewshot_sampler": task.get("fewshot_sampler")}
+        if task.get("kind") != LM_EVAL_KIND and task_kind(task["kind"]).target_prompts is not None:
+            # a generation task that builds prompts (ruler): rows of its own lengths and layout, another draw
+            target_rows = {"task": task["name"], "kind": task["kind"], "seed": calib.get("seed", 0)}
+        else:
+            target_rows = {"task": calib_task or task.get("calib_task") or _evaluated_task(task),
+                           "num_fewshot": calib_cfg["num_fewshot"] if calib_cfg else task.get("num_fewshot"),
+                           "num_samples": calib.get("num_samples"), "seed": calib.get("seed", 0),
+                           "fewshot_sampler": task.get("fewshot_sampler")}
     specs.append(_spec(store, {**base, **({"target": target_rows} if target_rows else {})}, sparse, comp, calib_cfg,
                        label))
     specs[-1].notes = notes

@@ -207,13 +207,18 @@ class TaskKindEntry:
     check_context: Callable[[dict, int, str], None] | None = None
     # (task settings): raise with the fix before any model loads (HumanEval: no unisolated code execution)
     before_load: Callable[[dict], None] | None = None
+    # (task settings, tokenizer, count, draw) -> ``count`` prompts built as the task builds its own but disjoint from
+    # them (another draw of its generator): the rows sparsifier.target_kept is resolved on. Without it, matched runs
+    # resolve on the calibration task's rows.
+    target_prompts: Callable[[dict, Any, int, int], list[str]] | None = None
 
 
 _TASK_KINDS: dict[str, TaskKindEntry] = {}
 
 
 def register_task_kind(name: str, *, check_context: Callable[[dict, int, str], None] | None = None,
-                       before_load: Callable[[dict], None] | None = None):
+                       before_load: Callable[[dict], None] | None = None,
+                       target_prompts: Callable[[dict, Any, int, int], list[str]] | None = None):
     """Function decorator: ``task.kind=name`` runs the function (see TaskKindEntry.run for its signature)."""
     if name == LM_EVAL_KIND:
         raise ValueError(f"{LM_EVAL_KIND!r} is every lm-eval task's kind; choose another name")
@@ -222,7 +227,7 @@ def register_task_kind(name: str, *, check_context: Callable[[dict, int, str], N
         old = _TASK_KINDS.get(name)
         if old is not None and old.run.__qualname__ != run.__qualname__:
             raise ValueError(f"task kind {name!r} is registered already ({old.run.__qualname__}); choose another name")
-        _TASK_KINDS[name] = TaskKindEntry(name, run, check_context, before_load)
+        _TASK_KINDS[name] = TaskKindEntry(name, run, check_context, before_load, target_prompts)
         return run
     return register
 

@@ -130,9 +130,11 @@ class CalibSpec(Section):
 
 @dataclass(frozen=True)
 class TargetRows(Section):
-    """Matched sparsity: the calibration rows ``sparsifier.target_kept`` is resolved on."""
+    """Matched sparsity: the calibration rows ``sparsifier.target_kept`` is resolved on; with ``kind`` (a generation
+    task that builds its own, registry.TaskKindEntry.target_prompts) the evaluated task's prompts of another draw."""
 
     task: str | None = None
+    kind: str | None = None
     num_fewshot: int | None = None
     num_samples: int | None = None
     seed: int = 0

@@ -21,7 +21,7 @@ from .humaneval import evaluate_completions, extract_code, load_problems, trunca
 from .long_context import Paused, by_length, task_result  # noqa: F401  (Paused: the pipeline catches it from here)
 from .model_facts import has_sliding_window
 from .passkey import build_passkey_records, score_passkey
-from .ruler_run import ruler_new_tokens, run_ruler
+from .ruler_run import ruler_new_tokens, ruler_target_prompts, run_ruler
 from .sandbox import SandboxLimits, require_isolation
 
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function in one "
@@ -180,4 +180,4 @@ def _humaneval(task: dict, model, tokenizer, *, chat_template: bool, **_) -> dic
 
 
 register_task_kind("passkey", check_context=_lengths_fit(lambda task: PASSKEY_NEW_TOKENS))(run_passkey)
-register_task_kind("ruler", check_context=_lengths_fit(ruler_new_tokens))(run_ruler)
+register_task_kind("ruler", check_context=_lengths_fit(ruler_new_tokens), target_prompts=ruler_target_prompts)(run_ruler)

@@ -23,6 +23,7 @@ log = logging.getLogger("toptheta")
 
 DEFAULT_LENGTHS = (4096, 8192)
 DEFAULT_PROMPTS_PER_LENGTH = 50
+TARGET_SEED = 1_000_003  # target prompts' seeds start here: never a seed the task evaluates (task.seed is small)
 
 
 def ruler_settings(task: dict) -> RulerSettings:
@@ -46,6 +47,18 @@ def ruler_records(task: dict, tokenizer) -> list[dict]:
                                   prompts_per_length=int(task.get("prompts_per_length") or DEFAULT_PROMPTS_PER_LENGTH),
                                   seed=int(task.get("seed") or 0), settings=ruler_settings(task))
     return records[: int(task["limit"])] if task.get("limit") else records
+
+
+def ruler_target_prompts(task: dict, tokenizer, count: int, draw: int) -> list[str]:
+    """``count`` prompts built as the task's own (its lengths, sub-tasks and knobs, spread evenly over the lengths)
+    from another seed, so none is an evaluated prompt: the rows ``sparsifier.target_kept`` is resolved on."""
+    lengths = task.get("lengths") or DEFAULT_LENGTHS
+    per_length = -(-count // len(lengths))
+    records = build_ruler_records(tokenizer, lengths=lengths, prompts_per_length=per_length,
+                                  seed=TARGET_SEED + int(task.get("seed") or 0) + draw, settings=ruler_settings(task))
+    by_length = [[r["prompt"] for r in records if r["target_tokens"] == n] for n in sorted(set(lengths))]
+    interleaved = [prompt for group in zip(*by_length) for prompt in group]  # every length among the first rows
+    return interleaved[:count]
 
 
 def _generate(model, tokenizer, group: list[dict], task: dict, *, chat_template: bool, bar) -> list[dict]:
