@@ -33,8 +33,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 
-from toptheta.results import (ablations, figures, informative, reduction, run_figures, selection, storage,  # noqa: E402
-                               threshold_plots, tradeoff_panels, verdicts)
+from toptheta.results import (ablations, baselines, figures, informative, past_calibration, reduction,  # noqa: E402
+                               run_figures, selection, storage, threshold_plots, tradeoff_panels, verdicts)
 from toptheta.results.render import FIGURE_FORMATS, latex, markdown, save_figure, write_text  # noqa: E402
 from toptheta.results.summary import load_summary  # noqa: E402
 
@@ -185,6 +185,16 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
         outputs.table("verdict_settings", settings, "Each claim in each setting",
                       " ".join(verdicts.per_setting.__doc__.split("\n\n", 1)[1].split()) + " informative = False: a "
                       "setting the pooled verdicts exclude (`informative_settings.md`), decided on its own.\n\n")
+    found_baselines = baselines.baseline_verdicts(summary, results)
+    if any(v.pairs for v in found_baselines):
+        outputs.table("baseline_verdicts", verdicts.verdict_table(found_baselines),
+                      "Top-θ against today's threshold baselines at equal sparsity",
+                      " ".join(baselines.__doc__.split("\n\n")[1].split()) + "\n\n")
+        outputs.table("baseline_pairs", verdicts.pairs_table(found_baselines), "The run pairs behind each baseline verdict")
+    crossing = past_calibration.past_calibration_table(summary)
+    if len(crossing):
+        outputs.table("past_calibration", crossing, "Past the calibrated length: Top-θ against Top-k at the same k",
+                      " ".join(past_calibration.__doc__.split("\n\n")[1].split()) + "\n\n")
     outputs.table("informative_settings", informative.settings_table(summary, results),
                   "Which settings the pooled verdicts use", f"Rule: {informative.RULE}.\n\n")
     if found[5].table is not None:

@@ -22,7 +22,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from toptheta.results import experiments, figures, informative, reduction, regimes, sweeps, verdicts
+from toptheta.results import (baselines, experiments, figures, informative, past_calibration, reduction, regimes,
+                              sweeps, verdicts)
 from toptheta.results.render import markdown, write_text
 from toptheta.results.summary import load_summary
 
@@ -58,6 +59,7 @@ def section(results: Path, command: str) -> str:
         lines += [f"Left out (rows past the calibrated length, `clamped_rows` > 0; rerun with `calib.cover_shots`): "
                   f"{', '.join(sorted(set(broken['run_id'])))}.", ""]
     lines += claims(long_rows, results, "####") if len(long_rows) else ["No long-row runs are stored yet.", ""]
+    lines += baselines_section(long_rows, results, "####")
     lines += ["### Earlier protocols: zero-shot and short rows, compared at equal k", "",
               "The store's first sweeps (rows of ~30-300 keys, at most 5 shots, random exemplars, and the generation "
               "tasks), kept as they were measured; they test the claims outside the paper's regime.", ""]
@@ -71,8 +73,33 @@ def section(results: Path, command: str) -> str:
                   "length, which used the last calibrated θ). Sparse decoding can lengthen the texts, and Rouge-L "
                   "moves with length. The trade-off tables and figures in `figures/` hold the same runs with every column.", "",
                   markdown(glance).rstrip()]
+    lines += past_calibration_section(summary)
     lines += ["", "### Which command made each file", ""] + provenance(results) + ["", END]
     return "\n".join(lines) + "\n"
+
+
+def baselines_section(summary, results: Path, level: str) -> list[str]:
+    """Top-θ against today's threshold baselines at equal target (results/baselines.py), decided as the claims are."""
+    lines = [f"{level} Top-θ against today's threshold baselines at equal sparsity", "",
+             " ".join(baselines.__doc__.split("\n\n")[1].split()), ""]
+    found = baselines.baseline_verdicts(summary, results) if len(summary) else []
+    if not any(v.pairs for v in found):
+        return lines + ["No baseline run at a matched target is stored yet (`python run.py -m "
+                        "experiment=long_rows/baselines`).", ""]
+    return lines + [markdown(verdicts.verdict_table(found)).rstrip(), ""]
+
+
+def past_calibration_section(summary) -> list[str]:
+    """Top-θ's kept fractions against Top-k's at the same k on rows past the calibrated length (issue 30)."""
+    table = past_calibration.past_calibration_table(summary)
+    lines = ["", "### Past the calibrated length: Top-θ against Top-k at the same k", "",
+             " ".join(past_calibration.__doc__.split("\n\n")[1].split()), ""]
+    if table.empty:
+        return lines + ["No long-context Top-θ run meets rows past its calibration yet."]
+    shown = table[["model", "task", "limit", "k", "calib_task", "calib_beyond", "attention_ratio", "vrow_ratio",
+                   "within_target", "value_toptheta", "value_topk", "run_toptheta"]]
+    return lines + [markdown(shown).rstrip(), "", f"Within ×{past_calibration.TARGET:g} in {int(table['within_target'].sum())} "
+                    f"of {len(table)} rows; every column in `figures/past_calibration.md`."]
 
 
 def claims(summary, results: Path, level: str) -> list[str]:

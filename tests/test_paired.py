@@ -360,7 +360,7 @@ def test_a_claim_is_also_decided_per_setting():
     for p in pairs:
         d = paired.compare(p["_d"].d, np.zeros(len(p["_d"].d)))
         p.update(diff=d.diff, ci_low=d.ci_low, ci_high=d.ci_high)
-    v = verdicts._verdict("1. Top-θ tracks Top-k", "non-inferiority", pairs)
+    v = verdicts.decided("1. Top-θ tracks Top-k", "non-inferiority", pairs)
     assert v.verdict == "holds"
     by = {s["group"]: s for s in v.settings}
     assert [by[g]["pairs"] for g in ("big", "lossy", "slight")] == [2, 1, 1]

@@ -365,3 +365,53 @@ def test_a_run_matched_to_the_one_third_target_reaches_three_fold():
     assert not reaches({x: 0.3351, "target_kept": 1 / 3, "target_measure": "vrows"}, x, 3.0)
     assert reaches({x: 0.3351, "target_kept": 1 / 3, "target_measure": "attention"}, x, 3.0)
     assert reaches({x: 0.3351, "target_kept": 1 / 3, "target_measure": float("nan")}, x, 3.0)  # before the column
+
+
+def test_top_theta_against_each_baseline_is_decided_paired_at_equal_target(tmp_path):
+    """results/baselines.py: Top-θ − baseline at the same target_kept, per question; a baseline without matched runs
+    has no pairs (and no effect)."""
+    from toptheta.results import baselines
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(11)
+    dense = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
+    _add(store, "arc_easy", "toptheta", "post", 19, "vmc", dense.copy(), 0.1, shots=25, target=0.1)
+    _add(store, "arc_easy", "topp", "post", None, "vmc", _flip(dense, 40, 0.0), 0.1, shots=25, target=0.1)
+    _add(store, "arc_easy", "topp", "post", None, "vmc", dense.copy(), 0.33, shots=25, target=0.333)  # no partner
+    topp, skip_pre, skip_post = baselines.baseline_verdicts(load_summary(tmp_path), tmp_path)
+    assert len(topp.pairs) == 1 and topp.pairs[0]["diff"] == pytest.approx(40 / N)
+    assert topp.verdict == "holds" and topp.ci_low > 0 and topp.kind == "superiority"
+    assert not skip_pre.pairs and not skip_post.pairs and skip_pre.effect is None
+
+
+def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length():
+    """results/past_calibration.py: a Top-θ view past its calibration beside Top-k's at the same k and length, with
+    the ratios of kept fractions and the ×1.3 target; QA tasks and runs within their calibration stay out."""
+    import pandas as pd
+
+    from toptheta.results.past_calibration import past_calibration_table
+
+    def row(run, task, sparsifier, attention, vrows, value, clamped=0, beyond="", k=64):
+        return {"run_id": run, "model": "m", "task": task, "num_fewshot": 0, "limit": 20, "metric": "accuracy,none",
+                "fewshot_sampler": "", "k": k, "layer_k": "0=512", "placement": "post", "comp": "vmc",
+                "sparsifier": sparsifier, "target_kept": "", "calib_task": "arc_challenge" if clamped or beyond else "",
+                "calib_beyond": beyond, "clamped_rows": clamped, "kept_attention_fraction": attention,
+                "kept_vrow_fraction": vrows, "value": value, "timestamp": "t"}
+
+    summary = pd.DataFrame([
+        row("topk", "passkey_8192", "topk", 0.02, 0.03, 1.0),
+        row("clamp", "passkey_8192", "toptheta", 0.10, 0.12, 1.0, clamped=500),
+        row("fit", "passkey_8192", "toptheta", 0.025, 0.033, 0.95, clamped=500, beyond="fit"),
+        row("inside", "passkey_2048", "toptheta", 0.05, 0.05, 1.0),  # no row past calibration
+        row("topk2", "passkey_2048", "topk", 0.05, 0.05, 1.0),
+        row("qa", "arc_easy", "toptheta", 0.3, None, 0.5, clamped=9),  # a QA task: not a long-context one
+        row("qak", "arc_easy", "topk", 0.2, None, 0.5),
+    ])
+    table = past_calibration_table(summary)
+    assert list(table["run_toptheta"]) == ["clamp", "fit"] and set(table["run_topk"]) == {"topk"}
+    clamp, fit = table.iloc[0], table.iloc[1]
+    assert clamp["attention_ratio"] == pytest.approx(5.0) and clamp["vrow_ratio"] == pytest.approx(4.0)
+    assert not clamp["within_target"] and clamp["calib_beyond"] == "clamp"
+    assert fit["attention_ratio"] == pytest.approx(1.25) and fit["within_target"] and fit["diff"] == pytest.approx(-0.05)
+    assert past_calibration_table(summary[summary["k"] == 0]).empty

@@ -74,7 +74,8 @@ def precise_pool(kind: str, pairs: Sequence, levels: Sequence[float] = (LEVEL,))
     return precision.precise(pairs, levels=levels, boundary=boundary(kind))
 
 
-def _verdict(claim: str, kind: str, pairs: list[dict], note: str = "") -> Verdict:
+def decided(claim: str, kind: str, pairs: list[dict], note: str = "") -> Verdict:
+    """A claim decided on its pairs (find_pairs' dicts): pooled effect, interval, verdict, and per setting."""
     v = Verdict(claim, kind, [{k: x for k, x in p.items() if k != "_d"} for p in pairs], note=note)
     if pairs:
         (i,) = precise_pool(kind, [p["_d"] for p in pairs])
@@ -125,7 +126,7 @@ def verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> li
         return [Verdict(c, k) for c, k in CLAIMS]
     admitted = informative.informative_groups(informative.settings_table(summary, results_dir))
     chosen = rows["group"].isin(admitted)
-    found = [_verdict(claim, kind, pairs, note) for (claim, kind), (pairs, note)
+    found = [decided(claim, kind, pairs, note) for (claim, kind), (pairs, note)
              in zip(CLAIMS, _claim_pairs(rows[chosen], results_dir))]
     apart = _claim_pairs(rows[~chosen], results_dir) if (~chosen).any() else [([], "")] * len(found)
     for v, (pairs, _) in zip(found, apart):

@@ -1,0 +1,53 @@
+"""Top-θ against today's threshold baselines at equal sparsity (issue 30): does calibrating θ per (layer, head, row
+length) and putting the dropped mass back (SDC, VMC) beat the simpler rules that reached production since the paper?
+
+Baselines (sparsifiers/topp.py, sparsifiers/skipsoftmax.py): top-p after the softmax with VMC; skip-softmax (BLASST)
+before the softmax without compensation, as deployed; skip-softmax after the softmax with VMC. Each is compared with
+Top-θ post + VMC and Top-θ pre + SDC + VMC at the same matched target (``sparsifier.target_kept``: each run within
+±10 % of the target kept fraction), in the same setting (model, task, shots, fixed exemplars, questions), paired per
+question. The claim per baseline: Top-θ − baseline > 0 (superiority), pooled over its pairs in the informative
+settings as the paper's claims are (verdicts.py); the interval also answers non-inferiority at one point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from . import comparisons, informative
+from .comparisons import Verdict, as_text, find_pairs
+from .verdicts import decided
+
+BASELINES = (("topp", "post", "vmc", "top-p post + VMC"),
+             ("skipsoftmax", "pre", "none", "skip-softmax pre (as deployed)"),
+             ("skipsoftmax", "post", "vmc", "skip-softmax post + VMC"))
+TOPTHETA = (("toptheta", "post", "vmc"), ("toptheta", "pre", "sdc=exact+vmc"))
+
+
+def _picks(sparsifier: str, placement: str, comp: str):
+    def chosen(row: pd.Series) -> bool:  # a matched run (target_kept set) of this method
+        return (row["sparsifier"] == sparsifier and row["placement"] == placement and as_text(row["comp"]) == comp
+                and as_text(row["target_kept"]) != "")
+    return chosen
+
+
+def baseline_verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> list[Verdict]:
+    """One verdict per baseline: Top-θ (both series) − the baseline at equal target, informative settings pooled."""
+    results_dir = Path(results_dir) if results_dir is not None else None
+    rows = comparisons.store_rows(summary)
+    found = []
+    for name, placement, comp, label in BASELINES:
+        claim = f"Top-θ beats {label} at equal sparsity"
+        if rows.empty:
+            found.append(Verdict(claim, "superiority"))
+            continue
+        admitted = informative.informative_groups(informative.settings_table(summary, results_dir))
+        chosen = rows[rows["group"].isin(admitted)]
+        sizes = comparisons.sample_sizes(chosen)
+        pairs = []
+        for theta in TOPTHETA:
+            pairs += find_pairs(chosen, _picks(*theta), _picks(name, placement, comp), ["level", "fewshot_sampler"],
+                                results_dir, sizes=sizes)
+        found.append(decided(claim, "superiority", pairs, f"Top-θ − {label} at the same target_kept"))
+    return found
