@@ -137,3 +137,21 @@ def test_a_v_row_target_is_met_in_decode_steps_and_names_its_measure(tmp_path):
     with pytest.raises(ValueError, match="sparsifier.target_measure"):
         pipeline.plan(cfg("model=tiny-llama", "task=smoke", "sparsifier=topk", "sparsifier.target_measure=vrows",
                           f"results_dir={tmp_path}"))
+
+
+def test_target_task_names_the_rows_a_target_is_resolved_on(tmp_path):
+    """sparsifier.target_task: the rows target_kept is resolved on, apart from the thresholds' calibration task
+    (HumanEval with ARC-calibrated Top-θ fitted on HumanEval-disjoint code); unset, the ids stay as they were."""
+    base = ("model=tiny-llama", "task=humaneval", "sparsifier=toptheta", "comp=vmc", "sparsifier.target_kept=0.3",
+            "sparsifier.target_measure=vrows", "calib.task=arc_challenge", "calib.num_fewshot=5",
+            f"results_dir={tmp_path}", "task.allow_unsafe_code=true")
+    plain = pipeline.plan(cfg(*base))[-1]
+    code = pipeline.plan(cfg(*base, "sparsifier.target_task=python_code"))[-1]
+    assert plain.target.task == "arc_challenge" and "target_task" not in plain.sparsifier.settings
+    assert code.target.task == "python_code" and code.calib.task == "arc_challenge" and code.run_id != plain.run_id
+    assert code.target.num_fewshot == 5  # built as the calibration rows are
+    with pytest.raises(ValueError, match="sparsifier.target_task"):
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", "sparsifier=topk", "sparsifier.target_task=python_code",
+                          f"results_dir={tmp_path}"))
+    with pytest.raises((ValueError, FileNotFoundError), match="no_such_task"):
+        pipeline.plan(cfg(*base, "sparsifier.target_task=no_such_task"))

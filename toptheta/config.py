@@ -103,6 +103,11 @@ class SparsifierConfig:
     # vrows (V rows read in decode steps, the generation tasks' measure: measured by decoding a few tokens after each
     # calibration row). Part of the run id when set.
     target_measure: Optional[TargetMeasure] = None
+    # The task whose calibration rows target_kept is resolved on (its train split, or ours: python_code for
+    # HumanEval); null: the calibration task (calib.task / task.calib_task), or the generation task's own prompts
+    # where it builds them (ruler). Set it when thresholds come from another task than the rows the run meets
+    # (HumanEval with ARC-calibrated thresholds: sparsifier.target_task=python_code). Part of the run id when set.
+    target_task: Optional[str] = None
     # The baselines' own parameters (null elsewhere, and then out of the run id): topp's probability mass p,
     # skipsoftmax's λ. With target_kept set, the parameter is fitted instead (calibration/target_param.py).
     p: Optional[float] = None
@@ -300,6 +305,9 @@ def sparsifier_problems(sparsifier: Any, comp: Any, fits_target: bool = True) ->
     measure = get(sparsifier, "target_measure")
     need(measure is None or target is not None, "sparsifier.target_measure", measure,
          "null without sparsifier.target_kept (it says what the target is a fraction of)")
+    rows = get(sparsifier, "target_task")
+    need(rows is None or target is not None, "sparsifier.target_task", rows,
+         "null without sparsifier.target_kept (it names the rows the target is resolved on)")
     if kind.parameter is not None:
         _check_parameter(kind, sparsifier, comp, get, need, fits_target)
     elif kind.drops and target is None:

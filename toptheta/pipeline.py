@@ -75,6 +75,8 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     calibrated = needs_thresholds(sparsifier, comp)
     calib_task = (calib.get("task") or task.get("calib_task")) if calibrated else None
     _check_tasks(task, calib_task, data_dir)
+    if sparsifier.get("target_task"):  # the rows matched sparsity is resolved on: one of our calibration tasks
+        check_tasks([calibration_name(sparsifier["target_task"])], Path(data_dir) if data_dir else None, None)
 
     model = {key: c["model"].get(key) for key in ("name", "source", "dtype", "device", "device_map", "revision",
                                                   "max_length", "chat_template")}
@@ -108,11 +110,13 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         sparse.pop("target_kept", None)
     else:  # matched sparsity: k (a baseline's p or λ) is resolved on calibration rows built as the evaluated ones
         sparse[kind.tuned_key] = None
-        if task.get("kind") != LM_EVAL_KIND and task_kind(task["kind"]).target_prompts is not None:
+        if sparse.get("target_task") is None and task.get("kind") != LM_EVAL_KIND \
+                and task_kind(task["kind"]).target_prompts is not None:
             # a generation task that builds prompts (ruler): rows of its own lengths and layout, another draw
             target_rows = {"task": task["name"], "kind": task["kind"], "seed": calib.get("seed", 0)}
         else:
-            target_rows = {"task": calib_task or task.get("calib_task") or _evaluated_task(task),
+            target_rows = {"task": sparse.get("target_task") or calib_task or task.get("calib_task")
+                                   or _evaluated_task(task),
                            "num_fewshot": calib_cfg["num_fewshot"] if calib_cfg else task.get("num_fewshot"),
                            "num_samples": calib.get("num_samples"), "seed": calib.get("seed", 0),
                            "fewshot_sampler": task.get("fewshot_sampler")}

@@ -81,6 +81,7 @@ class SparsifierSpec(Section):
     layer_k: dict = field(default_factory=dict)
     target_kept: float | None = None
     target_measure: str | None = None
+    target_task: str | None = None
     settings: dict = field(default_factory=dict, repr=False, compare=False)
 
     def build(self, thresholds=None):
