@@ -409,7 +409,7 @@ def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length
         row("qak", "arc_easy", "topk", 0.2, None, 0.5),
     ])
     table = past_calibration_table(summary)
-    assert list(table["run_toptheta"]) == ["clamp", "fit"] and set(table["run_topk"]) == {"topk"}
+    assert list(table["run_id"]) == ["clamp", "fit"] and set(table["run_topk"]) == {"topk"}
     clamp, fit = table.iloc[0], table.iloc[1]
     assert clamp["attention_ratio"] == pytest.approx(5.0) and clamp["vrow_ratio"] == pytest.approx(4.0)
     assert not clamp["within_target"] and clamp["calib_beyond"] == "clamp"

@@ -22,7 +22,7 @@ LONG_CONTEXT = ("passkey", "ruler", "longbench")  # task name prefixes: the task
 MATCH = ("model", "task", "num_fewshot", "limit", "metric", "fewshot_sampler", "k", "layer_k", "placement", "comp")
 COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "k", "placement", "comp", "calib_task", "calib_beyond", "clamped_rows",
            "kept_attention_toptheta", "kept_attention_topk", "attention_ratio", "kept_vrow_toptheta", "kept_vrow_topk",
-           "vrow_ratio", "within_target", "value_toptheta", "value_topk", "diff", "run_toptheta", "run_topk"]
+           "vrow_ratio", "within_target", "value_toptheta", "value_topk", "diff", "run_id", "run_topk"]
 
 
 def _ratio(a, b) -> float | None:
@@ -59,6 +59,6 @@ def past_calibration_table(summary: pd.DataFrame, tasks: tuple[str, ...] = LONG_
             "kept_vrow_topk": k["kept_vrow_fraction"], "vrow_ratio": vrows,
             "within_target": bool(measured) and all(r <= TARGET for r in measured),
             "value_toptheta": t["value"], "value_topk": k["value"], "diff": float(t["value"]) - float(k["value"]),
-            "run_toptheta": t["run_id"], "run_topk": k["run_id"]})
+            "run_id": t["run_id"], "run_topk": k["run_id"]})
     table = pd.DataFrame(rows, columns=COLUMNS)
     return table.sort_values(["model", "task", "k", "calib_beyond"], kind="stable").reset_index(drop=True)
