@@ -85,7 +85,6 @@ class TopThetaLM(SharedContextHFLM):
         self.spec, hflm_kwargs = RunSpec.from_model_args(
             pretrained, data_dir_path=str(self.data_dir) if self.data_dir else None, **model_args)
         check_decode_batch(hflm_kwargs.get("decode_batch"))
-        self.needs_thresholds = self.spec.calib is not None
         self.chunk_size = chunk_size
         model_spec = self.spec.model
         model, tokenizer, info = load_model(pretrained, dtype=model_spec.dtype, device=model_spec.device,
@@ -112,6 +111,10 @@ class TopThetaLM(SharedContextHFLM):
                 self.thresholds, self.thresholds_path = found
         self.task_stats: dict[str, Any] = {}
         self._warned: set[str] = set()  # tasks whose unintended-run warnings were given (guards.warn_unintended)
+
+    @property
+    def needs_thresholds(self) -> bool:
+        return self.spec.calib is not None  # the spec holds a calibration only for runs that need thresholds
 
     def _k_per_layer(self, num_layers: int) -> list[int]:
         sparse = self.spec.sparsifier

@@ -36,15 +36,14 @@ def baseline_verdicts(summary: pd.DataFrame, results_dir: str | Path | None = No
     """One verdict per baseline: Top-θ (both series) − the baseline at equal target, informative settings pooled."""
     results_dir = Path(results_dir) if results_dir is not None else None
     rows = comparisons.store_rows(summary)
+    claims = [f"Top-θ beats {label} at equal sparsity" for *_, label in BASELINES]
+    if rows.empty:
+        return [Verdict(claim, "superiority") for claim in claims]
+    admitted = informative.informative_groups(informative.settings_table(summary, results_dir))
+    chosen = rows[rows["group"].isin(admitted)]
+    sizes = comparisons.sample_sizes(chosen)
     found = []
-    for name, placement, comp, label in BASELINES:
-        claim = f"Top-θ beats {label} at equal sparsity"
-        if rows.empty:
-            found.append(Verdict(claim, "superiority"))
-            continue
-        admitted = informative.informative_groups(informative.settings_table(summary, results_dir))
-        chosen = rows[rows["group"].isin(admitted)]
-        sizes = comparisons.sample_sizes(chosen)
+    for claim, (name, placement, comp, label) in zip(claims, BASELINES):
         pairs = []
         for theta in TOPTHETA:
             pairs += find_pairs(chosen, _picks(*theta), _picks(name, placement, comp), ["level", "fewshot_sampler"],

@@ -35,8 +35,8 @@ def past_calibration_table(summary: pd.DataFrame, tasks: tuple[str, ...] = LONG_
     calibration, beside Top-k at the same k, in the task's metric of interest (empty when none)."""
     df = latest(summary)
     df = df[(df["target_kept"].map(as_text) == "") & df["task"].astype(str).str.startswith(tasks)]  # equal k
-    df = df[pd.Series([metric == metric_of_interest(df, task) for task, metric in zip(df["task"], df["metric"])],
-                      index=df.index, dtype=bool)]
+    judged_by = {task: metric_of_interest(df, task) for task in set(df["task"])}
+    df = df[df["metric"] == df["task"].map(judged_by)]
     key = lambda r: tuple(as_text(r.get(c)) for c in MATCH)  # noqa: E731
     topk = {key(r): r for _, r in df[df["sparsifier"] == "topk"].iterrows()}
     clamped = pd.to_numeric(df.get("clamped_rows"), errors="coerce").fillna(0)
