@@ -349,3 +349,16 @@ def test_thresholds_for_another_model_shape_are_refused():
     with pytest.raises(ValueError, match="calibrated for a model with"):
         with toptheta.sparsify(tiny_4heads("llama"), toptheta.TopTheta(thresholds), []):
             pass
+
+
+@pytest.mark.parametrize("k", [1, 8, 134, 600])
+def test_topk_keeps_the_set_of_a_sorted_topk_on_tied_rows(k):
+    """TopK.select asks torch.topk for an unsorted set (cheaper); it must be the sorted call's set, ties included."""
+    from toptheta.sparsifiers.base import RowBlock
+
+    g = torch.Generator().manual_seed(k)
+    logits = (torch.randn(1, 3, 16, 1000, generator=g) * 4).round() / 4  # many ties at every k-th value
+    rows = RowBlock(0, "prefill", logits, torch.full((1, 1, 16), 1000))
+    keep = toptheta.TopK(k, "pre").select(rows)
+    expected = torch.zeros_like(keep).scatter_(-1, torch.topk(logits, k, dim=-1).indices, True)
+    assert torch.equal(keep, expected) and keep.sum(-1).eq(k).all()

@@ -435,3 +435,47 @@ def test_reduce_pads_layers_of_different_widths():
         torch.testing.assert_close(values[layer, :, k + 1:n + 1], tau[:, k:], rtol=0, atol=0)
         assert torch.isnan(values[layer, :, n + 1:]).all() and counts[layer, :, n + 1:].eq(0).all()
     assert torch.isnan(values[2]).all() and counts[2].eq(0).all()
+
+
+def few_shot_like(seed: int = 3) -> list[list[int]]:
+    """Sequences as a fixed-exemplar task builds them: one long shared prefix, each question's context shared by
+    its choices, choices of varied length, and one sequence that shares nothing."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    exemplars, out = draw(90), []
+    for length in (20, 35, 50):
+        context = draw(length)
+        out += [exemplars + context + draw(n) for n in (1, 7, 19)]
+    return out + [draw(70)]
+
+
+@pytest.mark.parametrize("placement, statistic, comps", [
+    ("pre", "order", "sdc+vmc"), ("post", "order", "vmc"), ("post", "target-k", "")])
+def test_shared_prefixes_calibrate_as_whole_sequences(model, placement, statistic, comps):
+    """Prefix sharing runs far fewer tokens and counts every row as running each sequence whole does: the same
+    counts, row totals and (up to float rounding) thresholds and SDC masses."""
+    comp = {"sdc+vmc": [toptheta.SDC("exact"), toptheta.VMC()], "vmc": [toptheta.VMC()], "": []}[comps]
+    data = [[s] for s in few_shot_like()]
+    whole, shared = (calibrate(model, data, k=6, placement=placement, statistic=statistic, compensations=comp,
+                               progress=False, share_prefixes=share) for share in (False, True))
+    assert whole.metadata["tokens_run"] == whole.metadata["tokens"]
+    assert shared.metadata["tokens_run"] < 0.6 * shared.metadata["tokens"]  # the 90 exemplars ran once, not 9 times
+    assert torch.equal(whole.counts, shared.counts)
+    assert whole.metadata["rows_sampled"] == shared.metadata["rows_sampled"]
+    torch.testing.assert_close(shared.values, whole.values, rtol=1e-5, atol=1e-6, equal_nan=True)
+    if placement == "pre":
+        torch.testing.assert_close(shared.sdc_mass, whole.sdc_mass, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_calibrations_that_cannot_share_run_whole(model):
+    """Sampled rows, pre-softmax target-k (its grid follows the first rows seen) and padded batches run every
+    sequence whole; the collector refuses to count a sampled row twice."""
+    data = [[s] for s in few_shot_like()]
+    for options in (dict(sample_frac=0.5), dict(statistic="target-k", placement="pre")):
+        th = calibrate(model, data, k=6, progress=False, **options)
+        assert th.metadata["tokens_run"] == th.metadata["tokens"]
+    padded = calibrate(model, [few_shot_like()[:3]], k=6, progress=False)  # one left-padded batch of three
+    assert padded.metadata["tokens_run"] == padded.metadata["tokens"]
+    with pytest.raises(ValueError, match="sample_frac"):
+        with OrderStatCollector([4] * L, H, "pre", sample_frac=0.5).repeated(2):
+            pass

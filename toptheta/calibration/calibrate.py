@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .. import compat
 from ..attention.backend import model_shape, sparsify
-from ..attention.cache import growing_cache
+from ..attention.cache import cache_keyword, forward_accepts, growing_cache
 from ..compensation import SDC, VMC, is_compensation, lower
 from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
@@ -87,6 +87,7 @@ def calibrate(
     max_n: int | None = None,
     metadata: dict | None = None,
     progress: bool = True,
+    share_prefixes: bool = True,
 ) -> Thresholds:
     """Calibrate Top-θ thresholds for ``model`` on ``inputs``.
 
@@ -112,6 +113,11 @@ def calibrate(
         max_n: longest row length to calibrate; None = the longest row seen.
         metadata: provenance to record (e.g. ``{"task": "arc_challenge", "split": "train"}``).
         progress: show a tqdm bar.
+        share_prefixes: sequences that share leading tokens (fixed few-shot exemplars, the choices of one question)
+            run those tokens once, their rows counted once per sequence, and continue from the cached keys and
+            values (:func:`_run_shared`); only for batches of one unpadded sequence, all rows used
+            (``sample_frac`` = 1), no generation, and a statistic that does not depend on the order rows come in
+            (not pre-softmax target-k). The thresholds are the unshared run's up to float rounding.
 
     Returns:
         a :class:`Thresholds` with values (L, H|1, N|1), per-entry sample counts, the mean dropped
@@ -130,7 +136,16 @@ def calibrate(
         collector = TargetKCollector(k_per_layer, H, placement, **options)
     sparsifier = TopK(k, placement, layer_k) if tac else Dense()
 
-    sequences, tokens = _run(model, inputs, sparsifier, applied, collector, generate_tokens, progress)
+    # Pre-softmax target-k fits each layer's grid to the first rows it sees, so its θ depend on the order rows come
+    # in: those calibrations run every sequence whole, in the order given.
+    order_free = statistic == "order" or placement == "post"
+    shareable = share_prefixes and order_free and not generate_tokens and sample_frac == 1.0
+    inputs, shared = _shareable(inputs) if shareable else (inputs, None)
+    if shared is not None:
+        sequences, tokens, tokens_run = _run_shared(model, shared, sparsifier, applied, collector, progress)
+    else:
+        sequences, tokens = _run(model, inputs, sparsifier, applied, collector, generate_tokens, progress)
+        tokens_run = tokens
     if collector.rows_sampled.sum() == 0:
         raise ValueError(
             f"no calibration row was longer than k (k per layer {sorted(set(k_per_layer))}, longest row "
@@ -148,7 +163,7 @@ def calibrate(
         "sigma_add": sigma_add if statistic == "order" else None, "tac": tac,
         "compensation": compensation, "calibration_compensation": compensation_labels(applied),
         "sample_frac": sample_frac, "seed": seed, "generate_tokens": generate_tokens, "phases": list(phases),
-        "max_n": max_n, "sequences": sequences, "tokens": tokens,
+        "max_n": max_n, "sequences": sequences, "tokens": tokens, "tokens_run": tokens_run,
         "rows_eligible": collector.rows_eligible.long().tolist(),  # per layer, before sampling
         "rows_sampled": collector.rows_sampled.long().tolist(),
         "collector_bytes": collector.nbytes(),
@@ -232,6 +247,71 @@ def _run(model, inputs, sparsifier, compensations, collector, generate_tokens: i
     finally:
         model.train(was_training)
     return sequences, tokens
+
+
+def _shareable(inputs) -> tuple[Iterable, list[list[int]] | None]:
+    """(inputs, their token lists) when every batch holds one unpadded sequence, else (inputs, None)."""
+    inputs = list(inputs)
+    sequences = []
+    for batch in inputs:
+        ids, mask = as_batch(batch)
+        if ids.shape[0] != 1 or (mask is not None and not bool(mask.all())):
+            return inputs, None
+        sequences.append(ids[0].tolist())
+    return inputs, sequences
+
+
+def _run_shared(model, sequences: list[list[int]], sparsifier, compensations, collector,
+                progress: bool) -> tuple[int, int, int]:
+    """Calibration forwards that run tokens shared by several sequences once: (sequences, tokens, tokens run).
+
+    Sequences are grouped by their longest common token prefix (``prefix_groups``); a group's prefix runs once
+    with the collector counting its rows once per member (``Collector.repeated``), then each member's own tokens
+    are grouped again and run from copies of that cache, down to single sequences. Every forward holds at least
+    ``MIN_GEMM_ROWS`` rows, so the linear layers round each row as a whole-sequence forward does; the attention
+    scores of a row can still differ from the whole forward's in the last bit (the plain kernel's chunks follow
+    each forward), which moves a threshold by float rounding only.
+    """
+    from ..evaluation.prefix_cache import MIN_GEMM_ROWS, prefix_groups, repeat_rows, run_prefix  # evaluation: not at import
+    device = next(model.parameters()).device
+    keyword = cache_keyword(model)
+    skip_logits = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
+    was_training = model.training
+    model.eval()
+    tokens_run = 0
+    bar = tqdm(total=len(sequences), desc="calibrating", unit="seq", disable=not progress)
+
+    def forward(ids: list[int], start: int, cache, uses: int):
+        nonlocal tokens_run
+        tokens_run += len(ids) - start
+        own = repeat_rows(cache, torch.zeros(1, dtype=torch.long, device=device)) if cache is not None else \
+            growing_cache(model)
+        with collector.repeated(uses):
+            run_prefix(lambda i, m, p: model(input_ids=i.to(device), attention_mask=m.to(device),
+                                             position_ids=p.to(device), use_cache=True, **{keyword: own},
+                                             **skip_logits),
+                       ids, start=start)
+        return own
+
+    def run(members: list[int], start: int, cache) -> None:  # members' first ``start`` tokens are in ``cache``
+        rest = [tuple(sequences[i][start:]) for i in members]
+        grouped: set[int] = set()
+        for shared, group in prefix_groups(rest, min_prefix=MIN_GEMM_ROWS, keep=MIN_GEMM_ROWS):
+            indices = [members[j] for j in group]
+            grouped.update(indices)
+            run(indices, start + shared, forward(sequences[indices[0]][:start + shared], start, cache, len(indices)))
+        for i in members:
+            if i not in grouped:
+                forward(sequences[i], start, cache, 1)
+                bar.update(1)
+
+    try:
+        with torch.no_grad(), sparsify(model, sparsifier, compensations, stats=False, observer=collector):
+            run(list(range(len(sequences))), 0, None)
+    finally:
+        bar.close()
+        model.train(was_training)
+    return len(sequences), sum(map(len, sequences)), tokens_run
 
 
 def as_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -36,6 +36,7 @@ drops, without the running estimate's dependence on sample order.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -178,6 +179,7 @@ class Collector:
         self.topk_keep = bool(topk_keep)
         self.device_path = device_path
         self.generator = torch.Generator().manual_seed(int(seed))
+        self.weight = 1  # rows observed count this many times (``repeated``)
         L = len(self.k)
         self._rows_eligible = torch.zeros(L, dtype=torch.float64)  # per layer, before sampling
         self._rows_sampled = torch.zeros(L, dtype=torch.float64)
@@ -200,6 +202,23 @@ class Collector:
     def finalise(self, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         """Thresholds (L, H', K') from sums already pooled to the granularity; NaN where count = 0."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def repeated(self, times: int):
+        """Count every row observed inside the block ``times`` times: rows computed once on behalf of ``times``
+        sequences that share them (a shared prefix, ``calibrate``'s prefix sharing). Each row's contribution is
+        multiplied by ``times``, so counts and histograms equal the unshared run's exactly and float64 sums to
+        their rounding. Sampling (``sample_frac`` < 1) draws once per row computed: refused there."""
+        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            raise ValueError(f"times must be an integer >= 1, got {times!r}")
+        if times > 1 and self.sample_frac < 1.0:
+            raise ValueError("a sampled calibration (sample_frac < 1) draws each row where it is computed: "
+                             "rows shared by several sequences cannot be counted as several draws")
+        outer, self.weight = self.weight, times
+        try:
+            yield self
+        finally:
+            self.weight = outer
 
     # --- row counters (the device path's are folded in when read) ------------------------------------
     def _collect(self) -> None:
@@ -243,13 +262,13 @@ class Collector:
         eligible = int(pick.sum())
         if eligible == 0:
             return
-        self._rows_eligible[layer] += eligible
+        self._rows_eligible[layer] += eligible * self.weight
         if self.sample_frac < 1.0:  # drawn on the CPU generator: the same draws on any device
             pick &= torch.rand(n.shape, generator=self.generator) < self.sample_frac
             if not bool(pick.any()):
                 return
         sampled = SampledRows(rows, pick, n, k, self.topk_keep)
-        self._rows_sampled[layer] += sampled.n.numel()
+        self._rows_sampled[layer] += sampled.n.numel() * self.weight
         self._max_n_seen = max(self._max_n_seen, int(sampled.n.max()))
         keys = self.key_of(sampled.n.flatten())  # (S,) on the CPU, in the order of SampledRows.per_row
         device = rows.logits.device
@@ -273,7 +292,8 @@ class Collector:
         if self.sample_frac < 1.0:  # drawn on the CPU generator, as the host path (module docstring)
             pick = eligible & (torch.rand(n.shape, generator=self.generator) < self.sample_frac).to(n.device)
         sampled = SampledRows.whole(rows, pick, n, k, self.topk_keep)
-        counts = torch.stack([eligible.sum(), pick.sum(), torch.where(pick, n, 0).max()]).double()
+        counts = torch.stack([eligible.sum() * self.weight, pick.sum() * self.weight,
+                              torch.where(pick, n, 0).max()]).double()
         if layer in self._on_device:  # Σ eligible, Σ sampled, max n
             old = self._on_device[layer]
             counts = torch.cat([old[:2] + counts[:2], torch.maximum(old[2:], counts[2:])])
@@ -297,11 +317,12 @@ class Collector:
         return heads * table.shape[1] + keys.to(table.device)[:, None]
 
     def scatter(self, name: str, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """sums[name][layer][h, keys[s]] += values[s, h] for every sampled row s and head h."""
+        """sums[name][layer][h, keys[s]] += weight · values[s, h] for every sampled row s and head h."""
         table = self.sums[name][layer]  # (H, keys, *extra), contiguous, on the layer's device
         flat = self.flat_index(layer, keys).flatten()  # (S·H,)
         target = table.flatten(0, 1)  # (H·keys, *extra), a view
-        target.index_add_(0, flat, values.reshape(flat.numel(), *target.shape[1:]).double())
+        values = values.reshape(flat.numel(), *target.shape[1:]).double()
+        target.index_add_(0, flat, values if self.weight == 1 else values * self.weight)
 
     def _ensure(self, layer: int, num_keys: int, device) -> None:
         """Allocate or widen a layer's key axis on ``device``; with ``max_n`` it is allocated once at full size."""

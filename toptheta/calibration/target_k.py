@@ -118,10 +118,10 @@ class TargetKCollector(Collector):
         table = self.sums["hist"][layer].view(-1)
         chosen = rows.row_mask()
         if chosen is None:
-            table += torch.bincount(flat.flatten(), minlength=table.numel()).to(table.dtype)
+            table += torch.bincount(flat.flatten(), minlength=table.numel()).to(table.dtype) * self.weight
         else:  # rows that do not count go to one extra slot past the table, dropped
             flat = torch.where(chosen[..., None], flat, table.numel()).flatten()
-            table += torch.bincount(flat, minlength=table.numel() + 1)[:table.numel()].to(table.dtype)
+            table += torch.bincount(flat, minlength=table.numel() + 1)[:table.numel()].to(table.dtype) * self.weight
 
     def finalise(self, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         # One layer at a time: the cumulative counts are as large as the histograms themselves.

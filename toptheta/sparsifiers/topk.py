@@ -42,7 +42,8 @@ class TopK(Sparsifier):
             return None
         # Logits and probabilities order the keys identically; logits avoid ties at underflowed 0. A row with
         # n > k has k valid (finite) logits above its masked (-inf) ones, so only short rows need the mask.
-        idx = torch.topk(rows.logits, k, dim=-1).indices  # (B, H, Q, k)
+        # sorted=False: the same set (the order of the k is never used), without sorting them (~1/3 of the op on CPU)
+        idx = torch.topk(rows.logits, k, dim=-1, sorted=False).indices  # (B, H, Q, k)
         keep = torch.zeros_like(rows.logits, dtype=torch.bool).scatter_(-1, idx, True)
         rows.kept_counts = rows.n.clamp(max=k).expand(idx.shape[:-1])
         return keep_whole_short_rows(keep, rows, k)
