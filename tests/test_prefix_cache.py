@@ -227,3 +227,23 @@ def test_cover_shots_calibrates_the_same_documents_at_more_shots_so_longer_rows_
                                                          placement="post", layer_k={}, **build).max_n
                for cover in (0, 2)}
     assert longest == {0: max(map(len, plain)), 2: max(map(len, covered))}  # rows up to the longest are calibrated
+
+
+def test_run_shared_counts_each_row_once_per_sequence(models, tokenizer, requests):
+    """Matched sparsity measures its kept fraction with ``run_shared`` (shared tokens once, counted per sequence):
+    the same counts as running every sequence whole, for Top-θ (the prefill kernel) and Top-k."""
+    import torch
+
+    model = models["llama"]
+    ids = [tokenizer.encode(r.args[0] + r.args[1]) for r in requests[:12]]
+    theta = toptheta.TopTheta(toptheta.calibrate(model, [[s] for s in ids], k=8, placement="post", progress=False))
+    for sparsifier in (theta, toptheta.TopK(8, "post")):
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, [toptheta.VMC()]) as whole:
+            for s in ids:
+                model(input_ids=torch.tensor([s]))
+        with toptheta.sparsify(model, sparsifier, [toptheta.VMC()]) as shared:
+            tokens_run = prefix_cache.run_shared(model, ids, shared.repeated)
+        assert tokens_run < 0.5 * sum(map(len, ids))
+        assert torch.equal(shared.prefill_valid, whole.prefill_valid)
+        assert torch.equal(shared.prefill_kept, whole.prefill_kept), type(sparsifier).__name__
+        assert 0 < shared.kept_attention_fraction < 1

@@ -16,6 +16,7 @@ from .calibration.target_kept import resolve_k
 from .calibration.target_param import fit_parameter
 from .evaluation.greedy import encode_prompt
 from .evaluation.model_facts import layer_windows
+from .evaluation.prefix_cache import run_shared
 from .registry import Parameter, sparsifier_kind, task_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
@@ -85,9 +86,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                     model.generate(torch.tensor([ids], device=model.device), max_new_tokens=VROW_TOKENS,
                                    min_new_tokens=VROW_TOKENS, do_sample=False,
                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
-            else:
-                for ids in sequences[:MEASURE_SEQUENCES]:
-                    model(input_ids=torch.tensor([ids], device=model.device))
+            else:  # shared prefixes (fixed exemplars, a question's choices) run once, counted once per sequence
+                run_shared(model, sequences[:MEASURE_SEQUENCES], stats.repeated)
         kept = stats.kept_vrow_fraction if vrows else stats.kept_attention_fraction
         log.info("target_kept=%g: %s=%g keeps %.4f of the %s on %d calibration rows", target, key, k, kept,
                  "V rows" if vrows else "attention elements",

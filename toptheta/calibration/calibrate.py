@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .. import compat
 from ..attention.backend import model_shape, sparsify
-from ..attention.cache import cache_keyword, forward_accepts, growing_cache
+from ..attention.cache import growing_cache
 from ..compensation import SDC, VMC, is_compensation, lower
 from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
@@ -263,51 +263,15 @@ def _shareable(inputs) -> tuple[Iterable, list[list[int]] | None]:
 
 def _run_shared(model, sequences: list[list[int]], sparsifier, compensations, collector,
                 progress: bool) -> tuple[int, int, int]:
-    """Calibration forwards that run tokens shared by several sequences once: (sequences, tokens, tokens run).
-
-    Sequences are grouped by their longest common token prefix (``prefix_groups``); a group's prefix runs once
-    with the collector counting its rows once per member (``Collector.repeated``), then each member's own tokens
-    are grouped again and run from copies of that cache, down to single sequences. Every forward holds at least
-    ``MIN_GEMM_ROWS`` rows, so the linear layers round each row as a whole-sequence forward does; the attention
-    scores of a row can still differ from the whole forward's in the last bit (the plain kernel's chunks follow
-    each forward), which moves a threshold by float rounding only.
-    """
-    from ..evaluation.prefix_cache import MIN_GEMM_ROWS, prefix_groups, repeat_rows, run_prefix  # evaluation: not at import
-    device = next(model.parameters()).device
-    keyword = cache_keyword(model)
-    skip_logits = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
+    """Calibration forwards that run tokens shared by several sequences once (``prefix_cache.run_shared``), the
+    collector counting each row once per sequence: (sequences, tokens, tokens run)."""
+    from ..evaluation.prefix_cache import run_shared  # evaluation: not at import
     was_training = model.training
     model.eval()
-    tokens_run = 0
     bar = tqdm(total=len(sequences), desc="calibrating", unit="seq", disable=not progress)
-
-    def forward(ids: list[int], start: int, cache, uses: int):
-        nonlocal tokens_run
-        tokens_run += len(ids) - start
-        own = repeat_rows(cache, torch.zeros(1, dtype=torch.long, device=device)) if cache is not None else \
-            growing_cache(model)
-        with collector.repeated(uses):
-            run_prefix(lambda i, m, p: model(input_ids=i.to(device), attention_mask=m.to(device),
-                                             position_ids=p.to(device), use_cache=True, **{keyword: own},
-                                             **skip_logits),
-                       ids, start=start)
-        return own
-
-    def run(members: list[int], start: int, cache) -> None:  # members' first ``start`` tokens are in ``cache``
-        rest = [tuple(sequences[i][start:]) for i in members]
-        grouped: set[int] = set()
-        for shared, group in prefix_groups(rest, min_prefix=MIN_GEMM_ROWS, keep=MIN_GEMM_ROWS):
-            indices = [members[j] for j in group]
-            grouped.update(indices)
-            run(indices, start + shared, forward(sequences[indices[0]][:start + shared], start, cache, len(indices)))
-        for i in members:
-            if i not in grouped:
-                forward(sequences[i], start, cache, 1)
-                bar.update(1)
-
     try:
-        with torch.no_grad(), sparsify(model, sparsifier, compensations, stats=False, observer=collector):
-            run(list(range(len(sequences))), 0, None)
+        with sparsify(model, sparsifier, compensations, stats=False, observer=collector):
+            tokens_run = run_shared(model, sequences, collector.repeated, done=lambda: bar.update(1))
     finally:
         bar.close()
         model.train(was_training)

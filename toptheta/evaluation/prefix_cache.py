@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from ..attention.cache import cache_keyword, forward_accepts, growing_cache
 from ..compat import cache_layers, set_cache_layers
 
 # Positions per forward, at least (padding positions see no key and are never counted). MKL's float32 GEMM rounds a
@@ -115,6 +116,53 @@ def run_prefix(forward, ids: list[int], *, start: int = 0, uses: int = 1, stats=
     with stats.repeated(uses) if stats is not None else contextlib.nullcontext():
         return forward(torch.tensor([ids[start:]], dtype=torch.long), torch.ones(1, len(ids), dtype=torch.long),
                        torch.arange(start, len(ids))[None])
+
+
+def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
+    """Forwards of ``model`` over ``sequences`` (token id lists, one at a time) that run shared tokens once; returns
+    the tokens run. What the forwards record (calibration sums, sparsity statistics) must be counted once per
+    sequence: ``repeated(uses)`` is a context manager (``Collector.repeated``, ``SparsityStats.repeated``) around
+    each forward, ``uses`` the number of sequences it runs for; ``done()`` is called once per sequence finished.
+
+    Sequences are grouped by their longest common prefix (:func:`prefix_groups`); a group's prefix runs once, then
+    its members' own tokens are grouped again and run from copies of that cache, down to single sequences. Every
+    forward holds at least ``MIN_GEMM_ROWS`` rows, so the linear layers round each row as one forward of the
+    whole sequence does; attention kernels that chunk rows per forward (the plain kernel) may still sum a row in
+    another order, so a statistic equals the unshared one to float rounding (exactly, for counts).
+    """
+    device = next(model.parameters()).device
+    keyword = cache_keyword(model)
+    skip_logits = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
+    tokens_run = 0
+
+    def forward(ids: list[int], start: int, cache, uses: int):
+        nonlocal tokens_run
+        tokens_run += len(ids) - start
+        own = repeat_rows(cache, torch.zeros(1, dtype=torch.long, device=device)) if cache is not None else \
+            growing_cache(model)
+        with repeated(uses):
+            run_prefix(lambda i, m, p: model(input_ids=i.to(device), attention_mask=m.to(device),
+                                             position_ids=p.to(device), use_cache=True, **{keyword: own},
+                                             **skip_logits),
+                       ids, start=start)
+        return own
+
+    def run(members: list[int], start: int, cache) -> None:  # the members' first ``start`` tokens are in ``cache``
+        rest = [tuple(sequences[i][start:]) for i in members]
+        grouped: set[int] = set()
+        for shared, group in prefix_groups(rest, min_prefix=MIN_GEMM_ROWS, keep=MIN_GEMM_ROWS):
+            indices = [members[j] for j in group]
+            grouped.update(indices)
+            run(indices, start + shared, forward(sequences[indices[0]][:start + shared], start, cache, len(indices)))
+        for i in members:
+            if i not in grouped:
+                forward(sequences[i], start, cache, 1)
+                if done is not None:
+                    done()
+
+    with torch.no_grad():
+        run(list(range(len(sequences))), 0, None)
+    return tokens_run
 
 
 def track(cache):
