@@ -14,7 +14,7 @@ import torch
 import toptheta
 from conftest import cfg, qkv, sparse_rows, tiny_4heads
 from toptheta import pipeline
-from toptheta.attention import backends
+from toptheta.attention import backends, fused
 from toptheta.attention.backends.call import AttentionCall
 from toptheta.calibration.target_kept import Unreachable
 from toptheta.calibration.target_param import fit_parameter
@@ -221,17 +221,42 @@ def test_decode_rows_run_on_torch_decode_and_match_the_plain_kernel(make, monkey
     torch.testing.assert_close(outs["auto"], outs["plain"], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("make", SPARSIFIERS)
-def test_fast_backends_refuse_the_baselines_with_a_reason(make, monkeypatch):
+@pytest.mark.parametrize("make, placement", [(SPARSIFIERS[0], "pre"), (SPARSIFIERS[1], "pre"), (SPARSIFIERS[1], "post")])
+def test_fast_backends_refuse_the_baselines_with_a_reason(make, placement, monkeypatch):
+    """Top-p after the softmax has the fused CPU kernel (below); the other baseline calls run on the plain kernel."""
     q, k, v, valid = qkv()
-    call = AttentionCall(q, k, v, None, 0.5, 0, make("post"), (toptheta.VMC(),), phase="prefill")
-    assert call.kind in ("topp", "skipsoftmax")  # its registered name, which no fast backend serves
+    call = AttentionCall(q, k, v, None, 0.5, 0, make(placement), (toptheta.VMC(),), phase="prefill")
+    assert call.kind in ("topp", "skipsoftmax")  # its registered name
     assert backends.choose(call).name == "plain"
     refusing = [b for b in backends.backends() if b.name not in ("plain", "torch-decode")]
     assert refusing and all(b.refuse(call) for b in refusing)
     monkeypatch.setenv("TOPTHETA_BACKEND", "cpu-select")
     with pytest.raises(RuntimeError, match="cannot serve"):
         backends.choose(call)
+
+
+@pytest.mark.parametrize("p", [0.3, 0.8, 0.97])
+@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_topp_equals_the_plain_kernel(monkeypatch, p, chunk, tied):
+    """The fused kernel's selection (no sort) keeps the plain kernel's nucleus, ties included, with its output."""
+    if not fused.enabled():
+        pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?); the plain kernel serves top-p")
+    q, k, v, valid = qkv(Q=40, K=40, seed=7)
+    if tied:  # repeated keys (and values): equal logits around every boundary
+        k[:, :, 20:26], v[:, :, 20:26] = k[:, :, 19:20], v[:, :, 19:20]
+    outs, counts = {}, {}
+    for forced in ("cpu-select", "plain"):
+        monkeypatch.setenv("TOPTHETA_BACKEND", forced)
+        stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
+        outs[forced] = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0,
+                                                 sparsifier=toptheta.TopP(p, "post", k=3),
+                                                 compensations=[toptheta.VMC()], chunk_size=chunk, stats=stats)
+        assert stats.backend_calls == {forced: 1}
+        counts[forced] = stats.prefill_kept.clone()
+        assert 0 < stats.kept_attention_fraction < 1
+    torch.testing.assert_close(outs["cpu-select"], outs["plain"], atol=1e-6, rtol=1e-5)
+    assert torch.equal(counts["cpu-select"], counts["plain"])
 
 
 @pytest.mark.parametrize("make", [lambda placement: toptheta.TopP(0.6, placement),
@@ -294,7 +319,8 @@ def test_a_pipeline_run_of_each_baseline_is_stored(tmp_path, sparsifier, key, va
     assert all(0 < float(r["kept_attention_fraction"]) < 1 for r in rows)
     assert {r["k"] for r in rows} == {""} and {r["calib_beyond"] for r in rows} == {""}  # no k, no thresholds
     stats = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())
-    assert set(stats["backend_calls"]) <= {"plain", "torch-decode"} and stats["backend_calls"].get("plain")
+    prefill = "cpu-select" if sparsifier == "topp" and fused.enabled() else "plain"  # top-p post: the fused kernel
+    assert set(stats["backend_calls"]) <= {prefill, "torch-decode"} and stats["backend_calls"].get(prefill)
 
 
 @pytest.mark.parametrize("sparsifier,key", [("topp", "p"), ("skipsoftmax", "lam")])

@@ -1,4 +1,4 @@
-"""An optional fused CPU kernel for selection after the softmax (the Top-θ and Top-k post-softmax hot paths).
+"""An optional fused CPU kernel for selection after the softmax (the Top-θ, Top-k and top-p post-softmax hot paths).
 
 The pure-torch path makes five passes over a chunk's (Qc, Kc) scores between its two GEMMs: softmax,
 row maximum, comparison, zeroing and row sum. Here one C++ loop does all of it row by row while the
@@ -6,6 +6,8 @@ row (≤ 32 kB for 8k keys) sits in L1: max, exp and sum, then p > cut, zeroing 
 count. Top-k first finds each row's k-th largest logit: the keys above a pivot placed by a strided sample of the
 row (about 4k of them; an AVX2 compaction copies them out) go through ``std::nth_element``, the whole row only where
 fewer than k pass; then it keeps the logits above that value, as the torch path (``torch.topk``) keeps the k largest.
+Top-p finds each row's nucleus boundary by a three-way selection on the logits with the masses in double (expected
+O(K), where the torch path sorts the row).
 It is compiled on first use with torch's C++ extension tooling (g++; about a minute, cached in
 ``~/.cache/torch_extensions``); where that fails the kernel keeps the torch path and says so once.
 
@@ -26,7 +28,7 @@ import torch
 from ..sparsifiers.base import FusedRule
 
 log = logging.getLogger("toptheta")
-_VERSION = 10  # bump when csrc/select.cpp, csrc/common.h or the flags change: the build cache is keyed by name
+_VERSION = 11  # bump when csrc/select.cpp, csrc/common.h or the flags change: the build cache is keyed by name
 CSRC = Path(__file__).with_name("csrc")  # the C++ sources of the CPU kernels, one file per kernel + common.h
 
 
@@ -134,7 +136,7 @@ def build_lock(path, timeout: float):
 @functools.cache
 def extension():
     """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
-    return build(f"toptheta_fused_v{_VERSION}", kernel_source("select.cpp"), ["post_threshold", "post_topk"], "the fused CPU kernel",
+    return build(f"toptheta_fused_v{_VERSION}", kernel_source("select.cpp"), ["post_threshold", "post_topk", "post_topp"], "the fused CPU kernel",
                  "the pure-torch path")
 
 
@@ -146,7 +148,7 @@ def enabled() -> bool:
 def post_select(s: torch.Tensor, rule: FusedRule):
     """In place on ``s`` (B, H, Q, K): dense probabilities zeroed where ``rule`` does not keep them. Returns
     (kept_sum (B, H, Q, 1), kept_count (B, H, Q), empty (B, H, Q) bool: threshold rows where nothing passed θ and
-    only the maximum was kept; None for top-k, which has no such rows), or None when the fused kernel is
+    only the maximum was kept; None for top-k and top-p, which have no such rows), or None when the fused kernel is
     unavailable (``s`` is then untouched)."""
     ext = extension()
     if ext is None or s.device.type != "cpu" or not s.is_contiguous():
@@ -155,6 +157,9 @@ def post_select(s: torch.Tensor, rule: FusedRule):
     whole = rule.whole.expand(B, H, Q).contiguous().view(-1)
     if rule.k is not None:
         kept_sum, kept_count = ext.post_topk(s.view(-1, K), int(rule.k), whole)
+        empty = None
+    elif rule.p is not None:
+        kept_sum, kept_count = ext.post_topp(s.view(-1, K), float(rule.p), whole)
         empty = None
     else:
         theta = rule.theta.expand(B, H, Q).float().contiguous()

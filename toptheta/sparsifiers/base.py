@@ -122,18 +122,20 @@ class RowBlock:
 class FusedRule:
     """A selection the fused post-softmax kernel (``attention/fused.py``) makes in its one pass over a row.
 
-    Exactly one of ``theta`` and ``k`` is set. ``theta`` (B, H, Q), probability units: keep p > θ and each row's
-    maximum. ``k``: keep each row's k largest logits (ties at the k-th value broken by key order). Rows marked in
-    ``whole`` (B, H, Q) bool keep every valid key.
+    Exactly one of ``theta``, ``k`` and ``p`` is set. ``theta`` (B, H, Q), probability units: keep p > θ and each
+    row's maximum. ``k``: keep each row's k largest logits (ties at the k-th value broken by key order). ``p``: keep
+    each row's nucleus, the fewest largest logits holding a fraction p of its probability, with the keys tied with
+    the last one (top-p). Rows marked in ``whole`` (B, H, Q) bool keep every valid key.
     """
 
     whole: torch.Tensor
     theta: torch.Tensor | None = None
     k: int | None = None
+    p: float | None = None
 
     def __post_init__(self):
-        if (self.theta is None) == (self.k is None):
-            raise ValueError("a FusedRule sets exactly one of theta and k")
+        if sum(rule is not None for rule in (self.theta, self.k, self.p)) != 1:
+            raise ValueError("a FusedRule sets exactly one of theta, k and p")
 
 
 class Sparsifier:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Parameter, register_sparsifier
-from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
+from .base import FusedRule, RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
 
 # sparsifier.target_kept bisects p over [1e-3, 1]: more mass keeps more keys.
 P = Parameter("p", 1e-3, 1.0, log=False, keeps_more_when_higher=True,
@@ -60,6 +60,14 @@ class TopP(Sparsifier):
         boundary = ranked.gather(-1, (needed - 1).clamp_min(0))  # (B, H, Q, 1) score of the last key needed
         keep = (rows.logits >= boundary) & rows.valid  # ties with the boundary kept; rows without keys keep none
         return keep_whole_short_rows(keep, rows, k)
+
+    def fused_rule(self, rows: RowBlock) -> FusedRule | None:
+        """After the softmax, the fused CPU kernel finds each row's boundary by a selection instead of a sort
+        (csrc/select.cpp, ``post_topp``); before it the weights are renormalised over the kept set (plain kernel)."""
+        k = self.k_for(rows.layer)
+        if self.placement != "post" or rows.logits.shape[-1] <= k or self.p >= 1.0:
+            return None
+        return FusedRule(whole=(rows.n <= k).expand(rows.logits.shape[:3]), p=self.p)
 
     def describe(self) -> dict:
         return {"name": "topp", "placement": self.placement, "p": self.p, "k": self.k, "layer_k": dict(self.layer_k)}

@@ -170,3 +170,81 @@ std::vector<torch::Tensor> post_topk(torch::Tensor s, int64_t k, torch::Tensor w
   });
   return {kept_sum, kept_count};
 }
+
+// s: (R, K) float32 contiguous scaled logits, -inf where invalid; p in (0, 1); whole: (R) bool. In place, each row
+// becomes w = softmax(row) * [x >= b], b the row's nucleus boundary: the smallest logit v whose strictly larger keys
+// hold less than p of the row's mass, Σ_{x > v} e < p Σ e with e = exp(x - m) in double (the keys ranked by logit,
+// the shortest prefix reaching p, plus every key tied with its last one); rows marked whole keep every p. The
+// boundary comes from a selection on the logits (expected O(K)), not a sort: partition the candidates around a
+// pivot; if the keys above it (and those already known above every candidate) hold less than p, the pivot
+// qualifies and the boundary lies at or below it, else above it. The masses are summed in another order than a
+// sorted prefix sum, so a row whose cumulative mass lies within double rounding of p may decide differently.
+// Returns (kept_sum (R) float32, kept_count (R) int32; for rows marked whole it counts all K columns).
+std::vector<torch::Tensor> post_topp(torch::Tensor s, double p, torch::Tensor whole) {
+  TORCH_CHECK(s.device().is_cpu() && whole.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
+  TORCH_CHECK(whole.scalar_type() == torch::kBool && whole.is_contiguous() && whole.numel() == s.size(0), "whole: (R) bool");
+  TORCH_CHECK(p > 0.0 && p < 1.0, "p in (0, 1)");
+  const int64_t R = s.size(0), K = s.size(1);
+  auto kept_sum = torch::empty({R}, s.options());
+  auto kept_count = torch::empty({R}, s.options().dtype(torch::kInt32));
+  float* S = s.data_ptr<float>();
+  const bool* W = whole.data_ptr<bool>();
+  float* KS = kept_sum.data_ptr<float>();
+  int32_t* KC = kept_count.data_ptr<int32_t>();
+  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+    std::vector<float> val(K), e(K);
+    std::vector<double> mass(K);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = S + r * K;
+      const float m = row_max(x, K);
+      if (!(m > -std::numeric_limits<float>::infinity())) {
+        KS[r] = 0.0f; KC[r] = 0;
+        continue;
+      }
+      float b = -std::numeric_limits<float>::infinity();  // keep x >= b
+      if (!W[r]) {
+        int64_t c = 0;
+        double total = 0.0;
+        for (int64_t j = 0; j < K; ++j) {
+          if (x[j] > -std::numeric_limits<float>::infinity()) {
+            val[c] = x[j]; mass[c] = std::exp(static_cast<double>(x[j]) - static_cast<double>(m)); total += mass[c]; ++c;
+          }
+        }
+        const double target = p * total;
+        double above = 0.0;  // mass of the keys above every candidate
+        int64_t lo = 0, hi = c;  // candidates: val[lo, hi)
+        b = m;  // the maximum always qualifies: nothing lies above it
+        while (lo < hi) {
+          const float pivot = val[lo + (hi - lo) / 2];
+          // three-way partition of [lo, hi): greater | equal | less, with their masses
+          int64_t g = lo, i = lo, l = hi;
+          double mg = 0.0, me = 0.0;
+          while (i < l) {
+            if (val[i] > pivot) { std::swap(val[i], val[g]); std::swap(mass[i], mass[g]); mg += mass[g]; ++g; ++i; }
+            else if (val[i] < pivot) { --l; std::swap(val[i], val[l]); std::swap(mass[i], mass[l]); }
+            else { me += mass[i]; ++i; }
+          }
+          if (above + mg < target) {  // the pivot qualifies: the boundary is it or a smaller logit
+            b = pivot; above += mg + me; lo = l;
+          } else {  // the keys above the pivot already hold p: the boundary lies among them
+            hi = g;
+          }
+        }
+      }
+      float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+      for (int64_t j = 0; j < K; ++j) { float v = expf(x[j] - m); e[j] = v; sum += v; }
+      const float inv = 1.0f / sum;
+      float ks = 0.0f; int32_t kc = 0;
+#pragma omp simd reduction(+:ks, kc)
+      for (int64_t j = 0; j < K; ++j) {
+        bool keep = x[j] >= b;
+        float w = keep ? e[j] * inv : 0.0f;
+        x[j] = w; ks += w; kc += keep ? 1 : 0;
+      }
+      KS[r] = ks; KC[r] = kc;
+    }
+  });
+  return {kept_sum, kept_count};
+}
