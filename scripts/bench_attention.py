@@ -13,6 +13,8 @@ One process, same inputs, same conditions. Shapes are SmolLM2-135M's attention (
     plain_topk  the same through the torch path (torch.topk, the fused extension off), for the fused path's gain
     ours_topp   TopP(p=0.9, placement="post") + VMC, the top-p baseline (the fused kernel's selection, no sort)
     plain_topp  the same through the torch path (a sort per row), for the fused path's gain
+    ours_skip   SkipSoftmax(lam=1, placement="post") + VMC, BLASST's rule after the softmax (the fused kernel)
+    plain_skip  the same through the torch path
     ours_toptheta  TopTheta(post) + VMC, k=[64]; thresholds calibrated on the benchmark's own data (below)
     ours_pre_sdc_vmc   TopTheta(pre) + exact SDC + VMC (the paper's pre-softmax variant; the one-pass prefill,
                    attention/prefill.py), logit thresholds calibrated the same way
@@ -83,8 +85,8 @@ from toptheta.thresholds import Thresholds  # noqa: E402
 B, H, HKV, D = 1, 9, 3, 64  # SmolLM2-135M attention
 K_BUDGET = 64
 SCALING = D ** -0.5
-METHODS = ("sdpa", "eager", "ours_dense", "ours_topk", "plain_topk", "ours_topp", "plain_topp", "ours_toptheta",
-           "ours_pre_sdc_vmc", "plain_pre_sdc_vmc")
+METHODS = ("sdpa", "eager", "ours_dense", "ours_topk", "plain_topk", "ours_topp", "plain_topp", "ours_skip",
+           "plain_skip", "ours_toptheta", "ours_pre_sdc_vmc", "plain_pre_sdc_vmc")
 TOP_P = 0.9
 DEFAULT_REPEATS = {64: 20, 256: 10, 512: 5, 2048: 5, 8192: 3, 32768: 1}
 MB = 1024 * 1024
@@ -245,6 +247,12 @@ def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_
             compensations=[toptheta.VMC()], chunk_size=chunk_size),
         "plain_topp": lambda: torch_path(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.TopP(TOP_P, "post"),
+            compensations=[toptheta.VMC()], chunk_size=chunk_size),
+        "ours_skip": lambda: attention(
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "post"),
+            compensations=[toptheta.VMC()], chunk_size=chunk_size),
+        "plain_skip": lambda: torch_path(
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "post"),
             compensations=[toptheta.VMC()], chunk_size=chunk_size),
         "ours_toptheta": lambda: attention(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=post, compensations=[toptheta.VMC()],
@@ -456,6 +464,8 @@ def main(argv=None) -> int:
                 check["topk_fused_vs_plain_max_abs"] = float((calls["ours_topk"]() - calls["plain_topk"]()).abs().max())
             if "ours_topp" in methods and "plain_topp" in methods:
                 check["topp_fused_vs_plain_max_abs"] = float((calls["ours_topp"]() - calls["plain_topp"]()).abs().max())
+            if "ours_skip" in methods and "plain_skip" in methods:
+                check["skip_fused_vs_plain_max_abs"] = float((calls["ours_skip"]() - calls["plain_skip"]()).abs().max())
             if "ours_pre_sdc_vmc" in methods and "plain_pre_sdc_vmc" in methods:
                 check["pre_fast_vs_plain_max_abs"] = float((calls["ours_pre_sdc_vmc"]() - calls["plain_pre_sdc_vmc"]()).abs().max())
             check["toptheta_mean_kept_per_row"] = kept_per_row(q, k, v, thresholds, chunk_size, kernel.sparse_attention)

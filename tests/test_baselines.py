@@ -221,11 +221,11 @@ def test_decode_rows_run_on_torch_decode_and_match_the_plain_kernel(make, monkey
     torch.testing.assert_close(outs["auto"], outs["plain"], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("make, placement", [(SPARSIFIERS[0], "pre"), (SPARSIFIERS[1], "pre"), (SPARSIFIERS[1], "post")])
-def test_fast_backends_refuse_the_baselines_with_a_reason(make, placement, monkeypatch):
-    """Top-p after the softmax has the fused CPU kernel (below); the other baseline calls run on the plain kernel."""
+@pytest.mark.parametrize("make", SPARSIFIERS)
+def test_fast_backends_refuse_the_baselines_before_the_softmax_with_a_reason(make, monkeypatch):
+    """After the softmax the baselines have the fused CPU kernel (below); before it they run on the plain kernel."""
     q, k, v, valid = qkv()
-    call = AttentionCall(q, k, v, None, 0.5, 0, make(placement), (toptheta.VMC(),), phase="prefill")
+    call = AttentionCall(q, k, v, None, 0.5, 0, make("pre"), (toptheta.SDC("exact"),), phase="prefill")
     assert call.kind in ("topp", "skipsoftmax")  # its registered name
     assert backends.choose(call).name == "plain"
     refusing = [b for b in backends.backends() if b.name not in ("plain", "torch-decode")]
@@ -235,28 +235,33 @@ def test_fast_backends_refuse_the_baselines_with_a_reason(make, placement, monke
         backends.choose(call)
 
 
-@pytest.mark.parametrize("p", [0.3, 0.8, 0.97])
+@pytest.mark.parametrize("sparsifier", [toptheta.TopP(0.3, "post", k=3), toptheta.TopP(0.8, "post", k=3),
+                                        toptheta.TopP(0.97, "post", k=3), toptheta.SkipSoftmax(0.5, "post", k=3),
+                                        toptheta.SkipSoftmax(6.0, "post", k=3)], ids=repr)
 @pytest.mark.parametrize("chunk", [None, 5])
 @pytest.mark.parametrize("tied", [False, True])
-def test_fused_topp_equals_the_plain_kernel(monkeypatch, p, chunk, tied):
-    """The fused kernel's selection (no sort) keeps the plain kernel's nucleus, ties included, with its output."""
+def test_fused_baselines_equal_the_plain_kernel(monkeypatch, sparsifier, chunk, tied):
+    """The fused kernel keeps the plain kernel's sets (top-p by a selection, no sort; skip-softmax by its cut), ties
+    included, with its output and statistics (skip-softmax's empty rows: λ = 6 exceeds the first rows' n)."""
     if not fused.enabled():
-        pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?); the plain kernel serves top-p")
+        pytest.skip("the fused CPU kernel could not be built here (no C++ compiler?); the plain kernel serves them")
     q, k, v, valid = qkv(Q=40, K=40, seed=7)
     if tied:  # repeated keys (and values): equal logits around every boundary
         k[:, :, 20:26], v[:, :, 20:26] = k[:, :, 19:20], v[:, :, 19:20]
-    outs, counts = {}, {}
+    outs, stats = {}, {}
     for forced in ("cpu-select", "plain"):
         monkeypatch.setenv("TOPTHETA_BACKEND", forced)
-        stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
-        outs[forced] = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0,
-                                                 sparsifier=toptheta.TopP(p, "post", k=3),
-                                                 compensations=[toptheta.VMC()], chunk_size=chunk, stats=stats)
-        assert stats.backend_calls == {forced: 1}
-        counts[forced] = stats.prefill_kept.clone()
-        assert 0 < stats.kept_attention_fraction < 1
+        stats[forced] = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
+        outs[forced] = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=sparsifier,
+                                                 compensations=[toptheta.VMC()], chunk_size=chunk,
+                                                 stats=stats[forced])
+        assert stats[forced].backend_calls == {forced: 1}
+        assert 0 < stats[forced].kept_attention_fraction < 1
     torch.testing.assert_close(outs["cpu-select"], outs["plain"], atol=1e-6, rtol=1e-5)
-    assert torch.equal(counts["cpu-select"], counts["plain"])
+    assert torch.equal(stats["cpu-select"].prefill_kept, stats["plain"].prefill_kept)
+    assert torch.equal(stats["cpu-select"].empty_rows, stats["plain"].empty_rows)
+    if isinstance(sparsifier, toptheta.SkipSoftmax) and sparsifier.lam > 3:
+        assert stats["plain"].empty_rows.sum() > 0
 
 
 @pytest.mark.parametrize("make", [lambda placement: toptheta.TopP(0.6, placement),
@@ -319,7 +324,7 @@ def test_a_pipeline_run_of_each_baseline_is_stored(tmp_path, sparsifier, key, va
     assert all(0 < float(r["kept_attention_fraction"]) < 1 for r in rows)
     assert {r["k"] for r in rows} == {""} and {r["calib_beyond"] for r in rows} == {""}  # no k, no thresholds
     stats = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())
-    prefill = "cpu-select" if sparsifier == "topp" and fused.enabled() else "plain"  # top-p post: the fused kernel
+    prefill = "cpu-select" if fused.enabled() else "plain"  # after the softmax: the fused kernel
     assert set(stats["backend_calls"]) <= {prefill, "torch-decode"} and stats["backend_calls"].get(prefill)
 
 

@@ -1,4 +1,4 @@
-"""An optional fused CPU kernel for selection after the softmax (the Top-θ, Top-k and top-p post-softmax hot paths).
+"""An optional fused CPU kernel for selection after the softmax (Top-θ, Top-k, top-p and skip-softmax post-softmax).
 
 The pure-torch path makes five passes over a chunk's (Qc, Kc) scores between its two GEMMs: softmax,
 row maximum, comparison, zeroing and row sum. Here one C++ loop does all of it row by row while the
@@ -7,7 +7,7 @@ count. Top-k first finds each row's k-th largest logit: the keys above a pivot p
 row (about 4k of them; an AVX2 compaction copies them out) go through ``std::nth_element``, the whole row only where
 fewer than k pass; then it keeps the logits above that value, as the torch path (``torch.topk``) keeps the k largest.
 Top-p finds each row's nucleus boundary by a three-way selection on the logits with the masses in double (expected
-O(K), where the torch path sorts the row).
+O(K), where the torch path sorts the row); skip-softmax's cut is computed by the sparsifier and compared here.
 It is compiled on first use with torch's C++ extension tooling (g++; about a minute, cached in
 ``~/.cache/torch_extensions``); where that fails the kernel keeps the torch path and says so once.
 
@@ -28,7 +28,7 @@ import torch
 from ..sparsifiers.base import FusedRule
 
 log = logging.getLogger("toptheta")
-_VERSION = 11  # bump when csrc/select.cpp, csrc/common.h or the flags change: the build cache is keyed by name
+_VERSION = 12  # bump when csrc/select.cpp, csrc/common.h or the flags change: the build cache is keyed by name
 CSRC = Path(__file__).with_name("csrc")  # the C++ sources of the CPU kernels, one file per kernel + common.h
 
 
@@ -136,7 +136,7 @@ def build_lock(path, timeout: float):
 @functools.cache
 def extension():
     """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
-    return build(f"toptheta_fused_v{_VERSION}", kernel_source("select.cpp"), ["post_threshold", "post_topk", "post_topp"], "the fused CPU kernel",
+    return build(f"toptheta_fused_v{_VERSION}", kernel_source("select.cpp"), ["post_threshold", "post_topk", "post_topp", "post_cut"], "the fused CPU kernel",
                  "the pure-torch path")
 
 
@@ -148,7 +148,7 @@ def enabled() -> bool:
 def post_select(s: torch.Tensor, rule: FusedRule):
     """In place on ``s`` (B, H, Q, K): dense probabilities zeroed where ``rule`` does not keep them. Returns
     (kept_sum (B, H, Q, 1), kept_count (B, H, Q), empty (B, H, Q) bool: threshold rows where nothing passed θ and
-    only the maximum was kept; None for top-k and top-p, which have no such rows), or None when the fused kernel is
+    only the maximum was kept; None for top-k and top-p, which have no such rows; the rule's own for a cut), or None when the fused kernel is
     unavailable (``s`` is then untouched)."""
     ext = extension()
     if ext is None or s.device.type != "cpu" or not s.is_contiguous():
@@ -161,6 +161,10 @@ def post_select(s: torch.Tensor, rule: FusedRule):
     elif rule.p is not None:
         kept_sum, kept_count = ext.post_topp(s.view(-1, K), float(rule.p), whole)
         empty = None
+    elif rule.cut is not None:
+        cut = rule.cut.expand(B, H, Q).float().contiguous()
+        kept_sum, kept_count = ext.post_cut(s.view(-1, K), cut.view(-1), whole)
+        empty = rule.empty
     else:
         theta = rule.theta.expand(B, H, Q).float().contiguous()
         kept_sum, kept_count, empty = ext.post_threshold(s.view(-1, K), theta.view(-1), whole)

@@ -122,20 +122,24 @@ class RowBlock:
 class FusedRule:
     """A selection the fused post-softmax kernel (``attention/fused.py``) makes in its one pass over a row.
 
-    Exactly one of ``theta``, ``k`` and ``p`` is set. ``theta`` (B, H, Q), probability units: keep p > θ and each
-    row's maximum. ``k``: keep each row's k largest logits (ties at the k-th value broken by key order). ``p``: keep
-    each row's nucleus, the fewest largest logits holding a fraction p of its probability, with the keys tied with
-    the last one (top-p). Rows marked in ``whole`` (B, H, Q) bool keep every valid key.
+    Exactly one of ``theta``, ``k``, ``p`` and ``cut`` is set. ``theta`` (B, H, Q), probability units: keep p > θ
+    and each row's maximum. ``k``: keep each row's k largest logits (ties at the k-th value broken by key order).
+    ``p``: keep each row's nucleus, the fewest largest logits holding a fraction p of its probability, with the keys
+    tied with the last one (top-p). ``cut`` (B, H, Q), logits: keep s ≥ cut (skip-softmax; never above the row's
+    maximum). Rows marked in ``whole`` (B, H, Q) bool keep every valid key. ``empty`` (B, H, Q) bool, optional: the
+    rows the rule counts as empty (``RowBlock.empty``) where the kernel cannot tell.
     """
 
     whole: torch.Tensor
     theta: torch.Tensor | None = None
     k: int | None = None
     p: float | None = None
+    cut: torch.Tensor | None = None
+    empty: torch.Tensor | None = None
 
     def __post_init__(self):
-        if sum(rule is not None for rule in (self.theta, self.k, self.p)) != 1:
-            raise ValueError("a FusedRule sets exactly one of theta, k and p")
+        if sum(rule is not None for rule in (self.theta, self.k, self.p, self.cut)) != 1:
+            raise ValueError("a FusedRule sets exactly one of theta, k, p and cut")
 
 
 class Sparsifier:

@@ -30,7 +30,7 @@ import math
 import torch
 
 from ..registry import Parameter, register_sparsifier
-from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
+from .base import FusedRule, RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
 
 # sparsifier.target_kept bisects log λ over [1e-6, 1e4]: a larger λ keeps fewer keys.
 LAM = Parameter("lam", 1e-6, 1e4, log=True, keeps_more_when_higher=False, valid="a finite λ > 0, e.g. sparsifier.lam=1.0")
@@ -80,10 +80,21 @@ class SkipSoftmax(Sparsifier):
         if rows.logits.shape[-1] <= k:  # every row has n ≤ K ≤ k: nothing to drop
             return None
         keep = rows.logits >= self.cut(rows)  # (B, H, Q, K); invalid keys are -inf, below any cut
-        B, H, Q = rows.logits.shape[:3]
-        # Rows where λ > n: the rule's cut is above the maximum, nothing would pass (kept: the maximum, and ties).
-        rows.empty = ((rows.n > k) & (rows.n > 0) & (rows.n < self.lam)).expand(B, H, Q)
+        rows.empty = self._empty(rows, k)
         return keep_whole_short_rows(keep, rows, k)
+
+    def _empty(self, rows: RowBlock, k: int) -> torch.Tensor:
+        """Rows where λ > n: the rule's cut is above the maximum, nothing would pass (kept: the maximum, and ties)."""
+        return ((rows.n > k) & (rows.n > 0) & (rows.n < self.lam)).expand(rows.logits.shape[:3])
+
+    def fused_rule(self, rows: RowBlock) -> FusedRule | None:
+        """After the softmax, the fused CPU kernel compares each row with its cut (csrc/select.cpp, ``post_cut``);
+        before it the weights are renormalised over the kept set (plain kernel)."""
+        k = self.k_for(rows.layer)
+        if self.placement != "post" or rows.logits.shape[-1] <= k:
+            return None
+        shape = rows.logits.shape[:3]
+        return FusedRule(whole=(rows.n <= k).expand(shape), cut=self.cut(rows)[..., 0], empty=self._empty(rows, k))
 
     def describe(self) -> dict:
         return {"name": "skipsoftmax", "placement": self.placement, "lam": self.lam, "k": self.k,

@@ -248,3 +248,45 @@ std::vector<torch::Tensor> post_topp(torch::Tensor s, double p, torch::Tensor wh
   });
   return {kept_sum, kept_count};
 }
+
+// s: (R, K) float32 contiguous scaled logits, -inf where invalid; cut: (R) float32 logits; whole: (R) bool. In place,
+// each row becomes w = softmax(row) * [x >= cut] (skip-softmax's rule, the cut never above the row's maximum); rows
+// marked whole keep every p. Returns (kept_sum (R) float32, kept_count (R) int32; rows marked whole count all K).
+std::vector<torch::Tensor> post_cut(torch::Tensor s, torch::Tensor cut, torch::Tensor whole) {
+  TORCH_CHECK(s.device().is_cpu() && cut.device().is_cpu() && whole.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.is_contiguous(), "s: (R, K) float32 contiguous");
+  TORCH_CHECK(cut.scalar_type() == torch::kFloat32 && cut.is_contiguous() && cut.numel() == s.size(0), "cut: (R) float32");
+  TORCH_CHECK(whole.scalar_type() == torch::kBool && whole.is_contiguous() && whole.numel() == s.size(0), "whole: (R) bool");
+  const int64_t R = s.size(0), K = s.size(1);
+  auto kept_sum = torch::empty({R}, s.options());
+  auto kept_count = torch::empty({R}, s.options().dtype(torch::kInt32));
+  float* S = s.data_ptr<float>();
+  const float* C = cut.data_ptr<float>();
+  const bool* W = whole.data_ptr<bool>();
+  float* KS = kept_sum.data_ptr<float>();
+  int32_t* KC = kept_count.data_ptr<int32_t>();
+  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = S + r * K;
+      const float m = row_max(x, K);
+      if (!(m > -std::numeric_limits<float>::infinity())) {
+        KS[r] = 0.0f; KC[r] = 0;
+        continue;
+      }
+      const float b = W[r] ? -std::numeric_limits<float>::infinity() : C[r];
+      float sum = 0.0f;
+      float ks = 0.0f; int32_t kc = 0;
+#pragma omp simd reduction(+:sum)
+      for (int64_t j = 0; j < K; ++j) sum += expf(x[j] - m);
+      const float inv = 1.0f / sum;
+#pragma omp simd reduction(+:ks, kc)
+      for (int64_t j = 0; j < K; ++j) {
+        bool keep = x[j] >= b;
+        float w = keep ? expf(x[j] - m) * inv : 0.0f;
+        x[j] = w; ks += w; kc += keep ? 1 : 0;
+      }
+      KS[r] = ks; KC[r] = kc;
+    }
+  });
+  return {kept_sum, kept_count};
+}
