@@ -28,7 +28,7 @@ import torch
 from ..sparsifiers.base import FusedRule
 
 log = logging.getLogger("toptheta")
-_VERSION = 12  # bump when csrc/select.cpp, csrc/common.h or the flags change: the build cache is keyed by name
+_VERSION = 13  # bump when csrc/select.cpp, csrc/common.h or the flags change: the build cache is keyed by name
 CSRC = Path(__file__).with_name("csrc")  # the C++ sources of the CPU kernels, one file per kernel + common.h
 
 
