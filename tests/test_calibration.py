@@ -479,3 +479,39 @@ def test_calibrations_that_cannot_share_run_whole(model):
     with pytest.raises(ValueError, match="sample_frac"):
         with OrderStatCollector([4] * L, H, "pre", sample_frac=0.5).repeated(2):
             pass
+
+
+@pytest.mark.parametrize("collector_cls", [OrderStatCollector, TargetKCollector])
+@pytest.mark.parametrize("device_path", [False, True])
+def test_repeated_rows_count_as_that_many_copies(model, collector_cls, device_path):
+    """A forward observed under ``repeated(3)`` adds what three forwards of the same rows add, on the host path and on
+    the device path (which a GPU takes): counts and histograms exactly, float64 sums to rounding."""
+    ids = sequences(1)
+    once, thrice = (collector_cls([5] * L, H, "pre", topk_keep=True, device_path=device_path) for _ in range(2))
+    with torch.no_grad(), toptheta.sparsify(model, toptheta.TopK(5, "pre"), [], observer=once):
+        for _ in range(3):
+            model(input_ids=ids)
+    with torch.no_grad(), toptheta.sparsify(model, toptheta.TopK(5, "pre"), [], observer=thrice), thrice.repeated(3):
+        model(input_ids=ids)
+    assert torch.equal(thrice.rows_sampled, once.rows_sampled) and torch.equal(thrice.rows_eligible, once.rows_eligible)
+    for name in once.sums:
+        for a, b in zip(once.sums[name], thrice.sums[name]):
+            if name in ("count", "hist"):
+                assert torch.equal(a, b), name
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_shared_prefixes_calibrate_as_whole_sequences_on_cuda(model):
+    cuda = model.to("cuda")
+    try:
+        data = [[torch.tensor(s)] for s in few_shot_like()]
+        whole, shared = (calibrate(cuda, data, k=6, placement="pre", compensations=[toptheta.SDC("exact")],
+                                   progress=False, share_prefixes=share) for share in (False, True))
+    finally:
+        model.to("cpu")
+    assert shared.metadata["tokens_run"] < 0.6 * shared.metadata["tokens"]
+    assert torch.equal(whole.counts, shared.counts)
+    torch.testing.assert_close(shared.values, whole.values, rtol=1e-4, atol=1e-5, equal_nan=True)
