@@ -247,3 +247,25 @@ def test_run_shared_counts_each_row_once_per_sequence(models, tokenizer, request
         assert torch.equal(shared.prefill_valid, whole.prefill_valid)
         assert torch.equal(shared.prefill_kept, whole.prefill_kept), type(sparsifier).__name__
         assert 0 < shared.kept_attention_fraction < 1
+
+
+def test_vrow_measure_decodes_shared_prompts_as_generate_does(models, tokenizer, requests):
+    """matched.decode_after (the V-row measure of sparsifier.target_measure=vrows) runs prompts' shared prefixes once;
+    its prefill and decode counters are those of decoding each prompt through ``generate``."""
+    import torch
+
+    from toptheta.matched import decode_after
+
+    model = models["llama"]
+    prompts = [tokenizer.encode(r.args[0]) for r in requests[:8:2]]  # four contexts sharing the exemplars
+    theta = toptheta.TopTheta(toptheta.calibrate(model, [[p] for p in prompts], k=8, placement="post", progress=False))
+    for sparsifier in (theta, toptheta.TopK(8, "post")):
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, [toptheta.VMC()]) as whole:
+            for ids in prompts:
+                model.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, [toptheta.VMC()]) as shared:
+            decode_after(model, prompts, 5, pad_token_id=0)
+        for name in ("prefill_valid", "prefill_kept", "decode_valid", "decode_kept", "vrow_valid", "vrow_kept",
+                     "decode_steps"):
+            assert torch.equal(getattr(shared, name), getattr(whole, name)), (type(sparsifier).__name__, name)
+        assert 0 < shared.kept_vrow_fraction < 1

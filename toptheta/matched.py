@@ -15,8 +15,9 @@ from . import sparsify
 from .calibration.target_kept import resolve_k
 from .calibration.target_param import fit_parameter
 from .evaluation.greedy import encode_prompt
-from .evaluation.model_facts import layer_windows
+from .evaluation.model_facts import has_sliding_window, layer_windows
 from .evaluation.prefix_cache import run_shared
+from .evaluation.prefix_sharing import generate_shared
 from .registry import Parameter, sparsifier_kind, task_kind
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
@@ -38,6 +39,20 @@ def kept_in_sparsified_layers(stats, sparsifier: SparsifierSpec) -> float | None
 MEASURE_SEQUENCES = 32  # calibration rows Top-θ's kept fraction is measured on, per k tried
 VROW_SEQUENCES = 16  # target_measure=vrows: calibration rows decoded from, per setting tried
 VROW_TOKENS = 8  # tokens decoded greedily after each of them
+
+
+def decode_after(model, prompts: list[list[int]], tokens: int, pad_token_id: int) -> None:
+    """Greedy decoding of exactly ``tokens`` tokens after each prompt (no end-of-sequence stop), inside the caller's
+    ``sparsify`` block: what the V-row measure counts. Prompts that share prefixes (ruler's shared haystacks) run those
+    once (``generate_shared``, the statistics counted once per prompt); a model with sliding-window layers, whose
+    cache cannot be cut at a shared prefix, decodes each prompt through ``generate``."""
+    if has_sliding_window(model):
+        for ids in prompts:
+            model.generate(torch.tensor([ids], device=model.device), max_new_tokens=tokens, min_new_tokens=tokens,
+                           do_sample=False, pad_token_id=pad_token_id)
+        return
+    generate_shared(model, prompts, max_new_tokens=[tokens] * len(prompts), pad_token_id=pad_token_id,
+                    eos_token_ids=set())
 
 
 def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | None]:
@@ -82,10 +97,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         with torch.no_grad(), sparsify(model, candidate.sparsifier.build(thresholds),
                                        candidate.comp.objects(thresholds)) as stats:
             if vrows:  # the generation tasks' measure: V rows read in decode steps after each calibration row
-                for ids in sequences[:VROW_SEQUENCES]:
-                    model.generate(torch.tensor([ids], device=model.device), max_new_tokens=VROW_TOKENS,
-                                   min_new_tokens=VROW_TOKENS, do_sample=False,
-                                   pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
+                decode_after(model, sequences[:VROW_SEQUENCES], VROW_TOKENS,
+                             tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
             else:  # shared prefixes (fixed exemplars, a question's choices) run once, counted once per sequence
                 run_shared(model, sequences[:MEASURE_SEQUENCES], stats.repeated)
         kept = stats.kept_vrow_fraction if vrows else stats.kept_attention_fraction
