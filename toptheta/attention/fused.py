@@ -136,8 +136,8 @@ def build_lock(path, timeout: float):
 @functools.cache
 def extension():
     """The compiled module, or None where it cannot be built (no compiler, TOPTHETA_FUSED=0)."""
-    return build(f"toptheta_fused_v{_VERSION}", kernel_source("select.cpp"), ["post_threshold", "post_topk", "post_topp", "post_cut"], "the fused CPU kernel",
-                 "the pure-torch path")
+    return build(f"toptheta_fused_v{_VERSION}", kernel_source("select.cpp"),
+                 ["post_threshold", "post_topk", "post_topp", "post_cut"], "the fused CPU kernel", "the pure-torch path")
 
 
 def enabled() -> bool:
@@ -148,8 +148,8 @@ def enabled() -> bool:
 def post_select(s: torch.Tensor, rule: FusedRule):
     """In place on ``s`` (B, H, Q, K): dense probabilities zeroed where ``rule`` does not keep them. Returns
     (kept_sum (B, H, Q, 1), kept_count (B, H, Q), empty (B, H, Q) bool: threshold rows where nothing passed θ and
-    only the maximum was kept; None for top-k and top-p, which have no such rows; the rule's own for a cut), or None when the fused kernel is
-    unavailable (``s`` is then untouched)."""
+    only the maximum was kept; None for top-k and top-p, which have no such rows; the rule's own for a cut), or None
+    when the fused kernel is unavailable (``s`` is then untouched)."""
     ext = extension()
     if ext is None or s.device.type != "cpu" or not s.is_contiguous():
         return None

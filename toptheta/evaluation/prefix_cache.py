@@ -118,6 +118,16 @@ def run_prefix(forward, ids: list[int], *, start: int = 0, uses: int = 1, stats=
                        torch.arange(start, len(ids))[None])
 
 
+def cached_forward(model, cache):
+    """``forward(ids, mask, positions)`` for :func:`run_prefix`: ``model`` on those tokens after what ``cache`` holds,
+    appending to it, logits of the last position only (where the model allows)."""
+    keyword = cache_keyword(model)
+    trim = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
+    device = next(model.parameters()).device
+    return lambda ids, mask, pos: model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                        position_ids=pos.to(device), use_cache=True, **{keyword: cache}, **trim)
+
+
 def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
     """Forwards of ``model`` over ``sequences`` (token id lists, one at a time) that run shared tokens once; returns
     the tokens run. What the forwards record (calibration sums, sparsity statistics) must be counted once per
@@ -131,8 +141,6 @@ def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
     another order, so a statistic equals the unshared one to float rounding (exactly, for counts).
     """
     device = next(model.parameters()).device
-    keyword = cache_keyword(model)
-    skip_logits = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
     tokens_run = 0
 
     def forward(ids: list[int], start: int, cache, uses: int):
@@ -141,10 +149,7 @@ def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
         own = repeat_rows(cache, torch.zeros(1, dtype=torch.long, device=device)) if cache is not None else \
             growing_cache(model)
         with repeated(uses):
-            run_prefix(lambda i, m, p: model(input_ids=i.to(device), attention_mask=m.to(device),
-                                             position_ids=p.to(device), use_cache=True, **{keyword: own},
-                                             **skip_logits),
-                       ids, start=start)
+            run_prefix(cached_forward(model, own), ids, start=start)
         return own
 
     def run(members: list[int], start: int, cache) -> None:  # the members' first ``start`` tokens are in ``cache``

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.cache import cache_keyword, cache_prefix, forward_accepts, growing_cache
+from ..attention.cache import cache_prefix, growing_cache
 from .batched_generation import greedy_generate_batch
 from .model_facts import active_stats
-from .prefix_cache import plan, run_prefix, track
+from .prefix_cache import cached_forward, plan, run_prefix, track
 
 
 @torch.inference_mode()
@@ -43,13 +43,7 @@ def generate_shared(model, prompt_ids: list[list[int]], *, max_new_tokens: list[
     base, shared = plan([prompt_ids[i] for i in todo])
     base_ids = prompt_ids[todo[base]]
     cache, stats = track(growing_cache(model)), active_stats(model)
-    trim = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
-    device, start = model.device, 0
-
-    def forward(ids, mask, pos):
-        return model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
-                     use_cache=True, **{cache_keyword(model): cache}, **trim)
-
+    forward, start = cached_forward(model, cache), 0
     for end in sorted(set(shared) - {0}):  # the base's tokens, once, in segments ending where a shared part ends
         run_prefix(forward, base_ids[:end], start=start, uses=sum(s >= end for s in shared), stats=stats)
         start = end

@@ -1,5 +1,5 @@
-"""The plain kernel with its post-softmax selection in C++ (``fused.py``): Top-θ, Top-k and top-p post-softmax prefill
-on CPU.
+"""The plain kernel with its post-softmax selection in C++ (``fused.py``): Top-θ, Top-k, top-p and skip-softmax
+post-softmax prefill on CPU.
 
 Softmax, threshold (or the k-th largest logit), zeroing and the kept sums in one pass per row; the GEMMs, VMC and
 the statistics stay the plain kernel's. A chunk whose rule the sparsifier does not offer (e.g. Top-k on rows that
