@@ -151,6 +151,9 @@ def configs(layers: int = 1):
         "theta-pre-sdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("exact"), toptheta.VMC()]),
         "theta-pre-expsdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("exp-threshold"), toptheta.VMC()]),
         "theta-pre-calsdc-vmc": (toptheta.TopTheta(pre), [toptheta.SDC("calibrated"), toptheta.VMC()]),
+        # λ = 6: rows of 4-5 keys have λ > n (they keep their maximum), longer ones drop below m + ln(6/n)
+        "skip-pre-sdc-vmc": (toptheta.SkipSoftmax(6.0, "pre", k=3), [toptheta.SDC("exact"), toptheta.VMC()]),
+        "skip-post-vmc": (toptheta.SkipSoftmax(6.0, "post", k=3), [toptheta.VMC()]),
     }
 
 

@@ -20,7 +20,7 @@ from toptheta.attention import backends, fused, fused_decode, fused_prefill
 from toptheta.attention.backends import AttentionCall
 
 CONFIGS = ["dense", "topk-post-vmc", "topk-pre-sdc-vmc", "theta-post-vmc", "theta-pre", "theta-pre-sdc-vmc",
-           "theta-pre-calsdc-vmc"]
+           "theta-pre-calsdc-vmc", "skip-pre-sdc-vmc", "skip-post-vmc"]
 SHAPES = ["causal", "masked", "decode", "decode-bf16"]
 
 
@@ -319,9 +319,10 @@ def test_no_host_read_inside_a_layer_call_on_cuda(name):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("name", ["theta-post-vmc", "theta-pre-sdc-vmc"])
+@pytest.mark.parametrize("name", ["theta-post-vmc", "theta-pre-sdc-vmc", "skip-pre-sdc-vmc", "skip-post-vmc"])
 def test_generate_on_cuda_gives_the_cpu_tokens_and_counts(name):
-    """Greedy decoding with left padding on a GPU (Triton serving the Top-θ calls) against the plain kernel on CPU:
+    """Greedy decoding with left padding on a GPU (Triton serving the Top-θ and skip-softmax calls) against the plain
+    kernel on CPU:
     the same tokens and the same kept counts in float32; bfloat16 generates without error and keeps a part."""
     sparsifier, comp = configs(layers=2)[name]
     g = torch.Generator().manual_seed(1)

@@ -223,7 +223,8 @@ def test_decode_rows_run_on_torch_decode_and_match_the_plain_kernel(make, monkey
 
 @pytest.mark.parametrize("make", SPARSIFIERS)
 def test_fast_backends_refuse_the_baselines_before_the_softmax_with_a_reason(make, monkeypatch):
-    """After the softmax the baselines have the fused CPU kernel (below); before it they run on the plain kernel."""
+    """After the softmax the baselines have the fused CPU kernel (below); before it they run on the plain kernel on
+    CPU (on a GPU, Triton serves skip-softmax: test_triton_kernels.py)."""
     q, k, v, valid = qkv()
     call = AttentionCall(q, k, v, None, 0.5, 0, make("pre"), (toptheta.SDC("exact"),), phase="prefill")
     assert call.kind in ("topp", "skipsoftmax")  # its registered name

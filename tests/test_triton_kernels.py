@@ -73,11 +73,32 @@ CONFIGS = {  # name: (placement, SDC estimator, VMC)
 CASES = [(name, "keep-max") for name in CONFIGS] + [(name, "reference") for name in ("pre", "pre-sdc-vmc", "post-vmc")]
 
 
-def _objects(name: str, empty_rows: str):
-    placement, estimator, vmc = CONFIGS[name]
-    sparsifier = toptheta.TopTheta(_thresholds(placement), empty_rows=empty_rows)
+# skip-softmax (one λ; rows of n < λ keep their maximum): name -> (placement, SDC estimator, VMC, λ)
+SKIP_CONFIGS = {
+    "skip-pre": ("pre", None, False, 0.5),
+    "skip-pre-sdc-vmc": ("pre", "exact", True, 6.0),
+    "skip-post": ("post", None, False, 6.0),
+    "skip-post-vmc": ("post", None, True, 0.5),
+}
+
+
+def _objects(name: str, empty_rows: str = "keep-max"):
+    if name in SKIP_CONFIGS:
+        placement, estimator, vmc, lam = SKIP_CONFIGS[name]
+        sparsifier = toptheta.SkipSoftmax(lam, placement, k=3)
+    else:
+        placement, estimator, vmc = CONFIGS[name]
+        sparsifier = toptheta.TopTheta(_thresholds(placement), empty_rows=empty_rows)
     comp = ([toptheta.SDC(estimator)] if estimator else []) + ([toptheta.VMC()] if vmc else [])
     return sparsifier, comp
+
+
+def _lowered(sparsifier, n):
+    """({theta or cut_offset: per-row tensor}, clamped rows) for rows of lengths n (B, Q), as the backend lowers."""
+    if isinstance(sparsifier, toptheta.SkipSoftmax):
+        return {"theta": None, "cut_offset": sparsifier.cut_offsets(0, n[:, None, :])}, 0
+    theta, clamped = lowering.row_thresholds(sparsifier, 0, n)
+    return {"theta": theta}, clamped
 
 
 def _data(B, Q, K, D=8, seed=0, dtype=torch.float32):
@@ -115,10 +136,11 @@ def _triton(fn, q, k, v, n, sparsifier, comp, phase, **kw):
     """(result, stats) of a Triton wrapper, its inputs lowered from the sparsifier as a backend would."""
     placement = sparsifier.placement
     estimator = next((c.estimator for c in comp if isinstance(c, toptheta.SDC)), None)
-    theta, clamped = lowering.row_thresholds(sparsifier, 0, n)
+    rule, clamped = _lowered(sparsifier, n)
     mass = lowering.calibrated_mass(sparsifier.thresholds, 0, n) if estimator == "calibrated" else None
-    res = fn(q, k, v, scaling=0.5, theta=theta, placement=placement, sdc=estimator, sdc_mass=mass,
-             vmc=any(isinstance(c, toptheta.VMC) for c in comp), empty_rows=sparsifier.empty_rows, **kw)
+    res = fn(q, k, v, scaling=0.5, placement=placement, sdc=estimator, sdc_mass=mass,
+             vmc=any(isinstance(c, toptheta.VMC) for c in comp),
+             empty_rows=getattr(sparsifier, "empty_rows", "keep-max"), **rule, **kw)
     stats = toptheta.SparsityStats(num_layers=1, num_heads=H, num_kv_heads=HKV)
     lowering.record(stats, res, layer=0, phase=phase, key_len=k.shape[2], clamped_rows=clamped)
     return res, stats
@@ -218,6 +240,58 @@ def test_dense_prefill_and_decode_equal_the_plain_kernel(monkeypatch):
     assert torch.equal(res.kept.long(), n[:, None].expand(B, H, Q).long())
     dec = decode_attention(q[:, :, -1:], k, v, scaling=0.5, theta=None, placement=None, key_start=ks, block_n=16)
     torch.testing.assert_close(dec.out, ref[:, :, -1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(SKIP_CONFIGS))
+@pytest.mark.parametrize("tied", [False, True])
+def test_skipsoftmax_prefill_and_decode_equal_the_plain_kernel(monkeypatch, name, tied):
+    """Skip-softmax (one λ, the cut m + ln(λ/n) from each row's true maximum) before and after the softmax, with
+    SDC and VMC: the plain kernel's kept sets, empty rows (λ = 6 > n: the maximum kept), outputs and statistics;
+    with repeated keys, ties at every row's maximum and around the cut."""
+    B, Q, K = 2, 24, 24
+    q, k, v = _data(B, Q, K, seed=11)
+    if tied:
+        k[:, :, 10:15], v[:, :, 10:15] = k[:, :, 9:10], v[:, :, 9:10]
+    sparsifier, comp = _objects(name)
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 5])
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "prefill")
+    res, stats = _triton(prefill_attention, q, k, v, n, sparsifier, comp, "prefill", key_start=ks, block_m=16,
+                         block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert 0 < ref_stats.kept_attention_fraction < 1
+    assert (ref_stats.empty_rows.sum() > 0) == (sparsifier.lam > 4)  # rows of 4-5 keys (k = 3) have λ > n
+
+    ks, valid, n = _bounds(B, 1, K, key_start=[0, 5])
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q[:, :, -1:], k, v, valid, sparsifier, comp, "decode")
+    res, stats = _triton(decode_attention, q[:, :, -1:], k, v, n, sparsifier, comp, "decode", key_start=ks,
+                         block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert 0 < ref_stats.kept_vrow_fraction < 1
+
+
+def test_skipsoftmax_cut_is_the_float64_cut_rounded_up():
+    """The kernels' cut keeps a score exactly when s ≥ m + ln(λ/n) in float64 (the float32 just below the float64 cut
+    is dropped, the one at or above it kept), as ``SkipSoftmax.cut``: one row whose second score sits on the cut."""
+    lam, n = 0.37, 16
+    m = torch.tensor(1.25)
+    exact = float(m.double() + torch.log(torch.tensor(lam / n, dtype=torch.float64)))
+    on = torch.tensor(exact, dtype=torch.float32)
+    below = torch.nextafter(on, torch.tensor(-1e9)) if float(on) >= exact else on
+    above = torch.nextafter(below, torch.tensor(1e9))
+    sparsifier = toptheta.SkipSoftmax(lam, "post")
+    for second, kept in ((below, 2), (above, 3)):
+        # query e_0 · keys (scaling 1): logits [m, second, m - 10 ..., third = the maximum again]
+        logits = torch.full((n,), float(m) - 10.0)
+        logits[0], logits[1], logits[-1] = m, second, m
+        q = torch.zeros(1, 1, 1, 16, device=DEVICE)
+        q[..., 0] = 1.0
+        k = torch.zeros(1, 1, n, 16, device=DEVICE)
+        k[0, 0, :, 0] = logits.to(DEVICE)
+        v = torch.randn(1, 1, n, 16, device=DEVICE)
+        for fn, kw in ((prefill_attention, dict(block_m=16, block_n=16, q_offset=n - 1)), (decode_attention, {})):
+            res = fn(q, k, v, scaling=1.0, theta=None, placement="post", cut_offset=sparsifier.cut_offsets(
+                0, torch.tensor([[[n]]], device=DEVICE)), causal=False, **kw)
+            assert int(res.kept) == kept, (fn.__name__, float(second), exact)
 
 
 def _skip_data(B=1, Q=32, K=48, D=8):
@@ -340,6 +414,14 @@ def test_float16_inputs_accumulate_in_float32(monkeypatch, kind):
 
 def test_wrappers_refuse_bad_inputs():
     q, k, v = _data(1, 4, 4)
+    offset = torch.zeros(1, 1, 4, dtype=torch.float64, device=DEVICE)
+    for fn in (prefill_attention, decode_attention):
+        with pytest.raises(ValueError, match="not both"):
+            fn(q[:, :, -1:], k, v, scaling=1.0, theta=offset.float()[..., -1:], cut_offset=offset[..., -1:])
+        with pytest.raises(ValueError, match="SDC\\('exact'\\)"):
+            fn(q[:, :, -1:], k, v, scaling=1.0, theta=None, cut_offset=offset[..., -1:], sdc="exp-threshold")
+        with pytest.raises(ValueError, match="keep-max"):
+            fn(q[:, :, -1:], k, v, scaling=1.0, theta=None, cut_offset=offset[..., -1:], empty_rows="reference")
     with pytest.raises(ValueError, match="multiple"):
         prefill_attention(q[:, :3], k, v, scaling=1.0, theta=None)
     with pytest.raises(ValueError, match="placement='pre'"):
@@ -376,7 +458,8 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-m", "toptheta.attention.triton.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 16, done.stdout  # prefill and the three decode launches × 2 × 2
+    assert done.stdout.count("ok ") == 24, done.stdout  # prefill and the three decode launches × 2 dtypes × 3 rules
+    assert done.stdout.count("skip-softmax") == 8, done.stdout
 
 
 # ---- compiled kernels on a GPU: realistic shapes ------------------------------------------------------
@@ -401,7 +484,7 @@ def _gpu_thresholds(placement: str, Hq: int, max_n: int) -> Thresholds:
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["pre-sdc-vmc", "pre-expsdc-vmc", "post-vmc"])
+@pytest.mark.parametrize("name", ["pre-sdc-vmc", "pre-expsdc-vmc", "post-vmc", "skip-pre-sdc-vmc", "skip-post-vmc"])
 def test_compiled_kernels_on_realistic_shapes(monkeypatch, dtype, name):
     """Prefill after a cached context and a decode step on a 32/8-head GQA layer (D = 128, left padding), the
     compiled kernels against the plain kernel on the same GPU.
@@ -410,8 +493,12 @@ def test_compiled_kernels_on_realistic_shapes(monkeypatch, dtype, name):
     keep decisions are compared in total and per row (all but 0.1 % of rows equal), outputs on the rows whose
     kept counts agree."""
     B, Hq, Hkv, Q, K, D = 2, 32, 8, 512, 1024, 128
-    placement, estimator, vmc = CONFIGS[name]
-    sparsifier = toptheta.TopTheta(_gpu_thresholds(placement, Hq, K))
+    if name in SKIP_CONFIGS:  # λ = 200: rows of ~1k N(0, 1) logits keep those above m + ln(0.2), a few percent
+        placement, estimator, vmc, _ = SKIP_CONFIGS[name]
+        sparsifier = toptheta.SkipSoftmax(200.0, placement, k=64)
+    else:
+        placement, estimator, vmc = CONFIGS[name]
+        sparsifier = toptheta.TopTheta(_gpu_thresholds(placement, Hq, K))
     comp = ([toptheta.SDC(estimator)] if estimator else []) + ([toptheta.VMC()] if vmc else [])
     q, k, v = _gpu_case(dtype, B, Hq, Hkv, Q, K, D)
     scaling = D ** -0.5
@@ -431,10 +518,10 @@ def test_compiled_kernels_on_realistic_shapes(monkeypatch, dtype, name):
                                         compensations=comp, stats=ref_stats, phase=kind,
                                         observer=lambda r: seen.append(r.keep.sum(-1))).transpose(1, 2)
         ref_kept = torch.cat(seen, dim=2)  # (B, H, Q)
-        theta, clamped = lowering.row_thresholds(sparsifier, 0, nn)
+        rule, clamped = _lowered(sparsifier, nn)
         fn = prefill_attention if kind == "prefill" else decode_attention
-        res = fn(qq, k, v, scaling=scaling, theta=theta, placement=placement, sdc=estimator, vmc=vmc,
-                 key_start=ks, q_offset=K - Q if kind == "prefill" else K - 1)
+        res = fn(qq, k, v, scaling=scaling, placement=placement, sdc=estimator, vmc=vmc, key_start=ks,
+                 q_offset=K - Q if kind == "prefill" else K - 1, **rule)
         stats = toptheta.SparsityStats(1, Hq, Hkv)
         lowering.record(stats, res, layer=0, phase=kind, key_len=K, clamped_rows=clamped)
         assert res.out.dtype == dtype and int(res.tiles.sum()) > 0

@@ -70,10 +70,19 @@ class SkipSoftmax(Sparsifier):
         decides as the float64 comparison does (no float32 lies strictly between the two).
         """
         m = rows.row_max.double()  # (B, H, Q, 1)
-        n = rows.n.unsqueeze(-1).double().clamp_min(1.0)  # (B, 1, Q, 1)
-        exact = torch.minimum(m + torch.log(self.lam / n), m)  # keep-max: the cut never passes the maximum
+        exact = torch.minimum(m + self._log_share(rows.n.unsqueeze(-1)), m)  # keep-max: never past the maximum
         cut = exact.float()
         return torch.where(cut.double() < exact, torch.nextafter(cut, cut.new_tensor(math.inf)), cut)
+
+    def _log_share(self, n: torch.Tensor) -> torch.Tensor:
+        """ln(λ/n) in float64 for rows of n valid keys (n ≥ 1 assumed: rows without keys keep nothing anyway)."""
+        return torch.log(self.lam / n.double().clamp_min(1.0))
+
+    def cut_offsets(self, layer: int, n: torch.Tensor) -> torch.Tensor:
+        """The compiled kernels' form of the rule: ln(λ/n) per row (float64, n's shape), −inf for rows kept whole
+        (n ≤ k_for(layer)); a kernel cuts a row at min(m + offset, m) with its own maximum m, in float64 rounded up
+        to float32 as :meth:`cut` (attention/triton/prefill.py, ``skip_cut``)."""
+        return self._log_share(n).masked_fill(n <= self.k_for(layer), float("-inf"))
 
     def select(self, rows: RowBlock) -> torch.Tensor | None:
         k = self.k_for(rows.layer)

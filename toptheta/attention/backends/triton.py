@@ -9,7 +9,9 @@ and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``) when forced 
 Lowering (the rest comes from :class:`AttentionCall`, as for every backend): the mask becomes one key range per
 sequence, ``key_start`` (left padding) to K, with the queries at ``q_offset = K − Q`` (causal); a mask of another
 form (a sliding window, a bidirectional or hand-made one) goes to the other backends. θ per row is
-``call.thetas`` (rows kept whole get a θ that keeps every key), calibrated SDC's mass ``call.sdc_mass``. The
+``call.thetas`` (rows kept whole get a θ that keeps every key), skip-softmax's ln(λ/n) per row
+``SkipSoftmax.cut_offsets`` (the kernels cut at min(m + it, m) with the row's maximum), calibrated SDC's mass
+``call.sdc_mass``. Top-p is left to the plain kernel (its boundary needs a selection over each whole row). The
 kernels add each call's statistics to the layer's packed counters themselves (``SparsityStats.packed_row``).
 A kernel that raises (a compile failure) is logged once and the plain kernel serves that call and later ones.
 """
@@ -55,8 +57,9 @@ class TritonBackend(Backend):
         if call.device.type != "cuda" and not (call.on_cpu and interpret and call.forced):
             return (f"CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 and TOPTHETA_BACKEND=triton); got "
                     f"{call.device}")
-        if call.kind not in ("dense", "toptheta"):
-            return f"dense and Top-θ only, not {call.kind}"
+        if call.kind not in SERVED:
+            return (f"dense, Top-θ and skip-softmax only, not {call.kind} (top-p needs each row's nucleus boundary, "
+                    "a selection over the whole row: the plain kernel's sort serves it)")
         if call.observer is not None or call.softcap or call.bias is not None:
             return "no observers, soft-capping or additive biases"
         if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
@@ -88,13 +91,15 @@ class TritonBackend(Backend):
         # valid keys of each row (B, 1, Q): [key_start, position] with the queries at q_offset .. q_offset + Q − 1
         pos = q_offset + torch.arange(Q, device=call.device)
         n = (pos[None, :] + 1 - key_start[:, None]).clamp(min=0).view(B, 1, Q)
-        sparse = call.kind == "toptheta"
-        theta = mass = None
+        sparse = call.kind != "dense"
+        theta = mass = offsets = None
         clamped = 0
-        if sparse:
+        if call.kind == "toptheta":
             theta, _, clamped = call.thetas(n, causal=call.valid is None)
-            if call.sdc_mode == 3:
-                mass = call.sdc_mass(n)
+        elif call.kind == "skipsoftmax":  # one λ: ln(λ/n) per row, the kernels cut at min(m + it, m)
+            offsets = call.sparsifier.cut_offsets(call.layer, n)
+        if sparse and call.sdc_mode == 3:
+            mass = call.sdc_mass(n)
         kernel = self.module.decode_attention if which == "decode" else self.module.prefill_attention
         counted = {}
         if call.counting:  # the kernel adds the call's statistics to the layer's counters itself: no tensor ops here
@@ -106,11 +111,14 @@ class TritonBackend(Backend):
                         placement=call.placement if sparse else None, key_start=key_start, key_end=K,
                         q_offset=q_offset, causal=True, window=None, sdc=call.sdc.estimator if call.sdc else None,
                         sdc_scale=call.sdc_scale if call.sdc else 1.0, sdc_mass=mass, vmc=call.vmc,
-                        empty_rows=call.empty_rows, **counted)
+                        empty_rows=call.empty_rows, cut_offset=offsets, **counted)
         if call.counting and sparse:
             call.stats.count_clamped(clamped, call.device)
         out = result.out.transpose(1, 2)  # (B, Q, H, Dv)
         return out if out.dtype == call.query.dtype else out.to(call.query.dtype)
+
+
+SERVED = ("dense", "toptheta", "skipsoftmax")  # registered sparsifier names the kernels compute
 
 
 def running_value_sum(layer: int, value: torch.Tensor, key_start: torch.Tensor) -> torch.Tensor:

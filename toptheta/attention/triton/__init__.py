@@ -1,6 +1,7 @@
 """Triton kernels for Top-θ attention on GPUs (tested on CPU in Triton's interpreter, TRITON_INTERPRET=1).
 
-* ``prefill.prefill_attention``: flash-attention tiles; pre-softmax Top-θ in one pass, post-softmax in two.
+* ``prefill.prefill_attention``: flash-attention tiles; pre-softmax Top-θ in one pass, post-softmax in two;
+  skip-softmax (``cut_offset``: one λ, the cut taken from each row's true maximum) in two.
 * ``decode.decode_attention``: a few query rows over a cache; the G heads of a KV group in one program, V read
   only at the rows some head keeps, the kept V rows (union over the group) counted.
 * ``lowering``: per-row θ and calibrated SDC masses from a ``TopTheta`` sparsifier, and the statistics back.

@@ -125,13 +125,35 @@ def per_sequence(x, B: int, default: int, device) -> torch.Tensor:
     return x.to(device=device, dtype=torch.int32).contiguous()
 
 
-def per_row(x: torch.Tensor | None, B: int, H: int, Q: int, device, name: str, fill: float = 0.0) -> torch.Tensor:
-    """A (B|1, H|1, Q|1) per-row tensor as contiguous (B, H, Q) float32."""
+def per_row(x: torch.Tensor | None, B: int, H: int, Q: int, device, name: str, fill: float = 0.0,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A (B|1, H|1, Q|1) per-row tensor as contiguous (B, H, Q) ``dtype`` (float32 unless said)."""
     if x is None:
-        return torch.full((B, H, Q), fill, dtype=torch.float32, device=device)
+        return torch.full((B, H, Q), fill, dtype=dtype, device=device)
     if x.ndim != 3:
         raise ValueError(f"{name} must be (B, H, Q) = ({B}, {H}, {Q}) or broadcastable, got {tuple(x.shape)}")
-    return x.to(device=device, dtype=torch.float32).expand(B, H, Q).contiguous()
+    return x.to(device=device, dtype=dtype).expand(B, H, Q).contiguous()
+
+
+def row_rule(theta: torch.Tensor | None, cut_offset: torch.Tensor | None, placement: str | None, sdc: str | None,
+             empty_rows: str, B: int, H: int, Q: int, device) -> tuple[torch.Tensor, bool]:
+    """(the kernels' per-row THETA input, whether it is skip-softmax's cut offset) from a wrapper's arguments.
+
+    Top-θ gives ``theta`` (float32: a logit before the softmax, a probability after it); skip-softmax gives
+    ``cut_offset`` = ln(λ/n) per row (float64, −inf for rows kept whole), from which the kernels cut each row at
+    min(m + offset, m) with the row's own maximum m (``prefill.skip_cut``)."""
+    if cut_offset is None:
+        return per_row(theta, B, H, Q, device, "theta", fill=float("-inf")), False
+    if theta is not None:
+        raise ValueError("give theta (Top-θ) or cut_offset (skip-softmax), not both")
+    if placement is None:
+        raise ValueError("cut_offset selects keys: it needs placement='pre' or 'post'")
+    if sdc == "exp-threshold":
+        raise ValueError("SDC('exp-threshold') bounds the dropped logits by a calibrated θ, which skip-softmax has "
+                         "not; use SDC('exact')")
+    if empty_rows != "keep-max":
+        raise ValueError("skip-softmax keeps each row's maximum where its cut passes it: empty_rows='keep-max'")
+    return per_row(cut_offset, B, H, Q, device, "cut_offset", dtype=torch.float64), True
 
 
 def row_bounds(key_start: torch.Tensor, key_end: torch.Tensor, q_offset: torch.Tensor, Q: int,

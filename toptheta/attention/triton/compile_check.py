@@ -6,8 +6,8 @@ This lowers each kernel through TTIR → TTGIR → PTX → cubin with the ptxas 
 
     TRITON_INTERPRET=0 python -m toptheta.attention.triton.compile_check [--quick] [--arch 90]
 
-About 10 s of CPU per variant; ``--quick`` compiles one pre- and one post-softmax variant per kernel and dtype
-(16 kernels).
+About 10 s of CPU per variant; ``--quick`` compiles one pre- and one post-softmax Top-θ variant and one skip-softmax
+variant per kernel and dtype (24 kernels).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, arch: int = 90, num_war
             signature[name] = "constexpr"
         elif name in ("Q_ptr", "K_ptr", "V_ptr", "O_ptr"):
             signature[name] = _DTYPES[dtype]
+        elif name == "THETA_ptr" and constexprs.get("SKIP"):
+            signature[name] = "*fp64"  # skip-softmax's ln(λ/n) per row
         elif name.endswith("_ptr"):
             signature[name] = _POINTERS.get(name, "*fp32")
         else:
@@ -49,13 +51,15 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, arch: int = 90, num_war
 
 def variants(quick: bool):
     """(kernel name, dtype, constexprs) of every variant worth compiling separately."""
-    modes = [(False, 1, True), (True, 0, True)] if quick else (
-        [(False, sdc, keep_max) for sdc in range(4) for keep_max in (True, False)] + [(True, 0, True), (True, 0, False)])
-    for dtype, (post, sdc, keep_max) in itertools.product(("float32", "bfloat16"), modes):
+    # (post, SDC mode, keep-max, skip-softmax)
+    modes = [(False, 1, True, False), (True, 0, True, False), (True, 0, True, True)] if quick else (
+        [(False, sdc, keep_max, False) for sdc in range(4) for keep_max in (True, False)]
+        + [(True, 0, True, False), (True, 0, False, False), (False, 1, True, True), (True, 0, True, True)])
+    for dtype, (post, sdc, keep_max, skip) in itertools.product(("float32", "bfloat16"), modes):
         ieee = dtype == "float32"
         common = dict(POST=post, SDC=sdc, VMC=True, KEEP_MAX=keep_max, UNIFORM=not (keep_max or post or sdc),
                       CAUSAL=True, SCALE_Q=ieee, IEEE=ieee, BLOCK_D=128, BLOCK_DV=128, STATS=True, SPARSE=True, VSUM=False,
-                      SKIP_TILES=True)
+                      SKIP_TILES=True, SKIP=skip)
         wide = 32 if ieee else 64  # the wrappers' default tiles
         yield "prefill", dtype, dict(common, BLOCK_M=wide, BLOCK_N=wide)
         for part in ("logits", "select", "finish"):  # the decode step's three launches
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
     failed = 0
     for name, dtype, constexprs in variants(args.quick):
         label = f"{name} {dtype} {'post' if constexprs['POST'] else 'pre'} sdc={constexprs['SDC']} " \
-                f"keep_max={constexprs['KEEP_MAX']}"
+                f"keep_max={constexprs['KEEP_MAX']}{' skip-softmax' if constexprs['SKIP'] else ''}"
         try:
             shared = compile_kernel(kernels[name], dtype, constexprs, arch=args.arch).metadata.shared
         except Exception as error:  # report every variant, then fail

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
-                     per_row, per_sequence, row_bounds, stats_arguments, value_means)
-from .prefill import TINY, row_keys, tile_pv, tile_scores
+                     per_row, per_sequence, row_bounds, row_rule, stats_arguments, value_means)
+from .prefill import TINY, row_keys, skip_cut, tile_pv, tile_scores
 
 MAX_ROWS = 256  # GP·QP rows per program
 PROGRAMS_PER_SM = 4  # chunks are sized so that (sequence, KV head, chunk) programs fill each SM this many times
@@ -71,10 +71,12 @@ def _chunk_rows(lo_row, hi_row, split, CHUNK):
 
 
 @triton.jit
-def _empty_rows(live, theta, m, top, POST: tl.constexpr):
+def _empty_rows(live, theta, m, top, POST: tl.constexpr, SKIP: tl.constexpr):
     """Rows with a valid key where nothing passes θ: post-softmax when the largest probability ``top`` does not
-    exceed θ (θ ≥ 0), pre-softmax when the row max ``m`` does not."""
-    if POST:
+    exceed θ (θ ≥ 0), pre-softmax when the row max ``m`` does not; skip-softmax (θ holds ln(λ/n)) when λ > n."""
+    if SKIP:
+        empty = live & (theta > 0)
+    elif POST:
         empty = live & (theta >= 0) & (top <= theta)
     else:
         empty = live & (m <= theta)
@@ -139,7 +141,7 @@ def _decode_select(
     KS_ptr, KE_ptr, QO_ptr, THETA_ptr,
     H, G, Hkv, Qn, DV, KP, NS, CHUNK, window,
     GP: tl.constexpr, QP: tl.constexpr, NSP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-    POST: tl.constexpr, KEEP_MAX: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    POST: tl.constexpr, KEEP_MAX: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -150,7 +152,9 @@ def _decode_select(
     h = hkv * G + g
     theta = tl.load(THETA_ptr + (b * H + h) * Qn + qi, mask=row_ok, other=float("-inf"))
     top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability
-    empty = _empty_rows(live, theta, m_fin, top, POST)
+    empty = _empty_rows(live, theta, m_fin, top, POST, SKIP)
+    if SKIP:
+        cut = skip_cut(m_fin, theta)
     lo_row, hi_row, lo, hi = _chunk_rows(lo_row, hi_row, split, CHUNK)
     offs_dv = tl.arange(0, BLOCK_DV)
     Vb = V_ptr + b * svb + hkv * svh
@@ -166,7 +170,12 @@ def _decode_select(
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] < hi_row[:, None])
         s = tl.load(s_rows[:, None] + offs_n[None, :], mask=valid, other=float("-inf"))
-        if POST:
+        if SKIP:
+            w = tl.exp(s - m_fin[:, None])
+            if POST:
+                w = w / tl.maximum(l_i, TINY)[:, None]
+            keep = valid & (s >= cut[:, None])
+        elif POST:
             w = tl.exp(s - m_fin[:, None]) / tl.maximum(l_i, TINY)[:, None]
             keep = valid & (w > theta[:, None])
             if KEEP_MAX:
@@ -207,7 +216,7 @@ def _decode_finish(
     H, G, Hkv, Qn, DV, NS, window, sdc_scale,
     GP: tl.constexpr, QP: tl.constexpr, NSP: tl.constexpr, BLOCK_DV: tl.constexpr,
     POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, VSUM: tl.constexpr, UNIFORM: tl.constexpr,
-    CAUSAL: tl.constexpr, STATS: tl.constexpr, SPARSE: tl.constexpr,
+    CAUSAL: tl.constexpr, STATS: tl.constexpr, SPARSE: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
@@ -218,7 +227,7 @@ def _decode_finish(
     h = hkv * G + g
     row = (b * H + h) * Qn + qi
     theta = tl.load(THETA_ptr + row, mask=row_ok, other=float("-inf"))
-    empty = _empty_rows(live, theta, m_fin, 1.0 / tl.maximum(l_i, TINY), POST)
+    empty = _empty_rows(live, theta, m_fin, 1.0 / tl.maximum(l_i, TINY), POST, SKIP)
     r = tl.arange(0, GP * QP)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_q = tl.arange(0, QP)
@@ -345,9 +354,10 @@ def decode_attention(
     splits: int | None = None,  # key chunks per (sequence, KV head); default: enough programs to fill the device
     stats_row: torch.Tensor | None = None,  # the layer's packed counters (SparsityStats.packed_row): added to here
     stats_columns=None,  # their first columns, as common.stats_target
+    cut_offset: torch.Tensor | None = None,  # (B|1, H|1, Q) float64 skip-softmax ln(λ/n) per row, instead of theta
 ) -> TritonAttention:
-    """Top-θ (or dense, ``placement=None``) attention of a few query rows over a cache; the inputs mean what
-    they mean for ``prefill.prefill_attention``. The result's ``vrows`` holds the kept V rows per (B, Hkv, Q);
+    """Top-θ, skip-softmax (``cut_offset``) or dense (``placement=None``) attention of a few query rows over a
+    cache; the inputs mean what they mean for ``prefill.prefill_attention``. The result's ``vrows`` holds the kept V rows per (B, Hkv, Q);
     ``tiles`` / ``skipped_tiles`` sum over the chunks."""
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
     device = check_device(_decode_select, query, key, value)
@@ -366,7 +376,7 @@ def decode_attention(
     ks = per_sequence(key_start, B, 0, device)
     ke = per_sequence(key_end, B, K, device)
     qo = per_sequence(q_offset, B, K - Q, device)
-    th = per_row(theta, B, H, Q, device, "theta", fill=float("-inf"))
+    th, skip = row_rule(theta, cut_offset, placement, sdc, empty_rows, B, H, Q, device)
     mass = per_row(sdc_mass, B, H, Q, device, "sdc_mass") if sdc == "calibrated" else th
     sparse = placement is not None
     vmc = bool(vmc and sparse)
@@ -428,14 +438,14 @@ def decode_attention(
         value, scratch, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part,
         *value.stride(), ks, ke, qo, th, H, G, Hkv, Q, Dv, K, NS, CHUNK, win,
         NSP=next_pow2(NS), BLOCK_N=BLOCK_N, BLOCK_DV=BLOCK_DV, POST=post,
-        KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, **rows, **extra,
+        KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, SKIP=skip, **rows, **extra,
     )
     _decode_finish[(B * Hkv,)](
         out, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part, *out.stride(),
         ks, ke, qo, th, mass, v_mean, v_all, kept, kept_mass, empty, n, vrows, tiles, skipped, *stats_args,
         H, G, Hkv, Q, Dv, NS, win, float(sdc_scale),
         NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, VSUM=vsum, UNIFORM=uniform,
-        STATS=counting, SPARSE=sparse, **rows, **extra,
+        STATS=counting, SPARSE=sparse, SKIP=skip, **rows, **extra,
     )
     return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.view(torch.bool),
                            vrows=vrows, tiles=tiles, skipped_tiles=skipped)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
-                     per_row, per_sequence, row_bounds, stats_arguments, value_means)
+                     per_row, per_sequence, row_bounds, row_rule, stats_arguments, value_means)
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # float32 tiny, the plain kernel's clamp (a constexpr: kernels may read no other globals)
 
@@ -50,6 +50,18 @@ def row_keys(ks, ke, pos, row_ok, window, CAUSAL: tl.constexpr):
         lo_row = tl.maximum(lo_row, pos - window + 1)
     live = row_ok & (hi_row > lo_row)
     return tl.where(live, lo_row, ks), tl.where(live, hi_row, ks)
+
+
+@triton.jit
+def skip_cut(m, offset):
+    """Skip-softmax's cut of each row (float32): the float64 c = min(m + offset, m), offset = ln(λ/n) (−inf for rows
+    kept whole), rounded up to the next float32, so that a float32 score s ≥ cut exactly when s ≥ c in float64 (the
+    plain kernel's ``SkipSoftmax.cut``, the same operations); the maximum always passes (keep-max)."""
+    exact = tl.minimum(m.to(tl.float64) + offset, m.to(tl.float64))
+    cut = exact.to(tl.float32)
+    bits = cut.to(tl.int32, bitcast=True)
+    up = tl.where(cut > 0, bits + 1, tl.where(cut < 0, bits - 1, 1)).to(tl.float32, bitcast=True)  # next float up
+    return tl.where(cut.to(tl.float64) < exact, up, cut)
 
 
 @triton.jit
@@ -90,7 +102,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, KEEP_MAX: tl.constexpr, UNIFORM: tl.constexpr,
     CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr, STATS: tl.constexpr, SPARSE: tl.constexpr,
-    SKIP_TILES: tl.constexpr,
+    SKIP_TILES: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -121,7 +133,7 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if POST:  # pass 1: the row max and the dense denominator
+    if POST or SKIP:  # pass 1: the row max and the dense denominator
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             s, valid = tile_scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
@@ -132,7 +144,11 @@ def _prefill_kernel(
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         inv_l = 1.0 / tl.maximum(l_i, TINY)
         top = inv_l  # the largest probability, e^{m−m}/l
-        empty = live & (theta >= 0) & (top <= theta)
+        if SKIP:  # THETA holds ln(λ/n): a row whose cut passes its maximum keeps the maximum
+            cut = skip_cut(m_fin, theta)
+            empty = live & (theta > 0)
+        else:
+            empty = live & (theta >= 0) & (top <= theta)
 
     r_i = tl.zeros([BLOCK_M], tl.float32)
     cnt = tl.zeros([BLOCK_M], tl.int32)
@@ -142,7 +158,12 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         s, valid = tile_scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
-        if POST:
+        if SKIP:  # the row's max is known: weights e^{s−m} (pre), or the dense probabilities (post)
+            w = tl.exp(s - m_fin[:, None])
+            if POST:
+                w = w / tl.maximum(l_i, TINY)[:, None]
+            keep = valid & (s >= cut[:, None])
+        elif POST:
             w = tl.exp(s - m_fin[:, None]) / tl.maximum(l_i, TINY)[:, None]  # dense probabilities
             keep = valid & (w > theta[:, None])
             if KEEP_MAX:
@@ -170,7 +191,7 @@ def _prefill_kernel(
         else:  # every V row of the key range, no branch: no cross-warp reduction per tile, loads can pipeline
             acc = tile_pv(acc, w, Vb, offs_n, offs_dv, (offs_n < hi).to(tl.int32), svn, svd, DV, IEEE)
 
-    if not POST:
+    if not POST and not SKIP:
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         empty = live & (m_fin <= theta)
         if KEEP_MAX:
@@ -261,6 +282,7 @@ def prefill_attention(
     stats_row: torch.Tensor | None = None,  # the layer's packed counters (SparsityStats.packed_row): added to here
     stats_columns=None,  # their first columns, as common.stats_target
     skip_tiles: bool = False,  # True: skip the V load and P·V of tiles where nothing is kept (a per-tile branch)
+    cut_offset: torch.Tensor | None = None,  # (B|1, H|1, Q) float64 skip-softmax ln(λ/n) per row, instead of theta
 ) -> TritonAttention:
     """Top-θ (or dense, ``placement=None``) prefill attention; see the module docstring for what it computes.
 
@@ -268,6 +290,11 @@ def prefill_attention(
     when the sparsifier keeps it whole (n ≤ k, uncalibrated). Pre-softmax θ is a logit, post-softmax a
     probability (negative = keep whole). +inf is allowed (an empty row). No host reads: every check is on
     shapes, the grid too.
+
+    Skip-softmax (``SkipSoftmax``: s ≥ m + ln(λ/n), m the row's maximum) gives ``cut_offset`` (float64 ln(λ/n),
+    −inf for rows kept whole, ``SkipSoftmax.cut_offsets``) instead of ``theta``: both placements then run the two
+    passes, the first finding each row's true maximum (not the running one of one-pass tiled kernels, which keep
+    more; sparsifiers/skipsoftmax.py), so the kept sets are the plain kernel's.
     """
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
     device = check_device(_prefill_kernel, query, key, value)
@@ -280,7 +307,7 @@ def prefill_attention(
     ks = per_sequence(key_start, B, 0, device)
     ke = per_sequence(key_end, B, K, device)
     qo = per_sequence(q_offset, B, K - Q, device)
-    th = per_row(theta, B, H, Q, device, "theta", fill=float("-inf"))
+    th, skip = row_rule(theta, cut_offset, placement, sdc, empty_rows, B, H, Q, device)
     mass = per_row(sdc_mass, B, H, Q, device, "sdc_mass") if sdc == "calibrated" else th
     lo, hi = row_bounds(ks, ke, qo, Q, window, causal)
     sparse = placement is not None
@@ -318,7 +345,8 @@ def prefill_attention(
         H, H // Hkv, Hkv, Q, D, Dv, window or NO_WINDOW, float(scaling), float(sdc_scale),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse, UNIFORM=uniform,
-        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse, SKIP_TILES=bool(skip_tiles), **extra,
+        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse, SKIP_TILES=bool(skip_tiles), SKIP=skip,
+        **extra,
     )
     n = (hi - lo).to(torch.int32)  # (B, Q)
     return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.bool(), vrows=None,
