@@ -9,6 +9,8 @@ prefill of 4k, 16k and 32k tokens (causal), decode of one query row over 16k and
                        the timed call, where this torch's flash kernel refuses enable_gqa: the row says so)
     ours_pre_sdc_vmc   prefill: TopTheta(pre) + exact SDC + VMC through toptheta.sparse_attention
     ours_post_vmc      TopTheta(post) + VMC (prefill and decode)
+    skip_pre           prefill: skip-softmax (BLASST's one λ) before the softmax, no compensation (as deployed)
+    skip_post_vmc      skip-softmax after the softmax + VMC (prefill and decode)
 
 at kept fractions --fractions (default 1/3 and 1/10: of the attention elements for prefill, of the V rows, the union
 over a KV head's query heads, for decode). Our calls go through the backend registry as in a run (statistics on); the
@@ -21,7 +23,8 @@ Thresholds (inputs are standard normal, so logits are about N(0, σ²) per head)
 (1 − u)-quantile of a sample of its logits, which keeps about u of every row; post-softmax θ(n) = e^t / (n·E e^s)
 with t that quantile (a row's probabilities are e^s / Σ e^s, Σ ≈ n·E e^s); decode θ per head is the quantile of its
 probabilities that makes the union over G heads about u (as ``bench_decode.thresholds_for``). The realised fractions
-come from the statistics and are in the report. iid inputs have no structure: a key tile in which nothing passes θ
+come from the statistics and are in the report. Skip-softmax's λ = n·e^{t − m̄}, m̄ the mean row maximum of the
+sample and n the mean row length (N/2 for causal prefill, K for decode), puts the cut m + ln(λ/n) near t. iid inputs have no structure: a key tile in which nothing passes θ
 is rare, so prefill tile skipping shows only on real activations.
 
 ``--device cpu-interpret`` runs the same code on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1,
@@ -189,6 +192,15 @@ def decode_thresholds(q, k, scaling: float, u: float) -> Thresholds:
     return Thresholds(theta.view(1, H, 1), [K_BUDGET], "post")
 
 
+def skip_lambda(q, k, scaling: float, u: float, n: float) -> float:
+    """λ whose cut m + ln(λ/n) sits near the (1 − u)-quantile of the logits for rows of n keys (module docstring)."""
+    s = logit_sample(q, k, scaling)  # (H, S)
+    t = float(torch.quantile(s.cpu().flatten()[:1 << 20], 1 - u))
+    rows = min(128, q.shape[2])
+    m = float(s.view(s.shape[0], rows, -1).amax(-1).mean())
+    return float(n) * float(torch.tensor(t - m).exp())
+
+
 def ours_call(q, k, v, scaling, sparsifier, compensations, phase, stats):
     return lambda: toptheta.sparse_attention(q, k, v, None, scaling=scaling, layer=0, sparsifier=sparsifier,
                                              compensations=compensations, stats=stats, phase=phase)
@@ -209,8 +221,13 @@ def measure(kind: str, device: torch.device, shape: str, lengths: list[int], fra
                 pre, post = prefill_thresholds(q, k, scaling, u)
                 methods["ours_pre_sdc_vmc"] = (toptheta.TopTheta(pre), [toptheta.SDC("exact"), toptheta.VMC()])
                 methods["ours_post_vmc"] = (toptheta.TopTheta(post), [toptheta.VMC()])
+                lam = skip_lambda(q, k, scaling, u, n / 2)
+                methods["skip_pre"] = (toptheta.SkipSoftmax(lam, "pre", k=K_BUDGET), [])
+                methods["skip_post_vmc"] = (toptheta.SkipSoftmax(lam, "post", k=K_BUDGET), [toptheta.VMC()])
             else:
                 methods["ours_post_vmc"] = (toptheta.TopTheta(decode_thresholds(q, k, scaling, u)), [toptheta.VMC()])
+                lam = skip_lambda(q, k, scaling, u, n)
+                methods["skip_post_vmc"] = (toptheta.SkipSoftmax(lam, "post", k=K_BUDGET), [toptheta.VMC()])
             calls, kept, served, err = {"flash": flash}, {}, {}, {}
             reference = flash().float()
             for name, (sparsifier, comp) in methods.items():

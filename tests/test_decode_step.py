@@ -85,8 +85,9 @@ def test_gpu_decode_benchmark_dry_run_runs_the_triton_kernels(tmp_path, monkeypa
     assert bench.main(["--device", "cpu-interpret", "--lengths", "80", "--fractions", "0.1", "--repeats", "1",
                        "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["decode"]
-    assert [r["method"] for r in rows] == ["flash", "ours_post_vmc"]
+    assert [r["method"] for r in rows] == ["flash", "ours_post_vmc", "skip_post_vmc"]
     assert rows[1]["backend_calls"] == {"triton": 1} and 0.03 < rows[1]["kept_fraction"] < 0.3
+    assert rows[2]["backend_calls"] == {"triton": 1} and 0 < rows[2]["kept_fraction"] < 1
     assert "Triton interpreter" in out.with_suffix(".md").read_text()
 
 
@@ -98,8 +99,9 @@ def test_gpu_prefill_benchmark_dry_run_runs_the_triton_kernels(tmp_path, monkeyp
     assert bench.main(["--device", "cpu-interpret", "--sizes", "72", "--fractions", "0.1", "--repeats", "1",
                        "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["prefill"]
-    assert [r["method"] for r in rows] == ["flash", "ours_pre_sdc_vmc", "ours_post_vmc"]
+    assert [r["method"] for r in rows] == ["flash", "ours_pre_sdc_vmc", "ours_post_vmc", "skip_pre", "skip_post_vmc"]
     assert all(r["backend_calls"] == {"triton": 1} for r in rows[1:])
+    assert all(0 < r["kept_fraction"] < 1 for r in rows[3:])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
