@@ -15,7 +15,8 @@ maximum m̃_t of the tiles seen so far (m̃_t ≤ m) and skip whole tiles whose 
 cut m̃_t + ln(λ/n) is lower before the row's maximum has been seen, and a tile survives when any one of its scores
 does, so they drop a subset of what this rule drops (they keep more); the two agree on every tile processed after
 the one holding the maximum. The kept fraction here is therefore the sparsity the rule promises, a lower bound on
-what a tiled kernel keeps.
+what a tiled kernel keeps. Our Triton kernels (attention/triton/) apply this exact rule on a GPU: a first pass over
+the keys finds each row's maximum, the second cuts at it (:meth:`cut_offsets` gives them ln(λ/n) per row).
 
 Placement: BLASST drops a skipped tile from the numerator and the denominator of the softmax, i.e. ``"pre"`` (the
 kept weights are renormalised; SDC can put the dropped mass back); ``"post"`` keeps the dense probabilities (VMC
