@@ -154,6 +154,7 @@ def configs(layers: int = 1):
         # λ = 6: rows of 4-5 keys have λ > n (they keep their maximum), longer ones drop below m + ln(6/n)
         "skip-pre-sdc-vmc": (toptheta.SkipSoftmax(6.0, "pre", k=3), [toptheta.SDC("exact"), toptheta.VMC()]),
         "skip-post-vmc": (toptheta.SkipSoftmax(6.0, "post", k=3), [toptheta.VMC()]),
+        "topp-post-vmc": (toptheta.TopP(0.8, "post", k=3), [toptheta.VMC()]),
     }
 
 
