@@ -24,8 +24,9 @@ Thresholds (inputs are standard normal, so logits are about N(0, σ²) per head)
 with t that quantile (a row's probabilities are e^s / Σ e^s, Σ ≈ n·E e^s); decode θ per head is the quantile of its
 probabilities that makes the union over G heads about u (as ``bench_decode.thresholds_for``). The realised fractions
 come from the statistics and are in the report. Skip-softmax's λ = n·e^{t − m̄}, m̄ the mean row maximum of the
-sample and n the mean row length (N/2 for causal prefill, K for decode), puts the cut m + ln(λ/n) near t. iid inputs have no structure: a key tile in which nothing passes θ
-is rare, so prefill tile skipping shows only on real activations.
+sample and n the mean row length (N/2 for causal prefill, K for decode), puts the cut m + ln(λ/n) near t. iid
+inputs have no structure: a key tile in which nothing passes θ is rare, so prefill tile skipping shows only on real
+activations.
 
 ``--device cpu-interpret`` runs the same code on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1,
 TOPTHETA_BACKEND=triton), float32, tiny shapes (4 heads, 2 KV heads, head_dim 16) unless given: a check that the
