@@ -357,8 +357,8 @@ def decode_attention(
     cut_offset: torch.Tensor | None = None,  # (B|1, H|1, Q) float64 skip-softmax ln(λ/n) per row, instead of theta
 ) -> TritonAttention:
     """Top-θ, skip-softmax (``cut_offset``) or dense (``placement=None``) attention of a few query rows over a
-    cache; the inputs mean what they mean for ``prefill.prefill_attention``. The result's ``vrows`` holds the kept V rows per (B, Hkv, Q);
-    ``tiles`` / ``skipped_tiles`` sum over the chunks."""
+    cache; the inputs mean what they mean for ``prefill.prefill_attention``. The result's ``vrows`` holds the kept
+    V rows per (B, Hkv, Q); ``tiles`` / ``skipped_tiles`` sum over the chunks."""
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
     device = check_device(_decode_select, query, key, value)
     check_options(placement, sdc, empty_rows)
