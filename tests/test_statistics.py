@@ -387,15 +387,16 @@ def test_top_theta_against_each_baseline_is_decided_paired_at_equal_target(tmp_p
 
 def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length():
     """results/past_calibration.py: a Top-θ view past its calibration beside Top-k's at the same k and length, with
-    the ratios of kept fractions and the ×1.3 target; QA tasks and runs within their calibration stay out."""
+    the ratios of kept fractions and the ×1.3 target; a run calibrated on long documents is in at every length; QA
+    tasks and runs within a short calibration stay out."""
     import pandas as pd
 
     from toptheta.results.past_calibration import past_calibration_table
 
-    def row(run, task, sparsifier, attention, vrows, value, clamped=0, beyond="", k=64):
+    def row(run, task, sparsifier, attention, vrows, value, clamped=0, beyond="", k=64, calib=None):
         return {"run_id": run, "model": "m", "task": task, "num_fewshot": 0, "limit": 20, "metric": "accuracy,none",
                 "fewshot_sampler": "", "k": k, "layer_k": "0=512", "placement": "post", "comp": "vmc",
-                "sparsifier": sparsifier, "target_kept": "", "calib_task": "arc_challenge" if clamped or beyond else "",
+                "sparsifier": sparsifier, "target_kept": "", "calib_task": calib or ("arc_challenge" if clamped or beyond else ""),
                 "calib_beyond": beyond, "clamped_rows": clamped, "kept_attention_fraction": attention,
                 "kept_vrow_fraction": vrows, "value": value, "timestamp": "t"}
 
@@ -404,13 +405,16 @@ def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length
         row("clamp", "passkey_8192", "toptheta", 0.10, 0.12, 1.0, clamped=500),
         row("fit", "passkey_8192", "toptheta", 0.025, 0.033, 0.95, clamped=500, beyond="fit"),
         row("inside", "passkey_2048", "toptheta", 0.05, 0.05, 1.0),  # no row past calibration
+        row("long", "passkey_2048", "toptheta", 0.06, 0.055, 1.0, calib="long_documents"),  # calibrated at its lengths
         row("topk2", "passkey_2048", "topk", 0.05, 0.05, 1.0),
         row("qa", "arc_easy", "toptheta", 0.3, None, 0.5, clamped=9),  # a QA task: not a long-context one
         row("qak", "arc_easy", "topk", 0.2, None, 0.5),
     ])
     table = past_calibration_table(summary)
-    assert list(table["run_id"]) == ["clamp", "fit"] and set(table["run_topk"]) == {"topk"}
-    clamp, fit = table.iloc[0], table.iloc[1]
+    assert list(table["run_id"]) == ["long", "clamp", "fit"] and list(table["run_topk"]) == ["topk2", "topk", "topk"]
+    long, clamp, fit = table.iloc[0], table.iloc[1], table.iloc[2]
+    assert long["attention_ratio"] == pytest.approx(1.2) and long["vrow_ratio"] == pytest.approx(1.1)
+    assert long["within_target"] and long["clamped_rows"] == 0 and long["calib_task"] == "long_documents"
     assert clamp["attention_ratio"] == pytest.approx(5.0) and clamp["vrow_ratio"] == pytest.approx(4.0)
     assert not clamp["within_target"] and clamp["calib_beyond"] == "clamp"
     assert fit["attention_ratio"] == pytest.approx(1.25) and fit["within_target"] and fit["diff"] == pytest.approx(-0.05)

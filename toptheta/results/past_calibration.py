@@ -4,10 +4,11 @@ any it was calibrated on?
 A Top-θ row longer than every calibrated row takes θ from the rule ``calib.beyond`` names (thresholds/beyond.py):
 ``clamp``, the longest calibrated row's θ, or ``fit``, a per-(layer, head) law of θ against row length fitted over
 the calibrated lengths. Each row of the table is a Top-θ run (or one of its per-length views: passkey_<n>, ruler_<n>)
-that met such rows (``clamped_rows`` > 0) or used ``fit``, beside the Top-k run of the same setting and k (model,
-task, shots, questions, layer_k, placement, compensation): their kept attention and V-row fractions, the ratios
-Top-θ / Top-k, and the task metric of both. The target: both ratios within ×1.3 (TARGET) at every length, with the
-same accuracy.
+that met such rows (``clamped_rows`` > 0), used ``fit``, or was calibrated on long documents (``calib_task``
+long_documents: thresholds for the lengths it meets, the issue's third remedy), beside the Top-k run of the same
+setting and k (model, task, shots, questions, layer_k, placement, compensation): their kept attention and V-row
+fractions, the ratios Top-θ / Top-k, and the task metric of both. The target: both ratios within ×1.3 (TARGET) at
+every length, with the same accuracy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .selection import latest, metric_of_interest
 
 TARGET = 1.3
 LONG_CONTEXT = ("passkey", "ruler", "longbench")  # task name prefixes: the tasks whose rows outgrow a QA calibration
+LONG_CALIBRATION = ("long_documents",)  # calibration tasks whose rows reach the long-context tasks' lengths
 MATCH = ("model", "task", "num_fewshot", "limit", "metric", "fewshot_sampler", "k", "layer_k", "placement", "comp")
 COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "k", "placement", "comp", "calib_task", "calib_beyond", "clamped_rows",
            "kept_attention_toptheta", "kept_attention_topk", "attention_ratio", "kept_vrow_toptheta", "kept_vrow_topk",
@@ -32,7 +34,8 @@ def _ratio(a, b) -> float | None:
 
 def past_calibration_table(summary: pd.DataFrame, tasks: tuple[str, ...] = LONG_CONTEXT) -> pd.DataFrame:
     """One row per Top-θ run (or per-length view) of a task named with one of ``tasks``' prefixes past its
-    calibration, beside Top-k at the same k, in the task's metric of interest (empty when none)."""
+    calibration or calibrated on long documents, beside Top-k at the same k, in the task's metric of interest (empty
+    when none)."""
     df = latest(summary)
     df = df[(df["target_kept"].map(as_text) == "") & df["task"].astype(str).str.startswith(tasks)]  # equal k
     judged_by = {task: metric_of_interest(df, task) for task in set(df["task"])}
@@ -40,7 +43,9 @@ def past_calibration_table(summary: pd.DataFrame, tasks: tuple[str, ...] = LONG_
     key = lambda r: tuple(as_text(r.get(c)) for c in MATCH)  # noqa: E731
     topk = {key(r): r for _, r in df[df["sparsifier"] == "topk"].iterrows()}
     clamped = pd.to_numeric(df.get("clamped_rows"), errors="coerce").fillna(0)
-    theta = df[(df["sparsifier"] == "toptheta") & ((clamped > 0) | (df["calib_beyond"].map(as_text) == "fit"))]
+    long_calibration = df["calib_task"].map(as_text).isin(LONG_CALIBRATION)
+    theta = df[(df["sparsifier"] == "toptheta")
+               & ((clamped > 0) | (df["calib_beyond"].map(as_text) == "fit") | long_calibration)]
     rows = []
     for _, t in theta.iterrows():
         k = topk.get(key(t))
