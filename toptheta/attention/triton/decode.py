@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
                      per_row, per_sequence, row_bounds, row_rule, stats_arguments, value_means)
-from .prefill import TINY, row_keys, skip_cut, tile_pv, tile_scores
+from .prefill import TINY, compensated, empty_rows, kept_weights, row_keys, skip_cut, tile_pv, tile_scores
 
 MAX_ROWS = 256  # GP·QP rows per program
 PROGRAMS_PER_SM = 4  # chunks are sized so that (sequence, KV head, chunk) programs fill each SM this many times
@@ -68,19 +68,6 @@ def _chunk_rows(lo_row, hi_row, split, CHUNK):
     lo = tl.min(tl.where(hi_row > lo_row, lo_row, 1 << 30), 0)
     hi = tl.max(hi_row, 0)
     return lo_row, hi_row, lo, hi
-
-
-@triton.jit
-def _empty_rows(live, theta, m, top, POST: tl.constexpr, SKIP: tl.constexpr):
-    """Rows with a valid key where nothing passes θ: post-softmax when the largest probability ``top`` does not
-    exceed θ (θ ≥ 0), pre-softmax when the row max ``m`` does not; skip-softmax (θ holds ln(λ/n)) when λ > n."""
-    if SKIP:
-        empty = live & (theta > 0)
-    elif POST:
-        empty = live & (theta >= 0) & (top <= theta)
-    else:
-        empty = live & (m <= theta)
-    return empty
 
 
 @triton.jit
@@ -152,9 +139,11 @@ def _decode_select(
     h = hkv * G + g
     theta = tl.load(THETA_ptr + (b * H + h) * Qn + qi, mask=row_ok, other=float("-inf"))
     top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability
-    empty = _empty_rows(live, theta, m_fin, top, POST, SKIP)
+    empty = empty_rows(live, theta, m_fin, top, POST, SKIP)
     if SKIP:
         cut = skip_cut(m_fin, theta)
+    else:
+        cut = theta
     lo_row, hi_row, lo, hi = _chunk_rows(lo_row, hi_row, split, CHUNK)
     offs_dv = tl.arange(0, BLOCK_DV)
     Vb = V_ptr + b * svb + hkv * svh
@@ -170,22 +159,7 @@ def _decode_select(
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] < hi_row[:, None])
         s = tl.load(s_rows[:, None] + offs_n[None, :], mask=valid, other=float("-inf"))
-        if SKIP:
-            w = tl.exp(s - m_fin[:, None])
-            if POST:
-                w = w / tl.maximum(l_i, TINY)[:, None]
-            keep = valid & (s >= cut[:, None])
-        elif POST:
-            w = tl.exp(s - m_fin[:, None]) / tl.maximum(l_i, TINY)[:, None]
-            keep = valid & (w > theta[:, None])
-            if KEEP_MAX:
-                keep = keep | (valid & empty[:, None] & (w >= top[:, None]))
-        else:
-            w = tl.exp(s - m_fin[:, None])
-            keep = valid & (s > theta[:, None])
-            if KEEP_MAX:
-                keep = keep | (valid & empty[:, None] & (s >= m_fin[:, None]))
-        w = tl.where(keep, w, 0.0)
+        w, keep = kept_weights(s, valid, m_fin, l_i, theta, cut, empty, top, POST, SKIP, KEEP_MAX)
         r_i += tl.sum(w, 1)
         cnt += tl.sum(keep.to(tl.int32), 1)
         vr += _union(keep, GP, QP, BLOCK_N)
@@ -227,7 +201,7 @@ def _decode_finish(
     h = hkv * G + g
     row = (b * H + h) * Qn + qi
     theta = tl.load(THETA_ptr + row, mask=row_ok, other=float("-inf"))
-    empty = _empty_rows(live, theta, m_fin, 1.0 / tl.maximum(l_i, TINY), POST, SKIP)
+    empty = empty_rows(live, theta, m_fin, 1.0 / tl.maximum(l_i, TINY), POST, SKIP)
     r = tl.arange(0, GP * QP)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_q = tl.arange(0, QP)
@@ -246,29 +220,8 @@ def _decode_finish(
         tiles += tl.load(TILES_ptr + part)
         skipped += tl.load(SKIP_ptr + part)
 
-    if POST:
-        o = acc
-        beta = 1.0 - r_i
-        kept_mass = r_i
-    else:
-        if SDC == 1:
-            e_drop = tl.maximum(l_i - r_i, 0.0)
-        elif SDC == 2:
-            n_drop = (n - cnt).to(tl.float32)
-            e_drop = tl.where(n_drop > 0, n_drop * tl.exp(tl.minimum(theta, m_fin) - m_fin), 0.0)
-        elif SDC == 3:
-            mass = tl.load(MASS_ptr + row, mask=row_ok, other=0.0)
-            e_drop = tl.where(cnt < n, mass, 0.0)
-        else:
-            e_drop = tl.zeros([GP * QP], tl.float32)
-        denom = tl.maximum(r_i + sdc_scale * e_drop, TINY)
-        o = acc / denom[:, None]
-        beta = 1.0 - r_i / denom
-        kept_mass = r_i / tl.maximum(l_i, TINY)
-        if UNIFORM:
-            v_all = tl.load(VALL_ptr + (b * Hkv + hkv) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
-            o = tl.where(empty[:, None], v_all[None, :], o)
-            beta = tl.where(empty, 0.0, beta)
+    o, beta, kept_mass = compensated(acc, r_i, l_i, m_fin, theta, n, cnt, empty, MASS_ptr, VALL_ptr, row, row_ok,
+                                     b * Hkv + hkv, offs_dv, DV, sdc_scale, POST, SDC, UNIFORM)
     if VMC:
         beta = tl.where(live, beta, 0.0)
         if VSUM:  # v̄ = Σ V / n from a running float64 sum (B, Hkv, Dv); one query row

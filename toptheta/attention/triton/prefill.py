@@ -65,6 +65,77 @@ def skip_cut(m, offset):
 
 
 @triton.jit
+def empty_rows(live, theta, m, top, POST: tl.constexpr, SKIP: tl.constexpr):
+    """Rows with a valid key where nothing passes θ (method.md §9): post-softmax when the largest probability
+    ``top`` does not exceed θ (θ ≥ 0), pre-softmax when the row max ``m`` does not; skip-softmax (θ holds ln(λ/n))
+    when λ > n."""
+    if SKIP:
+        empty = live & (theta > 0)
+    elif POST:
+        empty = live & (theta >= 0) & (top <= theta)
+    else:
+        empty = live & (m <= theta)
+    return empty
+
+
+@triton.jit
+def kept_weights(s, valid, m, l, theta, cut, empty, top, POST: tl.constexpr, SKIP: tl.constexpr,
+                 KEEP_MAX: tl.constexpr):
+    """One tile's rule once the row's max ``m`` and dense sum ``l`` are known: (weights, keep), the weights
+    e^{s−m} before the softmax or the probabilities e^{s−m}/l after it, 0 where not kept. Top-θ keeps s > θ (pre)
+    or p > θ (post), and an ``empty`` row its maximum (keep-max: every key tied with it); skip-softmax keeps
+    s ≥ ``cut`` (``skip_cut``), which the maximum always passes."""
+    w = tl.exp(s - m[:, None])
+    if POST:
+        w = w / tl.maximum(l, TINY)[:, None]
+    if SKIP:
+        keep = valid & (s >= cut[:, None])
+    elif POST:
+        keep = valid & (w > theta[:, None])
+        if KEEP_MAX:
+            keep = keep | (valid & empty[:, None] & (w >= top[:, None]))
+    else:
+        keep = valid & (s > theta[:, None])
+        if KEEP_MAX:
+            keep = keep | (valid & empty[:, None] & (s >= m[:, None]))
+    return tl.where(keep, w, 0.0), keep
+
+
+@triton.jit
+def compensated(acc, r_i, l_i, m, theta, n, cnt, empty, MASS_ptr, VALL_ptr, row, row_ok, kv, offs_dv, DV,
+                sdc_scale, POST: tl.constexpr, SDC: tl.constexpr, UNIFORM: tl.constexpr):
+    """(o, β, kept mass) of each row from the kept sums (acc = Σ_kept w·v, r_i = Σ_kept w, cnt kept keys; l_i the
+    dense sum, m the row max). Post-softmax: o = acc, β = 1 − Σ_kept p. Pre-softmax: o = acc / (R + λ·E) with the
+    dropped mass E exact (SDC 1), (n − |S|)·e^{min(θ,m)−m} (2, exp-threshold), the calibrated mean where something
+    was dropped (3) or 0, β = 1 − R / denominator; ``UNIFORM`` rows (reference empty rows without SDC) attend
+    uniformly to the call's keys (v_all of KV head ``kv``). VMC adds β·v̄ afterwards."""
+    if POST:
+        o = acc
+        beta = 1.0 - r_i
+        kept_mass = r_i
+    else:
+        if SDC == 1:  # exact: the dropped keys' own mass
+            e_drop = tl.maximum(l_i - r_i, 0.0)
+        elif SDC == 2:  # exp-threshold: every dropped logit is ≤ min(θ, m)
+            n_drop = (n - cnt).to(tl.float32)
+            e_drop = tl.where(n_drop > 0, n_drop * tl.exp(tl.minimum(theta, m) - m), 0.0)
+        elif SDC == 3:  # calibrated mean dropped mass, where something was dropped
+            mass = tl.load(MASS_ptr + row, mask=row_ok, other=0.0)
+            e_drop = tl.where(cnt < n, mass, 0.0)
+        else:
+            e_drop = tl.zeros_like(r_i)
+        denom = tl.maximum(r_i + sdc_scale * e_drop, TINY)
+        o = acc / denom[:, None]
+        beta = 1.0 - r_i / denom
+        if UNIFORM:
+            v_all = tl.load(VALL_ptr + kv * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+            o = tl.where(empty[:, None], v_all[None, :], o)
+            beta = tl.where(empty, 0.0, beta)
+        kept_mass = r_i / tl.maximum(l_i, TINY)
+    return o, beta, kept_mass
+
+
+@triton.jit
 def tile_scores(q, K_ptr, offs_n, offs_d, lo_row, hi_row, stride_kn, stride_kd, D, scaling,
             SCALE_Q: tl.constexpr, IEEE: tl.constexpr):
     """(BLOCK_M, BLOCK_N) float32 scaled logits of one key tile, −inf outside each row's [lo_row, hi_row)."""
@@ -142,13 +213,12 @@ def _prefill_kernel(
             l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
             m_i = m_new
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        inv_l = 1.0 / tl.maximum(l_i, TINY)
-        top = inv_l  # the largest probability, e^{m−m}/l
+        top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability, e^{m−m}/l
+        empty = empty_rows(live, theta, m_fin, top, POST, SKIP)
         if SKIP:  # THETA holds ln(λ/n): a row whose cut passes its maximum keeps the maximum
             cut = skip_cut(m_fin, theta)
-            empty = live & (theta > 0)
         else:
-            empty = live & (theta >= 0) & (top <= theta)
+            cut = theta
 
     r_i = tl.zeros([BLOCK_M], tl.float32)
     cnt = tl.zeros([BLOCK_M], tl.int32)
@@ -158,16 +228,8 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         s, valid = tile_scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
-        if SKIP:  # the row's max is known: weights e^{s−m} (pre), or the dense probabilities (post)
-            w = tl.exp(s - m_fin[:, None])
-            if POST:
-                w = w / tl.maximum(l_i, TINY)[:, None]
-            keep = valid & (s >= cut[:, None])
-        elif POST:
-            w = tl.exp(s - m_fin[:, None]) / tl.maximum(l_i, TINY)[:, None]  # dense probabilities
-            keep = valid & (w > theta[:, None])
-            if KEEP_MAX:
-                keep = keep | (valid & empty[:, None] & (w >= top[:, None]))
+        if POST or SKIP:  # the row's max is known: weights e^{s−m} (pre), or the dense probabilities (post)
+            w, keep = kept_weights(s, valid, m_fin, l_i, theta, cut, empty, top, POST, SKIP, KEEP_MAX)
         else:  # online softmax; the selection is a mask on the logits
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -178,7 +240,7 @@ def _prefill_kernel(
             acc = acc * alpha[:, None]
             m_i = m_new
             keep = valid & (s > theta[:, None])
-        w = tl.where(keep, w, 0.0)
+            w = tl.where(keep, w, 0.0)
         r_i += tl.sum(w, 1)
         cnt += tl.sum(keep.to(tl.int32), 1)
         tiles += 1
@@ -193,7 +255,7 @@ def _prefill_kernel(
 
     if not POST and not SKIP:
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        empty = live & (m_fin <= theta)
+        empty = empty_rows(live, theta, m_fin, m_fin, POST, SKIP)
         if KEEP_MAX:
             if tl.max(empty.to(tl.int32), 0) > 0:  # rare: keep each empty row's maximum (the same logits again)
                 for start in range(lo, hi, BLOCK_N):
@@ -208,29 +270,8 @@ def _prefill_kernel(
                         acc = tile_pv(acc, w, Vb, offs_n, offs_dv, cols, svn, svd, DV, IEEE)
 
     # Epilogue: denominators, compensation, statistics.
-    if POST:
-        o = acc
-        beta = 1.0 - r_i
-        kept_mass = r_i
-    else:
-        if SDC == 1:  # exact: the dropped keys' own mass
-            e_drop = tl.maximum(l_i - r_i, 0.0)
-        elif SDC == 2:  # exp-threshold: every dropped logit is ≤ min(θ, m)
-            n_drop = (n - cnt).to(tl.float32)
-            e_drop = tl.where(n_drop > 0, n_drop * tl.exp(tl.minimum(theta, m_fin) - m_fin), 0.0)
-        elif SDC == 3:  # calibrated mean dropped mass, where something was dropped
-            mass = tl.load(MASS_ptr + row, mask=row_ok, other=0.0)
-            e_drop = tl.where(cnt < n, mass, 0.0)
-        else:
-            e_drop = tl.zeros([BLOCK_M], tl.float32)
-        denom = tl.maximum(r_i + sdc_scale * e_drop, TINY)
-        o = acc / denom[:, None]
-        beta = 1.0 - r_i / denom
-        kept_mass = r_i / tl.maximum(l_i, TINY)
-        if UNIFORM:  # reference empty rows, pre-softmax without SDC: uniform over all K keys of the call
-            v_all = tl.load(VALL_ptr + (b * Hkv + hkv) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
-            o = tl.where(empty[:, None], v_all[None, :], o)
-            beta = tl.where(empty, 0.0, beta)
+    o, beta, kept_mass = compensated(acc, r_i, l_i, m_fin, theta, n, cnt, empty, MASS_ptr, VALL_ptr, row, row_ok,
+                                     b * Hkv + hkv, offs_dv, DV, sdc_scale, POST, SDC, UNIFORM)
     if VMC:
         beta = tl.where(live, beta, 0.0)
         vm_ptrs = VMEAN_ptr + ((b * Hkv + hkv) * Qn + offs_m[:, None]) * DV + offs_dv[None, :]
