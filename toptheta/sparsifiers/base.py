@@ -160,6 +160,16 @@ class Sparsifier:
         None: use ``select``. Post-softmax threshold and top-k rules offer it."""
         return None
 
+    def fused_whole(self, rows: RowBlock) -> torch.Tensor | None:
+        """For a rule with a budget k (Top-k, top-p, skip-softmax): the rows it keeps whole (B, H, Q), those with at
+        most k valid keys, when the fused kernel can take the chunk; None when the plain kernel must. Pre-softmax
+        weights are renormalised over the kept set (the plain kernel's job), and a chunk whose rows all fit in k
+        keys is dense there, as in ``select``."""
+        k = self.k_for(rows.layer)
+        if self.placement != "post" or k is None or rows.logits.shape[-1] <= k:
+            return None
+        return (rows.n <= k).expand(rows.logits.shape[:3])
+
     def describe(self) -> dict:
         return {"name": type(self).__name__.lower(), "placement": self.placement}
 

@@ -100,11 +100,10 @@ class SkipSoftmax(Sparsifier):
     def fused_rule(self, rows: RowBlock) -> FusedRule | None:
         """After the softmax, the fused CPU kernel compares each row with its cut (csrc/select.cpp, ``post_cut``);
         before it the weights are renormalised over the kept set (plain kernel)."""
-        k = self.k_for(rows.layer)
-        if self.placement != "post" or rows.logits.shape[-1] <= k:
+        whole = self.fused_whole(rows)
+        if whole is None:
             return None
-        shape = rows.logits.shape[:3]
-        return FusedRule(whole=(rows.n <= k).expand(shape), cut=self.cut(rows)[..., 0], empty=self._empty(rows, k))
+        return FusedRule(whole=whole, cut=self.cut(rows)[..., 0], empty=self._empty(rows, self.k_for(rows.layer)))
 
     def describe(self) -> dict:
         return {"name": "skipsoftmax", "placement": self.placement, "lam": self.lam, "k": self.k,

@@ -49,12 +49,8 @@ class TopK(Sparsifier):
         return keep_whole_short_rows(keep, rows, k)
 
     def fused_rule(self, rows: RowBlock) -> FusedRule | None:
-        k = self.k_for(rows.layer)
-        # Pre-softmax weights are renormalised over the kept set (the plain kernel's job); chunks whose rows all fit
-        # in k keys are dense there, as in select.
-        if self.placement != "post" or rows.logits.shape[-1] <= k:
-            return None
-        return FusedRule(whole=(rows.n <= k).expand(rows.logits.shape[:3]), k=k)
+        whole = self.fused_whole(rows)
+        return None if whole is None else FusedRule(whole=whole, k=self.k_for(rows.layer))
 
     def describe(self) -> dict:
         return {"name": "topk", "placement": self.placement, "k": self.k, "layer_k": dict(self.layer_k)}

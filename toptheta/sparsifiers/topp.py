@@ -64,10 +64,8 @@ class TopP(Sparsifier):
     def fused_rule(self, rows: RowBlock) -> FusedRule | None:
         """After the softmax, the fused CPU kernel finds each row's boundary by a selection instead of a sort
         (csrc/select.cpp, ``post_topp``); before it the weights are renormalised over the kept set (plain kernel)."""
-        k = self.k_for(rows.layer)
-        if self.placement != "post" or rows.logits.shape[-1] <= k or self.p >= 1.0:
-            return None
-        return FusedRule(whole=(rows.n <= k).expand(rows.logits.shape[:3]), p=self.p)
+        whole = self.fused_whole(rows)
+        return None if whole is None or self.p >= 1.0 else FusedRule(whole=whole, p=self.p)
 
     def describe(self) -> dict:
         return {"name": "topp", "placement": self.placement, "p": self.p, "k": self.k, "layer_k": dict(self.layer_k)}
