@@ -156,6 +156,45 @@ def row_rule(theta: torch.Tensor | None, cut_offset: torch.Tensor | None, placem
     return per_row(cut_offset, B, H, Q, device, "cut_offset", dtype=torch.float64), True
 
 
+@dataclass
+class RowInputs:
+    """The per-sequence and per-row inputs of the prefill and decode kernels, checked and on the device.
+
+    key_start, key_end, q_offset: (B,) int32. theta: (B, H, Q) the kernels' THETA (``row_rule``), ``skip`` when it
+    holds skip-softmax's cut offsets. mass: (B, H, Q) calibrated dropped mass (sdc="calibrated"). uniform: reference
+    empty rows before the softmax without SDC attend uniformly to all K keys of the call, whose mean V row is
+    ``v_all`` (B, Hkv, Dv). A tensor the kernel does not read is ``theta`` (a valid pointer)."""
+
+    key_start: torch.Tensor
+    key_end: torch.Tensor
+    q_offset: torch.Tensor
+    theta: torch.Tensor
+    skip: bool
+    mass: torch.Tensor
+    sparse: bool
+    uniform: bool
+    v_all: torch.Tensor
+
+
+def row_inputs(value: torch.Tensor, B: int, H: int, Q: int, device, *, theta, cut_offset, placement, key_start,
+               key_end, q_offset, causal: bool, window: int | None, sdc: str | None, sdc_mass, empty_rows: str
+               ) -> RowInputs:
+    """The wrappers' shared checks and per-row inputs (their arguments of the same names; K from ``value``)."""
+    check_options(placement, sdc, empty_rows)
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window needs causal rows and window ≥ 1, got window={window}, causal={causal}")
+    if sdc == "calibrated" and sdc_mass is None:
+        raise ValueError("sdc='calibrated' needs sdc_mass, the calibrated dropped mass per row (B, H, Q)")
+    K = value.shape[2]
+    th, skip = row_rule(theta, cut_offset, placement, sdc, empty_rows, B, H, Q, device)
+    mass = per_row(sdc_mass, B, H, Q, device, "sdc_mass") if sdc == "calibrated" else th
+    sparse = placement is not None
+    uniform = sparse and placement != "post" and sdc is None and empty_rows == "reference"
+    return RowInputs(key_start=per_sequence(key_start, B, 0, device), key_end=per_sequence(key_end, B, K, device),
+                     q_offset=per_sequence(q_offset, B, K - Q, device), theta=th, skip=skip, mass=mass, sparse=sparse,
+                     uniform=uniform, v_all=value.float().mean(2).contiguous() if uniform else th)  # (B, Hkv, Dv)
+
+
 def row_bounds(key_start: torch.Tensor, key_end: torch.Tensor, q_offset: torch.Tensor, Q: int,
                window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi) (B, Q) int64: row i of sequence b attends to keys lo ≤ j < hi (hi ≥ lo), as the kernels do.

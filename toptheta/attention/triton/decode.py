@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
-                     per_row, per_sequence, row_bounds, row_rule, stats_arguments, value_means)
-from .prefill import TINY, compensated, empty_rows, kept_weights, row_keys, skip_cut, tile_pv, tile_scores
+from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_qkv, next_pow2, row_bounds, row_inputs,
+                     stats_arguments, value_means)
+from .prefill import TINY, compensated, empty_mask, kept_weights, row_keys, skip_cut, tile_pv, tile_scores
 
 MAX_ROWS = 256  # GP·QP rows per program
 PROGRAMS_PER_SM = 4  # chunks are sized so that (sequence, KV head, chunk) programs fill each SM this many times
@@ -139,7 +139,7 @@ def _decode_select(
     h = hkv * G + g
     theta = tl.load(THETA_ptr + (b * H + h) * Qn + qi, mask=row_ok, other=float("-inf"))
     top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability
-    empty = empty_rows(live, theta, m_fin, top, POST, SKIP)
+    empty = empty_mask(live, theta, m_fin, top, POST, SKIP)
     if SKIP:
         cut = skip_cut(m_fin, theta)
     else:
@@ -201,7 +201,7 @@ def _decode_finish(
     h = hkv * G + g
     row = (b * H + h) * Qn + qi
     theta = tl.load(THETA_ptr + row, mask=row_ok, other=float("-inf"))
-    empty = empty_rows(live, theta, m_fin, 1.0 / tl.maximum(l_i, TINY), POST, SKIP)
+    empty = empty_mask(live, theta, m_fin, 1.0 / tl.maximum(l_i, TINY), POST, SKIP)
     r = tl.arange(0, GP * QP)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_q = tl.arange(0, QP)
@@ -314,24 +314,17 @@ def decode_attention(
     V rows per (B, Hkv, Q); ``tiles`` / ``skipped_tiles`` sum over the chunks."""
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
     device = check_device(_decode_select, query, key, value)
-    check_options(placement, sdc, empty_rows)
-    if window is not None and (not causal or window < 1):
-        raise ValueError(f"a sliding window needs causal rows and window ≥ 1, got window={window}, causal={causal}")
-    if sdc == "calibrated" and sdc_mass is None:
-        raise ValueError("sdc='calibrated' needs sdc_mass, the calibrated dropped mass per row (B, H, Q)")
+    rows = row_inputs(value, B, H, Q, device, theta=theta, cut_offset=cut_offset, placement=placement,
+                      key_start=key_start, key_end=key_end, q_offset=q_offset, causal=causal, window=window, sdc=sdc,
+                      sdc_mass=sdc_mass, empty_rows=empty_rows)
     G = H // Hkv
     GP, QP = next_pow2(G), next_pow2(Q)
     QP = max(QP, 16 // GP)  # at least 16 stacked rows for tl.dot
     if GP * QP > MAX_ROWS:
         raise ValueError(f"{G} heads per KV head × {Q} query rows is too many rows for one decode program "
                          f"(at most {MAX_ROWS}); use prefill_attention")
-    post = placement == "post"
-    ks = per_sequence(key_start, B, 0, device)
-    ke = per_sequence(key_end, B, K, device)
-    qo = per_sequence(q_offset, B, K - Q, device)
-    th, skip = row_rule(theta, cut_offset, placement, sdc, empty_rows, B, H, Q, device)
-    mass = per_row(sdc_mass, B, H, Q, device, "sdc_mass") if sdc == "calibrated" else th
-    sparse = placement is not None
+    post, sparse = placement == "post", rows.sparse
+    ks, ke, qo, th = rows.key_start, rows.key_end, rows.q_offset, rows.theta
     vmc = bool(vmc and sparse)
     vsum = vmc and v_mean is None and v_sum is not None  # v̄ = v_sum / n in the kernel (a running sum, Q = 1)
     if vsum:
@@ -346,8 +339,6 @@ def decode_attention(
             raise ValueError(f"v_mean must be (B, Hkv, Q, Dv) = {(B, Hkv, Q, Dv)}, got {tuple(v_mean.shape)}")
     else:
         v_mean = th
-    uniform = sparse and not post and sdc is None and empty_rows == "reference"
-    v_all = value.float().mean(2).contiguous() if uniform else th
 
     # 16-bit: 128-key tiles in 2 warps, the fastest of the tuned settings on an H200 (results/bench/gpu_tune.md)
     BLOCK_N = block_n or (64 if query.dtype == torch.float32 else 128)
@@ -380,25 +371,25 @@ def decode_attention(
     ieee = query.dtype == torch.float32
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     win = window or NO_WINDOW
-    rows = dict(GP=GP, QP=QP, CAUSAL=causal)
+    group = dict(GP=GP, QP=QP, CAUSAL=causal)
     stats_args, counting = stats_arguments(stats_row, stats_columns, kept_mass)
     _decode_logits[(B * Hkv, NS)](
         query, key, scratch, m_part, l_part, *query.stride(), *key.stride(), ks, ke, qo,
         G, Hkv, Q, D, K, NS, CHUNK, win, float(scaling),
-        BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), SCALE_Q=ieee, IEEE=ieee, **rows, **extra,
+        BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), SCALE_Q=ieee, IEEE=ieee, **group, **extra,
     )
     _decode_select[(B * Hkv, NS)](
         value, scratch, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part,
         *value.stride(), ks, ke, qo, th, H, G, Hkv, Q, Dv, K, NS, CHUNK, win,
         NSP=next_pow2(NS), BLOCK_N=BLOCK_N, BLOCK_DV=BLOCK_DV, POST=post,
-        KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, SKIP=skip, **rows, **extra,
+        KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, SKIP=rows.skip, **group, **extra,
     )
     _decode_finish[(B * Hkv,)](
         out, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part, *out.stride(),
-        ks, ke, qo, th, mass, v_mean, v_all, kept, kept_mass, empty, n, vrows, tiles, skipped, *stats_args,
+        ks, ke, qo, th, rows.mass, v_mean, rows.v_all, kept, kept_mass, empty, n, vrows, tiles, skipped, *stats_args,
         H, G, Hkv, Q, Dv, NS, win, float(sdc_scale),
-        NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, VSUM=vsum, UNIFORM=uniform,
-        STATS=counting, SPARSE=sparse, SKIP=skip, **rows, **extra,
+        NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, VSUM=vsum, UNIFORM=rows.uniform,
+        STATS=counting, SPARSE=sparse, SKIP=rows.skip, **group, **extra,
     )
     return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.view(torch.bool),
                            vrows=vrows, tiles=tiles, skipped_tiles=skipped)

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_options, check_qkv, next_pow2,
-                     per_row, per_sequence, row_bounds, row_rule, stats_arguments, value_means)
+from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_qkv, next_pow2, row_bounds, row_inputs,
+                     stats_arguments, value_means)
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # float32 tiny, the plain kernel's clamp (a constexpr: kernels may read no other globals)
 
@@ -65,7 +65,7 @@ def skip_cut(m, offset):
 
 
 @triton.jit
-def empty_rows(live, theta, m, top, POST: tl.constexpr, SKIP: tl.constexpr):
+def empty_mask(live, theta, m, top, POST: tl.constexpr, SKIP: tl.constexpr):
     """Rows with a valid key where nothing passes θ (method.md §9): post-softmax when the largest probability
     ``top`` does not exceed θ (θ ≥ 0), pre-softmax when the row max ``m`` does not; skip-softmax (θ holds ln(λ/n))
     when λ > n."""
@@ -214,7 +214,7 @@ def _prefill_kernel(
             m_i = m_new
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability, e^{m−m}/l
-        empty = empty_rows(live, theta, m_fin, top, POST, SKIP)
+        empty = empty_mask(live, theta, m_fin, top, POST, SKIP)
         if SKIP:  # THETA holds ln(λ/n): a row whose cut passes its maximum keeps the maximum
             cut = skip_cut(m_fin, theta)
         else:
@@ -255,7 +255,7 @@ def _prefill_kernel(
 
     if not POST and not SKIP:
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        empty = empty_rows(live, theta, m_fin, m_fin, POST, SKIP)
+        empty = empty_mask(live, theta, m_fin, m_fin, POST, SKIP)
         if KEEP_MAX:
             if tl.max(empty.to(tl.int32), 0) > 0:  # rare: keep each empty row's maximum (the same logits again)
                 for start in range(lo, hi, BLOCK_N):
@@ -339,28 +339,18 @@ def prefill_attention(
     """
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
     device = check_device(_prefill_kernel, query, key, value)
-    check_options(placement, sdc, empty_rows)
-    if window is not None and (not causal or window < 1):
-        raise ValueError(f"a sliding window needs causal rows and window ≥ 1, got window={window}, causal={causal}")
-    if sdc == "calibrated" and sdc_mass is None:
-        raise ValueError("sdc='calibrated' needs sdc_mass, the calibrated dropped mass per row (B, H, Q)")
-    post = placement == "post"
-    ks = per_sequence(key_start, B, 0, device)
-    ke = per_sequence(key_end, B, K, device)
-    qo = per_sequence(q_offset, B, K - Q, device)
-    th, skip = row_rule(theta, cut_offset, placement, sdc, empty_rows, B, H, Q, device)
-    mass = per_row(sdc_mass, B, H, Q, device, "sdc_mass") if sdc == "calibrated" else th
-    lo, hi = row_bounds(ks, ke, qo, Q, window, causal)
-    sparse = placement is not None
+    rows = row_inputs(value, B, H, Q, device, theta=theta, cut_offset=cut_offset, placement=placement,
+                      key_start=key_start, key_end=key_end, q_offset=q_offset, causal=causal, window=window, sdc=sdc,
+                      sdc_mass=sdc_mass, empty_rows=empty_rows)
+    post, sparse = placement == "post", rows.sparse
+    lo, hi = row_bounds(rows.key_start, rows.key_end, rows.q_offset, Q, window, causal)
     vmc = bool(vmc and sparse)
     if vmc:
         v_mean = value_means(value, lo, hi) if v_mean is None else v_mean.float().contiguous()
         if v_mean.shape != (B, Hkv, Q, Dv):
             raise ValueError(f"v_mean must be (B, Hkv, Q, Dv) = {(B, Hkv, Q, Dv)}, got {tuple(v_mean.shape)}")
     else:
-        v_mean = th
-    uniform = sparse and not post and sdc is None and empty_rows == "reference"
-    v_all = value.float().mean(2).contiguous() if uniform else th  # (B, Hkv, Dv)
+        v_mean = rows.theta
 
     wide = 64 if query.dtype != torch.float32 else 32  # float32 tiles take twice the shared memory
     BLOCK_M = block_m or wide
@@ -381,12 +371,13 @@ def prefill_attention(
     _prefill_kernel[grid](
         query, key, value, out,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        ks, ke, qo, th, mass, v_mean, v_all,
+        rows.key_start, rows.key_end, rows.q_offset, rows.theta, rows.mass, v_mean, rows.v_all,
         kept, kept_mass, empty, tiles, skipped, *stats_args,
         H, H // Hkv, Hkv, Q, D, Dv, window or NO_WINDOW, float(scaling), float(sdc_scale),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-        POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse, UNIFORM=uniform,
-        CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse, SKIP_TILES=bool(skip_tiles), SKIP=skip,
+        POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse,
+        UNIFORM=rows.uniform, CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse,
+        SKIP_TILES=bool(skip_tiles), SKIP=rows.skip,
         **extra,
     )
     n = (hi - lo).to(torch.int32)  # (B, Q)
