@@ -1,6 +1,6 @@
 """Regenerate every table and figure the results store supports.
 
-    python scripts/make_figures.py [--results results] [--out results/figures]
+    python scripts/make_figures.py [--results results] [--out results/figures] [--redraw]
 
 From the store alone (summary.csv and the run directories):
 - trade-offs: per (model, task, metric of interest, few-shot count, limit) with a dense baseline and a
@@ -16,8 +16,10 @@ From the store alone (summary.csv and the run directories):
 Every table is written as csv, Markdown and LaTeX, every figure as PNG and PDF with a Markdown sidecar;
 each Markdown file starts with the command that produced it. Files are written atomically and without
 timestamps, so rerunning on the same store changes no file. `index.md` lists all outputs; files a
-previous run listed in `manifest.txt` and this run no longer produces are deleted. Nothing is computed
-here: the numbers come from toptheta.results.
+previous run listed in `manifest.txt` and this run no longer produces are deleted. A figure drawn from
+files (per-run thresholds, per-layer statistics) is drawn again only when those files, its own files or the
+drawing code changed since the last run here (a record in the cache directory; `--redraw` draws every figure).
+Nothing is computed here: the numbers come from toptheta.results.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 
 from toptheta.results import (ablations, baselines, figures, informative, past_calibration, reduction,  # noqa: E402
                                run_figures, selection, storage, threshold_plots, tradeoff_panels, verdicts)
-from toptheta.results.render import FIGURE_FORMATS, latex, markdown, save_figure, write_text  # noqa: E402
+from toptheta.results.render import (FIGURE_FORMATS, RenderRecord, latex, markdown, save_figure,  # noqa: E402
+                                     write_text)
 from toptheta.results.summary import load_summary  # noqa: E402
 
 # Floats in csv files to 10 significant digits: a sum's last bit depends on the order numpy adds in (SIMD width,
@@ -68,9 +71,11 @@ def _rounded(table):
 class Outputs:
     """Writes tables and figures under `out`, each carrying `command`, and records what it wrote."""
 
-    def __init__(self, out: Path, command: str, source: Path):
+    def __init__(self, out: Path, command: str, source: Path, redraw: bool = False):
         self.out, self.command, self.source = out, command, source
         self.written: list[tuple[str, str]] = []  # (file name, description)
+        self.record = RenderRecord(out, sources=(Path(__file__),), enabled=not redraw)
+        self.drawn = self.kept = 0  # figures drawn, and figures whose files were current (not drawn again)
 
     def _header(self, title: str) -> str:
         return f"# {title}\n\nProduced by `{self.command}` from `{self.source}`; do not edit by hand.\n\n"
@@ -91,11 +96,23 @@ class Outputs:
         self._record(paths["md"], f"{title} (Markdown, with the command)")
         self._record(paths["tex"], f"{title} (LaTeX)")
 
-    def figure(self, name: str, fig, title: str, notes: str = "") -> None:
-        """`name`.png, `name`.pdf and a sidecar `name`.md."""
-        for fmt in FIGURE_FORMATS:
-            save_figure(fig, self.out / f"{name}.{fmt}", fmt)
-            self._record(self.out / f"{name}.{fmt}", title)
+    def figure(self, name: str, fig, title: str, notes: str = "", inputs: tuple | None = None) -> None:
+        """`name`.png, `name`.pdf and a sidecar `name`.md. With `inputs` (the files the figure is drawn from, and any
+        other value it depends on), `fig` is a function that draws it, called only when the files on disk were
+        not drawn from the same inputs by the same code (RenderRecord)."""
+        paths = [self.out / f"{name}.{fmt}" for fmt in FIGURE_FORMATS]
+        key = None if inputs is None else self.record.key(name, title, *inputs)
+        if key is not None and self.record.current(key, paths):
+            self.kept += 1
+        else:
+            fig = fig() if key is not None else fig
+            for fmt, path in zip(FIGURE_FORMATS, paths):
+                save_figure(fig, path, fmt)
+            if key is not None:
+                self.record.drawn(key, paths)
+            self.drawn += 1
+        for path in paths:
+            self._record(path, title)
         md = self.out / f"{name}.md"
         write_text(md, self._header(title) + f"Figure: `{name}.png`, `{name}.pdf`.\n\n{notes}")
         self._record(md, f"{title} (sidecar, with the command)")
@@ -112,7 +129,9 @@ class Outputs:
         lines = [f"- `{name}`: {description}" for name, description in self.written]
         write_text(self.out / "index.md", self._header("Tables and figures") + "\n".join(lines) + "\n")
         write_text(manifest, "\n".join(sorted(names)) + "\n")
-        print(f"wrote {self.out / 'index.md'} ({len(self.written)} files)")
+        self.record.save(names)
+        print(f"wrote {self.out / 'index.md'} ({len(self.written)} files; {self.drawn} figures drawn, {self.kept} "
+              "current from an earlier run: --redraw draws every figure)")
 
 
 def _runs_note(table) -> str:
@@ -208,10 +227,10 @@ def write_thresholds(outputs: Outputs, results: Path) -> None:
         name = slug("thresholds", path.parent.name)
         title = f"run {path.parent.name}"
         outputs.table(name, threshold_plots.summary_table(path), f"Top-θ thresholds per layer: {title}")
-        outputs.figure(f"{name}-hist", threshold_plots.histogram_figure(path, title=title),
-                       f"Top-θ threshold histograms: {title}", f"File: `{path}`.\n")
-        outputs.figure(f"{name}-by_length", threshold_plots.theta_vs_length_figure(path, title=title),
-                       f"Top-θ: θ against row length: {title}", f"File: `{path}`.\n")
+        outputs.figure(f"{name}-hist", lambda: threshold_plots.histogram_figure(path, title=title),
+                       f"Top-θ threshold histograms: {title}", f"File: `{path}`.\n", inputs=(path,))
+        outputs.figure(f"{name}-by_length", lambda: threshold_plots.theta_vs_length_figure(path, title=title),
+                       f"Top-θ: θ against row length: {title}", f"File: `{path}`.\n", inputs=(path,))
 
 
 def write_per_layer(outputs: Outputs, results: Path) -> None:
@@ -221,9 +240,11 @@ def write_per_layer(outputs: Outputs, results: Path) -> None:
         outputs.table(name, table, f"Per-layer statistics: {group['title']}")
         for stat in ("kept_attention_fraction", "kept_vrow_fraction"):
             if table[stat].notna().any():
-                fig = run_figures.per_layer_figure(group["run_dirs"], stat=stat, title=group["title"])
-                outputs.figure(f"{name}-{X_SHORT[stat]}", fig, f"{figures.X_LABELS[stat]} per layer: {group['title']}",
-                               f"Numbers: `{name}.csv`.\n\n" + _runs_note(table))
+                outputs.figure(f"{name}-{X_SHORT[stat]}",
+                               lambda: run_figures.per_layer_figure(group["run_dirs"], stat=stat, title=group["title"]),
+                               f"{figures.X_LABELS[stat]} per layer: {group['title']}",
+                               f"Numbers: `{name}.csv`.\n\n" + _runs_note(table),
+                               inputs=(stat, *run_figures.per_layer_inputs(group["run_dirs"])))
 
 
 def write_vrow_popularity(outputs: Outputs, results: Path) -> None:
@@ -249,17 +270,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="results", help="the results store (holds summary.csv and runs/)")
     parser.add_argument("--out", default=None, help="output folder (default: <results>/figures)")
+    parser.add_argument("--redraw", action="store_true",
+                        help="draw every figure, also those whose files were drawn from the same inputs by the same "
+                             "code in an earlier run (by default those are kept; the bytes are the same either way)")
     args = parser.parse_args(argv)
     results = Path(args.results)
     out = Path(args.out) if args.out else results / "figures"
-    command = shlex.join(["python", "scripts/make_figures.py", *(sys.argv[1:] if argv is None else argv)])
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = shlex.join(["python", "scripts/make_figures.py", *(a for a in given if a != "--redraw")])
 
     summary = load_summary(results)
     if summary.empty and not (results / "runs").is_dir():
         print(f"nothing to plot: no results in {results} (no summary.csv, no runs/). "
               "Run experiments first, e.g. `python run.py`, or point --results at a results store.")
         return 0
-    outputs = Outputs(out, command, results / "summary.csv")
+    outputs = Outputs(out, command, results / "summary.csv", redraw=args.redraw)
     write_tradeoffs(outputs, summary, results)
     write_ablations(outputs, summary, results)
     write_passkey(outputs, summary, results)

@@ -73,6 +73,14 @@ def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, 
 POPULARITY = {"layer": 1, "group": 0, "heads_per_group": 2, "steps": 2, "counts": [[2, 0, 1, 0], [2, 1, 0, 2]]}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def render_record(tmp_path_factory):
+    """make_figures keeps what it drew in the cache directory: this module's own, not the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOPTHETA_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """A store with a QA trade-off (+ a rerun and a granularity ablation), HumanEval, and two per-layer runs."""
@@ -257,14 +265,59 @@ def test_threshold_storage_matches_the_papers_figure():
 
 
 def test_rerun_changes_no_file(made, results):
-    """Rerunning on the same store, in a fresh process, rewrites every file with the same bytes."""
+    """Rerunning on the same store, in a fresh process, drawing every figure again, rewrites every file with the
+    same bytes."""
     before = {p.name: p.read_bytes() for p in made.iterdir()}
-    proc = subprocess.run([sys.executable, "scripts/make_figures.py", "--results", str(results), "--out", str(made)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "scripts/make_figures.py", "--results", str(results), "--out", str(made),
+                           "--redraw"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " 0 current from an earlier run" in proc.stdout
     after = {p.name: p.read_bytes() for p in made.iterdir()}
     assert after.keys() == before.keys()
     assert [n for n in before if before[n] != after[n]] == []
+
+
+def test_a_rerun_draws_only_the_figures_whose_inputs_changed(results, tmp_path, monkeypatch):
+    """Figures drawn from files (thresholds, per-layer statistics) are drawn again only when those files, the drawing
+    code or the figure's own files changed; the files are the same bytes as a full redraw."""
+    import shutil
+
+    import torch
+
+    from toptheta.calibration import Thresholds
+
+    store = tmp_path / "results"
+    shutil.copytree(results, store)
+    run = store / "runs" / "thr0"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": {"name": "tiny-llama"}}))
+    Thresholds(torch.linspace(0.1, 0.5, 3 * 2 * 4).reshape(3, 2, 4), [8, 8, 8], "post").save(
+        run / "thresholds.safetensors")
+    script = _load_script()
+    drawn = []
+    save = script.save_figure
+    monkeypatch.setattr(script, "save_figure", lambda fig, path, fmt: (drawn.append(path.name), save(fig, path, fmt)))
+
+    def build(*extra):
+        drawn.clear()
+        assert script.main(["--results", str(store), "--out", str(tmp_path / "figs"), *extra]) == 0
+        return {p.name: p.read_bytes() for p in (tmp_path / "figs").iterdir()}, sorted(drawn)
+
+    first, drawn_first = build()
+    keyed = {n for n in drawn_first if n.startswith(("thresholds-thr0-", "per_layer-"))}
+    assert {"thresholds-thr0-hist.png", "thresholds-thr0-by_length.pdf"} <= keyed
+    assert len(keyed) == 6  # the two threshold figures and the one per-layer figure, png and pdf
+    again, drawn_again = build()
+    assert again == first and set(drawn_again) == set(drawn_first) - keyed  # trade-offs etc. are always drawn
+    Thresholds(torch.linspace(0.2, 0.6, 3 * 2 * 4).reshape(3, 2, 4), [8, 8, 8], "post").save(
+        run / "thresholds.safetensors")
+    (tmp_path / "figs" / next(n for n in keyed if n.startswith("per_layer-"))).write_bytes(b"edited")
+    _, drawn_changed = build()
+    changed = set(drawn_changed) & keyed
+    assert {n for n in changed if n.startswith("thresholds-")} == {n for n in keyed if n.startswith("thresholds-")}
+    assert len({n for n in changed if n.startswith("per_layer-")}) == 2  # the edited figure's png and pdf
+    redrawn, drawn_all = build("--redraw")
+    assert set(drawn_all) >= keyed and redrawn == build()[0]
 
 
 def test_per_layer(results):

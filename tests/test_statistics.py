@@ -192,11 +192,13 @@ def _make_figures():
     return script
 
 
-def test_two_builds_are_byte_identical(store, tmp_path):
+def test_two_builds_are_byte_identical(store, tmp_path, monkeypatch):
     """Every table and figure (png, pdf included) of two builds a second apart has the same bytes: no dates, no
     versions, sums rounded; the new tables are among them."""
     import shutil
     import time
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))  # the render record: not the user's
 
     script = _make_figures()
     out = tmp_path / "figures"

@@ -7,6 +7,8 @@ same bytes (and git sees no change). Numbers are formatted by one function for b
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -70,3 +72,62 @@ def save_figure(fig, path: Path, fmt: str) -> None:
         raise ValueError(f"figure format {fmt!r}: use one of {', '.join(FIGURE_FORMATS)}")
     metadata = PNG_METADATA if fmt == "png" else PDF_METADATA
     atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=150, metadata=metadata))
+
+
+class RenderRecord:
+    """What each figure file was drawn from, so that a rerun draws only the figures whose inputs changed.
+
+    Drawing dominates make_figures (most of its figures are the per-run threshold histograms, which change only
+    when a run is added). A figure given a `key` (a digest of the input files it reads) is drawn again unless the
+    record holds, for each of its files, the same key and the sha256 of the bytes now on disk. The key is combined
+    with a fingerprint of the drawing code (every module of toptheta.results, the `sources` given, matplotlib's
+    version and rcParams), so a change of code or style draws everything again; a file edited or deleted since is
+    drawn again. The record lives in the cache directory (``render/<digest of the output folder>.json``), not in
+    the output folder: a fresh clone draws every figure once, and the files it writes are the same either way.
+    """
+
+    def __init__(self, out: Path, sources: tuple[Path, ...] = (), enabled: bool = True):
+        import matplotlib
+
+        from ..cachedir import cache_dir
+
+        self.enabled = enabled
+        self.path = cache_dir("render", hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16] + ".json")
+        code = hashlib.sha256()
+        for source in sorted(Path(__file__).parent.glob("*.py")) + sorted(Path(s) for s in sources):
+            code.update(source.name.encode() + b"\0" + source.read_bytes())
+        code.update(f"{matplotlib.__version__}\0{sorted(matplotlib.rcParams.items())!r}".encode())
+        self.code = code.hexdigest()
+        self.entries: dict[str, dict[str, str]] = {}
+        if enabled and self.path.is_file():
+            try:
+                self.entries = json.loads(self.path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):  # an unreadable record only costs a redraw
+                self.entries = {}
+
+    def key(self, *inputs: Any) -> str:
+        """A key for a figure drawn from `inputs` (paths, whose bytes count, or JSON-able values) by this code."""
+        digest = hashlib.sha256(self.code.encode())
+        for item in inputs:
+            digest.update(Path(item).read_bytes() if isinstance(item, Path) else json.dumps(item).encode())
+            digest.update(b"\0")
+        return digest.hexdigest()
+
+    def current(self, key: str, paths: list[Path]) -> bool:
+        """Whether every one of `paths` exists as it was drawn from `key`."""
+        return self.enabled and all(
+            p.is_file() and self.entries.get(p.name) == {"key": key, "sha256": _sha256(p)} for p in paths)
+
+    def drawn(self, key: str, paths: list[Path]) -> None:
+        for p in paths:
+            self.entries[p.name] = {"key": key, "sha256": _sha256(p)}
+
+    def save(self, names: set[str]) -> None:
+        """Keep the entries of the files this run wrote (named in `names`)."""
+        self.entries = {name: entry for name, entry in sorted(self.entries.items()) if name in names}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path, json.dumps(self.entries, indent=0, sort_keys=True) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

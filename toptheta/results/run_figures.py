@@ -121,6 +121,17 @@ def per_layer_table(run_dirs: Sequence[str | os.PathLike[str]], labels: Sequence
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
 
+def per_layer_inputs(run_dirs: Sequence[str | os.PathLike[str]]) -> list[Any]:
+    """What per_layer_table and per_layer_figure read: each run's id, and its stats.json and config.json where it has
+    them (paths, so a render record can digest their bytes)."""
+    inputs: list[Any] = []
+    for run_dir in run_dirs:
+        inputs.append(Path(run_dir).name)
+        files = (Path(run_dir) / "stats.json", Path(run_dir) / "config.json")
+        inputs += [p if p.is_file() else f"no {p.name}" for p in files]
+    return inputs
+
+
 def per_layer_figure(run_dirs: Sequence[str | os.PathLike[str]], *, stat: str = "kept_attention_fraction",
                      labels: Sequence[str] | None = None, title: str | None = None) -> Figure:
     """`stat` per layer from each run's stats.json, one line per run."""
