@@ -305,6 +305,25 @@ def test_prefill_empty_and_clamped_rows_match(monkeypatch, torch_threads):
             assert fs.empty_rows.sum() > 0 and fs.clamped_rows > 0
 
 
+def test_masked_value_means_are_the_direct_float64_means():
+    """v̄ of masked rows (VMC's mean V row over each row's valid keys), the keys shared by a sequence's rows summed
+    once: the same float32 bits as the direct float64 mean, with padding, packed rows, rows without keys, sequences
+    whose rows share no key and a mask that every row shares whole."""
+    g = torch.Generator().manual_seed(0)
+    B, Q, K = 3, 12, 70
+    value = torch.randn(B, HKV, K, 16, generator=g)
+    context = torch.zeros(B, 1, Q, K, dtype=torch.bool)
+    context[..., 5:60] = True  # a cached context after left padding...
+    context[..., 60:] = torch.rand(B, 1, Q, K - 60, generator=g) < 0.4  # ...then each row's own keys
+    context[0, 0, 3] = False  # a padded query row: no key
+    scattered = torch.rand(B, 1, Q, K, generator=g) < 0.5  # nothing shared
+    whole = torch.ones(B, 1, Q, K, dtype=torch.bool)
+    for valid in (context, scattered, whole, torch.zeros_like(whole)):
+        n = valid.sum(-1)
+        direct = ((valid.double() @ value.double()) / n.clamp_min(1).unsqueeze(-1)).float()
+        assert torch.equal(prefill._value_means(value, valid, n), direct)
+
+
 def test_paths_the_one_pass_kernel_does_not_serve_run_the_plain_kernel(monkeypatch):
     pre = random_thresholds("pre")
     assert not prefill.supports(toptheta.TopK(3, "pre"))

@@ -147,15 +147,25 @@ def _value_means(value: torch.Tensor, valid: torch.Tensor, n: torch.Tensor) -> t
 
     Causal rows need none of this: the kernel keeps float64 prefix sums. Here: float64 sums and exact division, as
     the kernel's causal prefix means, so a row's v̄ has the same float32 bits whichever way its valid keys are laid
-    out (alone, left-padded in a batch, or packed after a cached context).
+    out (alone, left-padded in a batch, or packed after a cached context). The keys that every row of a sequence
+    with a valid key sees (a cached context, which the rows after it share) are summed once per sequence; only the
+    rest (the rows' own tokens) is summed per row: the sums are of float32 values in float64, exact in any order.
     """
     B, Hkv, K, Dv = value.shape
     Q = n.shape[-1]
     vd = value.double()
+    vm = valid.expand(B, 1, Q, K)[:, 0]  # (B, Q, K)
+    seen = n[:, 0] > 0  # (B, Q): rows with a valid key (the others get 0)
+    common = (vm | ~seen[..., None]).all(1) & seen.any(1, keepdim=True)  # (B, K): keys every such row sees
+    shared = common.double()[:, None, None, :] @ vd  # (B, Hkv, 1, Dv)
+    own = vm & ~common[:, None, :]  # (B, Q, K)
+    cols = own.any(1).any(0).nonzero().squeeze(1)  # keys some row sees beyond the common ones
+    vo = vd[:, :, cols]  # (B, Hkv, C, Dv)
     out = value.new_empty(B, Hkv, Q, Dv, dtype=torch.float32)
-    step = max(1, (1 << 21) // max(1, B * K))  # rows per chunk: ~16 MB of float64 mask
-    vm = valid.expand(B, 1, Q, K)
+    step = max(1, (1 << 21) // max(1, B * len(cols)))  # rows per chunk: ~16 MB of float64 mask
     for a in range(0, Q, step):
         b = min(Q, a + step)
-        out[:, :, a:b] = ((vm[:, :, a:b].double() @ vd) / n[..., a:b].clamp_min(1).unsqueeze(-1)).float()
+        sums = own[:, None, a:b][..., cols].double() @ vo + shared  # (B, Hkv, b − a, Dv)
+        sums = sums.where(seen[:, None, a:b, None], 0.0)
+        out[:, :, a:b] = (sums / n[..., a:b].clamp_min(1).unsqueeze(-1)).float()
     return out
