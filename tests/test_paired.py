@@ -337,7 +337,7 @@ def test_disagreements_name_failures_and_bounded_superiority_claims():
              Verdict("5. needs", "superiority", [], None, None, None, "undecided")]
     lines = disagreements(found)
     assert len(lines) == 2
-    assert lines[0].startswith("1. tracks: fails, measured -0.030 [-0.050, -0.020] over 1 pairs")
+    assert lines[0].startswith("1. tracks: fails, measured -0.030 [-0.050, -0.020] over 1 pair")
     assert lines[1].startswith("2. beats: no gain of 0.01 or more here") and "at most +0.005" in lines[1]
     assert disagreements(found[2:]) == []
 

@@ -246,7 +246,8 @@ def disagreements(results: Sequence[Verdict], margin: float = MARGIN) -> list[st
     for v in results:
         if not v.pairs or v.effect is None:
             continue
-        measured = f"measured {v.effect:+.3f} [{v.ci_low:+.3f}, {v.ci_high:+.3f}] over {len(v.pairs)} pairs"
+        pairs = f"{len(v.pairs)} pair" + ("" if len(v.pairs) == 1 else "s")
+        measured = f"measured {v.effect:+.3f} [{v.ci_low:+.3f}, {v.ci_high:+.3f}] over {pairs}"
         if v.verdict == "fails":
             lines.append(f"{v.claim}: fails, {measured} ({v.note}).")
             continue
