@@ -18,6 +18,7 @@ With ``backend.py``, this is the project's transformers-specific code (``Dynamic
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
@@ -89,6 +90,71 @@ def cache_prefix(cache: DynamicCache, length: int) -> DynamicCache:
         layers.append(own)
     set_cache_layers(part, layers)
     return part
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor, *, room: int = 0,
+                ends: torch.Tensor | None = None) -> DynamicCache:
+    """A cache holding batch rows ``rows`` (repeats allowed) of ``cache``, which stays as it was, in one copy.
+
+    Full-attention layers get ``GrowingLayer`` buffers with spare room for ``room`` more positions, so the next
+    forwards of up to that many tokens write into them instead of copying the cache again. With ``ends`` ((R,): of
+    every selected row, how many leading positions are valid, the rest right padding), each row's valid positions
+    are moved to the end and its padding before them (left-padded, as a batch of whole sequences would be; the
+    padding's entries come along, rotated). Sliding-window layers (they roll their window) keep transformers' own
+    row selection, without room; ``ends`` is refused there.
+    """
+    selected = copy.copy(cache)
+    layers = []
+    for layer in cache_layers(cache):
+        own = copy.copy(layer)
+        if type(layer) not in (DynamicLayer, GrowingLayer) or layer.keys.numel() == 0:
+            if ends is not None:
+                raise ValueError(f"a {type(layer).__name__} cannot be re-padded: its positions are not fixed")
+            own.batch_select_indices(rows)
+        else:
+            spare = room if type(layer) is GrowingLayer else 0  # a DynamicLayer concatenates: room would go unused
+            kbuf, vbuf = _copy_rows(layer.keys, rows, spare, ends), _copy_rows(layer.values, rows, spare, ends)
+            K = layer.keys.shape[-2]
+            own.keys, own.values = kbuf[:, :, :K], vbuf[:, :, :K]
+            if type(layer) is GrowingLayer:
+                own._kbuf, own._vbuf = kbuf, vbuf  # views it owns: its next update writes into the room
+        layers.append(own)
+    set_cache_layers(selected, layers)
+    return selected
+
+
+def _copy_rows(x: torch.Tensor, rows: torch.Tensor, room: int, ends: torch.Tensor | None) -> torch.Tensor:
+    """Rows of x (B, Hkv, K, D) copied into a new buffer (R, Hkv, K + room, D), one slab copy per row (no
+    temporary: a batch of gathered rows would be copied twice)."""
+    K = x.shape[-2]
+    buf = x.new_empty(len(rows), x.shape[1], K + room, x.shape[-1])
+    for r, b in enumerate(rows.tolist()):
+        if ends is None:
+            buf[r, :, :K] = x[b]
+        else:
+            end = int(ends[r])
+            buf[r, :, K - end:K] = x[b, :, :end]  # the valid positions last
+            buf[r, :, :K - end] = x[b, :, end:]  # the padding first
+    return buf
+
+
+@contextlib.contextmanager
+def dropping_appends(cache: DynamicCache):
+    """Forwards inside append to ``cache`` as usual; on exit every layer is cut back to the length it had on entry.
+
+    Scores several batches of continuations against one cached context without a copy of the cache per batch:
+    each batch writes its keys and values into the growing layers' spare room and leaves it to the next. Only for
+    caches whose layers all grow (``GrowingLayer``, e.g. from :func:`select_rows`): refused otherwise.
+    """
+    layers = cache_layers(cache)
+    if any(type(layer) is not GrowingLayer for layer in layers):
+        raise ValueError("dropping_appends needs growing layers only (select_rows or growing_cache makes them)")
+    lengths = [layer.get_seq_length() for layer in layers]
+    try:
+        yield cache
+    finally:
+        for layer, n in zip(layers, lengths):
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
 
 
 def forward_accepts(model, name: str) -> bool:

@@ -109,7 +109,7 @@ def attention(
             vmc_mode = 2 if valid is None else 1
             if valid is not None:
                 vbar = _value_means(value, valid, n)
-    kf, vf = key.float().contiguous(), value.float().contiguous()
+    kf, vf = _slabs(key), _slabs(value)  # a growing cache's views read in place, not copied per layer
     q = (query.float() * scaling).contiguous()
     # Queries per task: enough tasks to balance the threads, and short blocks on short prompts (a causal block of
     # qb queries computes a qb × qb triangle in full; measured on 2 shared cores: qb = 16 beats 64 at 64-256 tokens).
@@ -124,6 +124,14 @@ def attention(
             rows.empty = rowstats[..., 2].bool() & (n > sparsifier.k_for(layer))
         stats.update(rows)
     return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def _slabs(x: torch.Tensor) -> torch.Tensor:
+    """x (B, Hkv, K, D) as float32 with every (sequence, head) slab contiguous, what the kernel reads; a copy only
+    where x is not already so (a KV cache's views into buffers with spare room are)."""
+    x = x.float()
+    slabs = x.stride(-1) == 1 and (x.stride(-2) == x.shape[-1] or x.shape[-2] == 1)
+    return x if slabs else x.contiguous()
 
 
 def row_thresholds_of(sparsifier: TopTheta, rows: RowBlock, cache: bool) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -23,13 +23,12 @@ long); Top-k's plain kernel chunks rows per forward, so a score within rounding 
 from __future__ import annotations
 
 import contextlib
-import copy
 import weakref
 
 import torch
 
-from ..attention.cache import cache_keyword, forward_accepts, growing_cache
-from ..compat import cache_layers, set_cache_layers
+from ..attention.cache import cache_keyword, forward_accepts, growing_cache, select_rows
+from ..compat import cache_layers
 
 # Positions per forward, at least (padding positions see no key and are never counted). MKL's float32 GEMM rounds a
 # row differently when it multiplies fewer rows (measured here, 2 threads: fewer than 12 rows change the results;
@@ -146,8 +145,8 @@ def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
     def forward(ids: list[int], start: int, cache, uses: int):
         nonlocal tokens_run
         tokens_run += len(ids) - start
-        own = repeat_rows(cache, torch.zeros(1, dtype=torch.long, device=device)) if cache is not None else \
-            growing_cache(model)
+        own = repeat_rows(cache, torch.zeros(1, dtype=torch.long, device=device), room=len(ids) - start) \
+            if cache is not None else growing_cache(model)
         with repeated(uses):
             run_prefix(cached_forward(model, own), ids, start=start)
         return own
@@ -181,29 +180,18 @@ def live_prefixes() -> int:
     return len(_LIVE)
 
 
-def repeat_rows(cache, rows: torch.Tensor):
-    """A cache holding the given batch rows (repeats allowed) of ``cache``, which stays as it was.
-
-    Shallow copies of the cache and its layers (sliding-window layers keep their bookkeeping); selecting rows
-    replaces a copy's tensors instead of writing into them.
-    """
-    selected = copy.copy(cache)
-    set_cache_layers(selected, [copy.copy(layer) for layer in cache_layers(cache)])
-    selected.batch_select_indices(rows)
-    return selected
+def repeat_rows(cache, rows: torch.Tensor, room: int = 0):
+    """A cache holding the given batch rows (repeats allowed) of ``cache``, which stays as it was, with spare room
+    for ``room`` more positions (``attention.cache.select_rows``: one copy, and none when the next forward appends)."""
+    return select_rows(cache, rows, room=room)
 
 
-def move_padding_left(cache, lengths: torch.Tensor, width: int):
-    """Right-padded rows of ``cache`` (row b: its first ``lengths[b]`` of ``width`` positions valid, every layer
-    holding all ``width``) laid out left-padded instead, in place: the valid positions end at the last one, as a
-    left-padded batch's context would, so later tokens follow their context directly and the prefill kernel
-    anchors its key blocks where running the sequence whole would."""
-    shift = width - lengths  # (B,)
-    index = (torch.arange(width, device=lengths.device)[None, :] - shift[:, None]) % width  # (B, width)
+def move_padding_left(cache, lengths: torch.Tensor, width: int, room: int = 0):
+    """A copy of ``cache``, whose rows are right-padded (row b: its first ``lengths[b]`` of ``width`` positions
+    valid, every layer holding all ``width``), laid out left-padded instead, with room for ``room`` more positions:
+    the valid positions end at the last one, as a left-padded batch's context would, so later tokens follow their
+    context directly and the prefill kernel anchors its key blocks where running the sequence whole would."""
     for layer in cache_layers(cache):
         if layer.keys.shape[-2] != width:
             raise ValueError(f"a cache layer holds {layer.keys.shape[-2]} positions, not {width}: cannot re-pad it")
-        gather = index.to(layer.keys.device)[:, None, :, None]
-        layer.keys = layer.keys.gather(2, gather.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]))
-        layer.values = layer.values.gather(2, gather.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
-    return cache
+    return select_rows(cache, torch.arange(len(lengths)), room=room, ends=lengths)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention import prefill
-from ..attention.cache import growing_cache
+from ..attention.cache import GrowingLayer, dropping_appends, growing_cache
+from ..compat import cache_layers
 from .batched_lm import (  # noqa: F401  (BatchedHFLM, check_decode_batch: importable from here, as before)
     BatchedHFLM,
     Request,
@@ -104,7 +105,8 @@ class SharedContextHFLM(BatchedHFLM):
         """One forward over a batch of contexts, then the continuations from its cache (a few forwards)."""
         ids, mask, pos = left_pad([list(context) for context, _ in batch], self.pad_id)
         with stats.repeated(weight) if stats is not None else contextlib.nullcontext():
-            last, cache = self._forward(ids, mask, pos, logits_to_keep=1, use_cache=True)  # (Bc, 1, V)
+            last, cache = self._forward(ids, mask, pos, logits_to_keep=1, cache=growing_cache(self.model),
+                                        use_cache=True)  # (Bc, 1, V)
         self._score_continuations(requests, batch, last, cache, mask, pos, answers, bar)
 
     def _score_prefix_group(self, requests, shared: int, group, stats: SparsityStats | None, answers, bar,
@@ -149,7 +151,7 @@ class SharedContextHFLM(BatchedHFLM):
         for b, tokens in enumerate(suffixes):
             ids[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         pos = (shared + torch.arange(S))[None].expand(B, S)
-        rows = repeat_rows(cache, torch.zeros(B, dtype=torch.long, device=self.device))
+        rows = repeat_rows(cache, torch.zeros(B, dtype=torch.long, device=self.device), room=S)
         with stats.repeated(weight) if stats is not None else contextlib.nullcontext():
             if padded:
                 real = torch.arange(S)[None, :] < lengths[:, None]  # (B, S)
@@ -160,7 +162,7 @@ class SharedContextHFLM(BatchedHFLM):
                                        use_cache=True)[0]  # (B, len(wanted), V)
                 at = {w: j for j, w in enumerate(wanted)}
                 last = torch.stack([logits[b, at[int(n) - 1]] for b, n in enumerate(lengths)])[:, None]  # (B, 1, V)
-                move_padding_left(rows, (shared + lengths).to(self.device), shared + S)
+                rows = move_padding_left(rows, shared + lengths, shared + S, room=_continuation_room(batch))
                 context_mask = (torch.arange(shared + S)[None, :] >= (S - lengths)[:, None]).long()  # (B, P + S)
             else:
                 context_mask = torch.ones(B, shared + S, dtype=torch.long)
@@ -225,14 +227,32 @@ class SharedContextHFLM(BatchedHFLM):
             own = (owner[:, :, None] == owner[:, None, :]) & torch.ones(P, P, dtype=torch.bool).tril()  # (N, P, P)
             context = mask[select].bool()[:, None, :].expand(-1, P, -1)  # (N, P, C)
             cont_mask = (torch.cat([context, own], dim=2) & real[:, :, None] & _pad(real, mask.shape[1]))[:, None]
-        logits = self._forward(ids, cont_mask, cont_pos, logits_to_keep=P,
-                               cache=repeat_rows(cache, select.to(self.device)))  # (N, P, V)
+        with _continuing(cache, select, P) as rows:
+            logits = self._forward(ids, cont_mask, cont_pos, logits_to_keep=P, cache=rows)  # (N, P, V)
         for n, (b, inputs) in enumerate(group):
             start = 0
             for x in inputs:
                 length = len(x.ids) - x.split
                 self._answer(requests, x, torch.cat([last[b], logits[n, start:start + length]]), answers, bar)
                 start += length
+
+
+def _continuation_room(batch) -> int:
+    """Positions the continuations of a batch of contexts append to its cache in one forward, at most."""
+    return max(MIN_GEMM_ROWS, *(sum(len(x.ids) - x.split for x in inputs) for _, inputs in batch))
+
+
+@contextlib.contextmanager
+def _continuing(cache, select: torch.Tensor, room: int):
+    """The cache a forward of continuations runs on: rows ``select`` of the contexts' ``cache``. When they are all
+    its rows in order and its layers grow, ``cache`` itself, the continuations' keys dropped again on exit (written
+    into its spare room: no copy); else a copy of those rows with room for them."""
+    B = cache_layers(cache)[0].keys.shape[0]
+    if select.tolist() == list(range(B)) and all(type(layer) is GrowingLayer for layer in cache_layers(cache)):
+        with dropping_appends(cache):
+            yield cache
+    else:
+        yield repeat_rows(cache, select.to(cache_layers(cache)[0].keys.device), room=room)
 
 
 def _packs_in_one_key_block(context: int, packed: int) -> bool:

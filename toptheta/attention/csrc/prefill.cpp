@@ -87,7 +87,8 @@ __attribute__((noinline, optimize("no-reciprocal-math"))) static float mean_of(d
   return (float)(sum / n);
 }
 
-// q (B, H, Q, D) scaled, k (B, Hkv, K, D), v (B, Hkv, K, Dv): float32 contiguous.
+// q (B, H, Q, D) scaled: float32 contiguous. k (B, Hkv, K, D), v (B, Hkv, K, Dv): float32, each (sequence, head)
+// slab of K rows contiguous, any batch and head strides (a growing KV cache's views are read in place).
 // mask: (B, Q, K) bool of any strides, or empty: causal, query i sits at key K - Q + i.
 // theta (B, H, Q): keep s > theta (finite; -1e29 keeps every valid key), or empty: dense (keep all, no VMC).
 // raw (B, H, Q): theta as calibrated (exp-threshold SDC: each dropped key adds ≤ exp(min(θ, m) − m)); cal (B, H, Q): calibrated dropped mass (SDC 3).
@@ -109,7 +110,8 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
   const int64_t Hkv = k.size(1), K = k.size(2), Dv = v.size(3), G = H / Hkv;
   const bool causal = mask.numel() == 0, sparse = theta.numel() > 0, vmc = vmc_mode > 0;
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && mask.device().is_cpu() && theta.device().is_cpu() && raw.device().is_cpu() && cal.device().is_cpu() && vbar.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
+  TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1 && (K == 1 || (k.stride(2) == D && v.stride(2) == Dv)),
+              "q must be contiguous, and k and v contiguous within each (sequence, head)");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
               v.scalar_type() == torch::kFloat32, "q, k, v must be float32");
   TORCH_CHECK(kb > 0 && kb % ROW_PAD == 0, "the key block must be a positive multiple of 16");
@@ -118,6 +120,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
   const float* Qp = q.data_ptr<float>();
   const float* Kp = k.data_ptr<float>();
   const float* Vp = v.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const bool* Mp = causal ? nullptr : mask.data_ptr<bool>();
   const int64_t ms0 = causal ? 0 : mask.stride(0), ms1 = causal ? 0 : mask.stride(1), ms2 = causal ? 0 : mask.stride(2);
   const float* Tp = sparse ? theta.data_ptr<float>() : nullptr;
@@ -131,7 +134,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
       std::vector<double> sum(Dv);
       for (int64_t r = r0; r < r1; ++r) {
         std::fill(sum.begin(), sum.end(), 0.0);
-        const float* vr = Vp + r * K * Dv;
+        const float* vr = Vp + (r / Hkv) * vs0 + (r % Hkv) * vs1;
         for (int64_t j = 0; j < K; ++j) {
           for (int64_t d = 0; d < Dv; ++d) sum[d] += vr[j * Dv + d];
           const int64_t i = j - (K - Q);
@@ -232,7 +235,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
       // Logits of key block [k0, k0 + kc) for every row, invalid keys set to NEG (a mask's valid keys are counted
       // into n when `count`).
       auto logits = [&](int64_t k0, int64_t kc, bool count) {
-        gemm<false, false>(kc, rp, D, Kp + ((b * Hkv + kvh) * K + k0) * D, D, QT, rp, S, rp);
+        gemm<false, false>(kc, rp, D, Kp + b * ks0 + kvh * ks1 + k0 * D, D, QT, rp, S, rp);
         if (causal) {  // only keys past the block's earliest row end need masking (the diagonal block)
           for (int64_t j = std::max<int64_t>(0, K - Q + q0 + 1 - k0); j < kc; ++j) {
             const int32_t key = (int32_t)(k0 + j);
@@ -320,7 +323,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
           for (int64_t r = 0; r < rp; ++r) {
             R[r] += rs[r]; cnt[r] += c[r]; passed[r] += pc[r]; block_kept += c[r];
           }
-          accumulate(rows, rp, kc, Dv, S, Vp + ((b * Hkv + kvh) * K + k0) * Dv, A, block_kept);
+          accumulate(rows, rp, kc, Dv, S, Vp + b * vs0 + kvh * vs1 + k0 * Dv, A, block_kept);
         }
       }
       else for (int64_t k0 = k_lo; k0 < k_hi; k0 += kb) {  // one pass: online softmax with the selection
@@ -332,7 +335,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
             if (cnt[r] != 0 || !(m[r] > 0.5f * NEG)) continue;
             for (int64_t j = 0; j < kc; ++j) {
               if (S[j * rp + r] == m[r]) {
-                const float* vr = Vp + ((b * Hkv + kvh) * K + k0 + j) * Dv;
+                const float* vr = Vp + b * vs0 + kvh * vs1 + (k0 + j) * Dv;
                 float* amr = AM + r * Dv;
                 for (int64_t d = 0; d < Dv; ++d) amr[d] += vr[d];
                 ++cmax[r];
@@ -361,7 +364,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
         for (int64_t r = 0; r < rp; ++r) {
           l[r] += ls[r]; R[r] += rs[r]; cnt[r] += c[r]; block_kept += c[r];
         }
-        accumulate(rows, rp, kc, Dv, S, Vp + ((b * Hkv + kvh) * K + k0) * Dv, A, block_kept);
+        accumulate(rows, rp, kc, Dv, S, Vp + b * vs0 + kvh * vs1 + k0 * Dv, A, block_kept);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qc, i = q0 + r % qc, h = kvh * G + g;
