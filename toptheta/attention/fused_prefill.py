@@ -23,7 +23,7 @@ import logging
 from .fused import build, kernel_source
 
 log = logging.getLogger("toptheta")
-_VERSION = 13  # bump when csrc/prefill.cpp, csrc/common.h or the flags change: the build cache is keyed by name
+_VERSION = 14  # bump when csrc/prefill.cpp, csrc/common.h or the flags change: the build cache is keyed by name
 
 
 @functools.cache
