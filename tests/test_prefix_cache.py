@@ -113,15 +113,22 @@ def test_prefix_cache_gives_stocks_numbers_for_every_sparsifier(monkeypatch, mod
 
 
 @pytest.mark.parametrize("placement", ["post", "pre"])
-def test_thresholds_on_the_evaluated_rows_keep_the_same_elements(models, tokenizer, requests, placement):
+def test_thresholds_on_the_evaluated_rows_keep_the_same_elements(monkeypatch, models, tokenizer, requests, placement):
     """θ calibrated on the evaluated sequences sits exactly on some of their scores: any last-bit difference
-    between the cached and the whole-sequence rows would flip a decision and change a count."""
+    between the cached and the whole-sequence rows would flip a decision and change a count. The continuations run
+    on the contexts' own cache (written into its room, dropped after: no copy), as they do on ARC."""
+    from toptheta.evaluation import shared_context_lm
+
+    in_place = []
+    original = shared_context_lm.dropping_appends
+    monkeypatch.setattr(shared_context_lm, "dropping_appends", lambda cache: in_place.append(1) or original(cache))
     model = models["llama"]
     ids = [[tokenizer.encode(r.args[0] + r.args[1])] for r in requests[:8]]
     comps = [toptheta.VMC()] if placement == "post" else [toptheta.SDC("exact"), toptheta.VMC()]
     sparsifier = toptheta.TopTheta(toptheta.calibrate(model, ids, k=8, placement=placement, progress=False))
     reference, ref_stats = score(HFLM, model, tokenizer, requests, sparsifier, comps, batch_size=1)
     answers, stats = score(SharedContextHFLM, model, tokenizer, requests, sparsifier, comps, batch_size="auto")
+    assert in_place, "the continuations were scored on copies of the cache"
     assert max(abs(a[0] - b[0]) for a, b in zip(reference, answers)) < 1e-5
     for key in ("kept_attention_fraction", "kept_vrow_fraction", "prefill_attention_elements"):
         assert stats[key] == ref_stats[key], key
