@@ -308,6 +308,20 @@ def test_fit_parameter_finds_a_monotone_parameter(name):
         assert parameter.low <= value <= parameter.high
 
 
+def test_fit_parameter_interpolates_once_the_bracket_is_measured():
+    """A kept fraction that is a power of λ (close to what the calibration rows measure): the midpoint, the
+    bisection that measures the bracket's other end, then one interpolation on the target (halving alone took
+    six steps on SmolLM2's rows). A jagged one still converges, every slow interpolation followed by a halving."""
+    parameter = sparsifier_kind("skipsoftmax").parameter
+    power = lambda lam: 0.37 * (lam / 0.1) ** -0.3  # noqa: E731
+    value, got, tried = fit_parameter(0.1, parameter, power)
+    assert len(tried) == 3 and got == pytest.approx(0.1, rel=1e-9)
+    steps = lambda lam: 0.5 / (1 + math.floor(math.log10(lam) + 7) ** 3)  # noqa: E731 (flat, then a jump per decade)
+    target = steps(0.05)
+    value, got, tried = fit_parameter(target, parameter, steps, tolerance=0.0)
+    assert got == target and parameter.low <= value <= parameter.high
+
+
 def test_fit_parameter_refuses_an_unreachable_target():
     with pytest.raises(Unreachable, match="layer_k"):  # even the smallest p keeps 0.2
         fit_parameter(0.05, sparsifier_kind("topp").parameter, lambda p: 0.2 + 0.8 * p)
