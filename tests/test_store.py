@@ -193,6 +193,22 @@ def test_git_commit(tmp_path):
     assert git_commit(tmp_path) is None
 
 
+def test_runs_record_the_commit_their_process_started_with(monkeypatch, tmp_path):
+    """A checkout that moves on while a sweep runs (a pull) does not relabel the runs that process still makes."""
+    from toptheta.store import provenance, runs
+
+    heads = iter(["a" * 40, "b" * 40])
+    monkeypatch.setattr(provenance, "git_commit", lambda path=None: next(heads))
+    provenance.code_commit.cache_clear()
+    try:
+        assert provenance.code_commit() == "a" * 40  # the pipeline asks when a run starts
+        store = runs.RunStore(tmp_path)
+        store.write_run("r1", config={"x": 1}, lm_eval_results={"results": {}}, stats={}, thresholds_ref=None)
+        assert json.loads((tmp_path / "runs" / "r1" / "meta.json").read_text())["git_commit"] == "a" * 40
+    finally:
+        provenance.code_commit.cache_clear()
+
+
 def test_summary_rows_say_what_separates_the_series():
     config = CONFIG | {
         "sparsifier": {"name": "toptheta", "placement": "post", "k": 16, "layer_k": {"0": 512, "1": 512},

@@ -35,6 +35,7 @@ from .registry import LM_EVAL_KIND, active_compensations, sparsifier_kind, task_
 from .results.wandb_logger import make_logger
 from .spec import ModelSpec, RunSpec, TaskSpec
 from .store.migrate import restore_summary, run_rows
+from .store.provenance import code_commit
 from .store.runs import RunStore
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
@@ -304,6 +305,7 @@ def run(cfg: DictConfig):
     from .results.tables import comparison_table  # pandas
 
     started = time.time()
+    code_commit()  # the code this process loaded: what its runs record, even if the checkout moves on meanwhile
     specs = plan(cfg)  # fails here, in seconds, on anything wrong with the configuration
     for spec in specs:
         for note in spec.notes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -26,6 +27,14 @@ def git_commit(path: str | os.PathLike[str] | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{head}-dirty" if dirty else head
+
+
+@functools.cache
+def code_commit() -> str | None:
+    """The commit of the code this process runs: :func:`git_commit` of this checkout when first asked, then the
+    same answer. The pipeline asks when a run starts, so a run (or a Hydra multirun's later jobs, in the same
+    process) still records the code it loaded when the checkout moves on under it (a pull while a sweep runs)."""
+    return git_commit()
 
 
 def now() -> str:

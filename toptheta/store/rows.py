@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import registry
-from .provenance import git_commit, now
+from .provenance import code_commit, now
 
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "run_id",
@@ -181,12 +181,12 @@ def summary_rows(
     `stats_scope` column says which (`task`, `run`, empty). A dense run leaves the sparse-only
     columns (SPARSE_ONLY_COLUMNS) empty. Other columns: see
     SUMMARY_FIELD_PATHS; `overrides` sets columns outright (applied last). `commit` defaults
-    to git_commit(), `timestamp` to now (UTC).
+    to code_commit(), `timestamp` to now (UTC).
     """
     stats = stats or {}
     base = {column: _first_present(config, paths) for column, paths in field_paths.items()}
     base["run_id"] = run_id
-    base["git_commit"] = commit if commit is not None else git_commit()
+    base["git_commit"] = commit if commit is not None else code_commit()
     base["timestamp"] = timestamp or now()
     used_limit = (lm_eval_results.get("config") or {}).get("limit")
     if used_limit is not None:

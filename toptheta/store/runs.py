@@ -39,7 +39,7 @@ from typing import Any
 
 from ..atomic import default_mode, write_bytes_atomic, write_text_atomic
 from .claims import claim
-from .provenance import git_commit, now
+from .provenance import code_commit, now
 from .rows import SUMMARY_COLUMNS
 from .samples import SAMPLES_FILE, compress_json, dumps
 
@@ -172,7 +172,7 @@ class RunStore:
                     "run_id": run_id,
                     "thresholds_ref": thresholds_ref,
                     "extra": dict(extra or {}),
-                    "git_commit": git_commit(),
+                    "git_commit": code_commit(),
                     "timestamp": now(),
                 }
             ),
