@@ -421,3 +421,31 @@ def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length
     assert not clamp["within_target"] and clamp["calib_beyond"] == "clamp"
     assert fit["attention_ratio"] == pytest.approx(1.25) and fit["within_target"] and fit["diff"] == pytest.approx(-0.05)
     assert past_calibration_table(summary[summary["k"] == 0]).empty
+
+
+def test_claim_3_pairs_runs_matched_at_the_smallest_target_whatever_k_each_resolved(tmp_path):
+    """Matched runs at the 1/20 target: compensation changes the calibrated thresholds, so Top-θ pre without
+    compensation meets the target at another k than pre + SDC + VMC. Claim 3 pairs them at the setting's most
+    aggressive target (not its smallest k, which would leave the uncompensated run out), and leaves the 1/10 pair
+    alone."""
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(5)
+    dense = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
+    _add(store, "arc_easy", "toptheta", "pre", 5, "sdc+vmc", _flip(dense, 2, 0.0), 0.05, shots=25, target=0.05)
+    _add(store, "arc_easy", "toptheta", "pre", 6, "none", _flip(dense, 30, 0.0), 0.05, shots=25, target=0.05)
+    _add(store, "arc_easy", "toptheta", "pre", 19, "sdc+vmc", dense.copy(), 0.1, shots=25, target=0.1)
+    _add(store, "arc_easy", "toptheta", "pre", 18, "none", _flip(dense, 3, 0.0), 0.1, shots=25, target=0.1)
+    rows = comparisons.store_rows(load_summary(tmp_path))
+    chosen = rows[verdicts.most_aggressive(rows)]
+    assert sorted(chosen.loc[chosen["sparsifier"] == "toptheta", "k"]) == [5, 6]
+    three = verdicts.verdicts(load_summary(tmp_path), tmp_path)[2]
+    assert len(three.pairs) == 1 and three.pairs[0]["k"] == 5
+    assert three.pairs[0]["diff"] == pytest.approx(28 / N) and three.verdict == "holds"
+    # the compensation ablation puts them in one cell too (its table's differences are to the uncompensated run)
+    from toptheta.results import ablations
+
+    table = ablations.ablation_table(load_summary(tmp_path), "compensation", results_dir=tmp_path, model="tiny",
+                                     task="arc_easy", metric="acc_norm,none", num_fewshot=25, limit=N)
+    compensated = table[table["setting"] == "sdc=exact+vmc"].set_index("k")["diff"]
+    assert compensated.to_dict() == pytest.approx({5: 28 / N, 19: 3 / N})

@@ -3,10 +3,11 @@
 An ablation is a column of summary.csv (ABLATIONS): compensation, θ granularity, the larger k of layers
 0-1, the number of calibration documents, the empty-row rule, the softmax placement, the calibration
 task (cross-dataset transfer). Within one evaluation setting (model, task, metric, shots, limit), runs
-that agree on every other setting and k form a cell; a cell whose runs take two or more values of the
-column is an ablation. Each row of the table is one run, with its difference to the cell's reference
-value: paired per question when both run directories kept per-sample outputs (paired.py), otherwise
-from the two stderrs (labelled so). The figures plot the metric against the kept attention fraction
+that agree on every other setting and k (runs matched by sparsity: on target_kept, whatever k each
+resolved) form a cell; a cell whose runs take two or more values of the column is an ablation. Each
+row of the table is one run, with its difference to the cell's reference value: paired per question when
+both run directories kept per-sample outputs (paired.py), otherwise from the two stderrs (labelled so).
+The figures plot the metric against the kept attention fraction
 (log scale), one curve per value, so "at equal kept fraction" comparisons are read off the x axis.
 """
 
@@ -68,6 +69,8 @@ def _prepared(summary: pd.DataFrame, model: str, task: str, metric: str, num_few
 def _key_frame(df: pd.DataFrame, ablation: Ablation) -> pd.DataFrame:
     keys = pd.DataFrame({c: df[c].astype(str) if c in df else "" for c in SETTINGS if c != ablation.column},
                         index=df.index).fillna("")
+    if "target_kept" in df:  # runs matched by sparsity meet in a cell at their target, whatever k each resolved
+        keys.loc[pd.to_numeric(df["target_kept"], errors="coerce").notna(), "k"] = ""
     if ablation.column == "placement":  # pre + SDC (+VMC) pairs with post (+VMC): SDC is pre-softmax's own part
         keys["comp"] = df["comp"].fillna("").map(lambda c: "vmc" if "vmc" in c else "none")
     return keys.replace({"nan": "", "None": ""})
