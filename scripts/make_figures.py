@@ -166,7 +166,8 @@ def write_ablations(outputs: Outputs, summary, results: Path) -> None:
             if table.empty:
                 continue
             name, title = f"ablation-{ab.name}-{group_slug(group)}", selection.group_title(**group)
-            notes = ("diff: the run minus the reference setting of its cell (same series and k), 95 % interval; "
+            notes = ("diff: the run minus the reference setting of its cell (same series and k, or same "
+                     "target_kept for runs matched by sparsity), 95 % interval; "
                      "diff_method says whether it is paired per question or from two stderrs.\n\n")
             outputs.table(name, table, f"{ab.title}: {title}", notes)
             outputs.figure(f"{name}-fig", ablations.ablation_figure(table, ab, title), f"{ab.title}: {title}",

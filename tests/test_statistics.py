@@ -447,5 +447,6 @@ def test_claim_3_pairs_runs_matched_at_the_smallest_target_whatever_k_each_resol
 
     table = ablations.ablation_table(load_summary(tmp_path), "compensation", results_dir=tmp_path, model="tiny",
                                      task="arc_easy", metric="acc_norm,none", num_fewshot=25, limit=N)
-    compensated = table[table["setting"] == "sdc=exact+vmc"].set_index("k")["diff"]
-    assert compensated.to_dict() == pytest.approx({5: 28 / N, 19: 3 / N})
+    compensated = table[table["setting"] == "sdc=exact+vmc"].set_index("k")
+    assert compensated["diff"].to_dict() == pytest.approx({5: 28 / N, 19: 3 / N})
+    assert compensated["target_kept"].to_dict() == pytest.approx({5: 0.05, 19: 0.1})  # the table says which target

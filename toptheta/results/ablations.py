@@ -28,9 +28,9 @@ from . import figures, labels, paired, selection
 SETTINGS = ("sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task", "calib_statistic",
             "sigma_add", "tac", "calib_documents", "calib_compensation", "empty_rows", "k", "target_kept", "calib_seed",
             "fewshot_sampler")
-COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "setting", "value", "stderr",
-           "kept_attention_fraction", "kept_vrow_fraction", "empty_row_count", "clamped_rows", "diff", "ci_low", "ci_high",
-           "p_mcnemar", "n_paired", "diff_method", "reference", "run_id"]
+COLUMNS = ["model", "task", "num_fewshot", "limit", "metric", "series", "k", "target_kept", "setting", "value",
+           "stderr", "kept_attention_fraction", "kept_vrow_fraction", "empty_row_count", "clamped_rows", "diff",
+           "ci_low", "ci_high", "p_mcnemar", "n_paired", "diff_method", "reference", "run_id"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def ablation_table(summary: pd.DataFrame, ablation: str | Ablation, *, model: st
             table[col] = None
     order = sorted(table["setting"].astype(str).unique(), key=lambda v: (_num_or_inf(v), v))
     table["_order"] = table["setting"].astype(str).map({v: i for i, v in enumerate(order)})
-    table = table.sort_values(["series", "k", "_order"], key=figures.sort_key, kind="stable")
+    table = table.sort_values(["series", "target_kept", "k", "_order"], key=figures.sort_key, kind="stable")
     return table[COLUMNS].reset_index(drop=True)
 
 
