@@ -15,13 +15,13 @@ N = 400
 
 
 def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=None, choices=4, shots=0, target=None,
-         clamped=0):
+         clamped=0, calib_task=None):
     """One run of `task` on len(outcomes) questions with per-question samples (lm-eval's layout, `choices` answer
     options per question), as run.py stores it."""
     limit = len(outcomes)
     calib = None
     if sparsifier == "toptheta":
-        calib = {"task": task, "granularity": "layer-head-n"} | ({"seed": seed} if seed is not None else {})
+        calib = {"task": calib_task or task, "granularity": "layer-head-n"} | ({"seed": seed} if seed is not None else {})
     config = {"model": {"name": "tiny"}, "task": {"name": task, "lm_eval_task": task, "limit": limit,
                                                   **({"num_fewshot": shots, "fewshot_sampler": "first_n"} if shots else {})},
               "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
@@ -381,6 +381,9 @@ def test_top_theta_against_each_baseline_is_decided_paired_at_equal_target(tmp_p
     _add(store, "arc_easy", "toptheta", "post", 19, "vmc", dense.copy(), 0.1, shots=25, target=0.1)
     _add(store, "arc_easy", "topp", "post", None, "vmc", _flip(dense, 40, 0.0), 0.1, shots=25, target=0.1)
     _add(store, "arc_easy", "topp", "post", None, "vmc", dense.copy(), 0.33, shots=25, target=0.333)  # no partner
+    # thresholds transferred from another dataset (claim 4's arm): not Top-θ as a baseline is fitted, on its own task
+    _add(store, "arc_easy", "toptheta", "post", 14, "vmc", _flip(dense, 80, 0.0), 0.1, shots=25, target=0.1,
+         calib_task="arc_challenge")
     topp, skip_pre, skip_post = baselines.baseline_verdicts(load_summary(tmp_path), tmp_path)
     assert len(topp.pairs) == 1 and topp.pairs[0]["diff"] == pytest.approx(40 / N)
     assert topp.verdict == "holds" and topp.ci_low > 0 and topp.kind == "superiority"

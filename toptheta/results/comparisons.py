@@ -118,6 +118,13 @@ CALIBRATION = ("calib_task", "calib_statistic", "sigma_add", "tac", "calib_docum
 IN_DOMAIN = {"humaneval": "python_code"}
 
 
+def self_calibrated(row: pd.Series) -> bool:
+    """Whether a run's thresholds were calibrated on its own task (HumanEval's: on IN_DOMAIN code), not transferred
+    from another dataset; a run without a calibration task is not."""
+    calib = as_text(row["calib_task"])
+    return calib != "" and calib in (as_text(row["task"]), IN_DOMAIN.get(as_text(row["task"]), ""))
+
+
 def find_pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir, accept=None,
                sizes: dict[tuple, dict[float, list[pd.Series]]] | None = None) -> list[dict]:
     """Every (a, b) in one group picked by pick_a / pick_b, equal on `match` and passing `accept`; with `sizes`

@@ -47,7 +47,8 @@ from typing import Any
 import pandas as pd
 
 from . import comparisons, informative, labels, paired, pooled, precision, reduction
-from .comparisons import CALIBRATION, IN_DOMAIN, LEVEL, MARGIN, Verdict, as_text, close, find_pairs, pick
+from .comparisons import (CALIBRATION, LEVEL, MARGIN, Verdict, as_text, close, find_pairs, pick,
+                          self_calibrated)
 
 def decide(kind: str, low: float, high: float, margin: float = MARGIN) -> str:
     """The verdict rule of the module docstring."""
@@ -180,13 +181,12 @@ def _claim_pairs(rows: pd.DataFrame, results_dir: Path | None) -> list[tuple[lis
     out.append((pairs, "compensated − uncompensated at each setting's smallest k (or smallest target_kept)"))
 
     theta = rows[rows["sparsifier"] == "toptheta"]
-    own = lambda r: (as_text(r["calib_task"])  # noqa: E731
-                     in (as_text(r["task"]), IN_DOMAIN.get(as_text(r["task"]), "")))
-    cross = lambda r: as_text(r["calib_task"]) != "" and not own(r)  # noqa: E731
+    cross = lambda r: as_text(r["calib_task"]) != "" and not self_calibrated(r)  # noqa: E731
     # the pair differs in the calibration task only: the rest of the calibration (rule, statistic, σ_add, TAC,
     # granularity, documents, seeds) is equal
-    pairs = find_pairs(theta, cross, own, [*same, "placement", "comp", *(c for c in CALIBRATION if c != "calib_task"),
-                                           "calib_compensation", "calib_seed"], results_dir, sizes=sizes)
+    equal = [*same, "placement", "comp", *(c for c in CALIBRATION if c != "calib_task"), "calib_compensation",
+             "calib_seed"]
+    pairs = find_pairs(theta, cross, self_calibrated, equal, results_dir, sizes=sizes)
     out.append((pairs, "cross-dataset − self-calibrated Top-θ, equal in all else of the calibration"))
 
     protected = lambda r: as_text(r["layer_k"]) not in ("", "none")  # noqa: E731
