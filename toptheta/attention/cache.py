@@ -138,6 +138,11 @@ def _copy_rows(x: torch.Tensor, rows: torch.Tensor, room: int, ends: torch.Tenso
     return buf
 
 
+def grows(cache: DynamicCache) -> bool:
+    """Whether every layer of ``cache`` is a ``GrowingLayer`` (what :func:`dropping_appends` needs)."""
+    return all(type(layer) is GrowingLayer for layer in cache_layers(cache))
+
+
 @contextlib.contextmanager
 def dropping_appends(cache: DynamicCache):
     """Forwards inside append to ``cache`` as usual; on exit every layer is cut back to the length it had on entry.
@@ -146,9 +151,9 @@ def dropping_appends(cache: DynamicCache):
     each batch writes its keys and values into the growing layers' spare room and leaves it to the next. Only for
     caches whose layers all grow (``GrowingLayer``, e.g. from :func:`select_rows`): refused otherwise.
     """
-    layers = cache_layers(cache)
-    if any(type(layer) is not GrowingLayer for layer in layers):
+    if not grows(cache):
         raise ValueError("dropping_appends needs growing layers only (select_rows or growing_cache makes them)")
+    layers = cache_layers(cache)
     lengths = [layer.get_seq_length() for layer in layers]
     try:
         yield cache

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention import prefill
-from ..attention.cache import GrowingLayer, dropping_appends, growing_cache
+from ..attention.cache import dropping_appends, growing_cache, grows
 from ..compat import cache_layers
 from .batched_lm import (  # noqa: F401  (BatchedHFLM, check_decode_batch: importable from here, as before)
     BatchedHFLM,
@@ -248,7 +248,7 @@ def _continuing(cache, select: torch.Tensor, room: int):
     its rows in order and its layers grow, ``cache`` itself, the continuations' keys dropped again on exit (written
     into its spare room: no copy); else a copy of those rows with room for them."""
     B = cache_layers(cache)[0].keys.shape[0]
-    if select.tolist() == list(range(B)) and all(type(layer) is GrowingLayer for layer in cache_layers(cache)):
+    if select.tolist() == list(range(B)) and grows(cache):
         with dropping_appends(cache):
             yield cache
     else:
