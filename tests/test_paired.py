@@ -304,6 +304,8 @@ def test_verdicts_on_a_synthetic_store(tmp_path, monkeypatch):
     assert found["1"].verdict == "holds" and abs(found["1"].effect) < 0.01
     assert all(p["method"] == "paired bootstrap" for p in found["1"].pairs)
     assert found["2"].verdict == "fails" and found["2"].effect == pytest.approx(-60 / 800, abs=1e-9)
+    # the paper's configurations only: Top-k post − pre without compensation (also −60) is claim 3's pair
+    assert [(p["a"], p["b"], p["k"]) for p in found["2"].pairs] == [("Top-θ post (+VMC)", "Top-θ pre (+SDC +VMC)", 6)]
     # VMC vs none at the smallest k: + 0.075 against Top-k post, 0 against Top-k pre (renormalised): the mean
     # effect, +0.0375, is clear of 0 (an inverse-variance pool let the zero-spread pair swamp the other)
     assert sorted(round(p["diff"], 3) for p in found["3"].pairs) == [0.0, 0.075]
