@@ -137,6 +137,32 @@ def test_seeds_that_disagree_widen_the_interval(tmp_path):
     assert not paired.seeded_outcomes("arc_easy", a_runs[:1], [b_run]).seeded
 
 
+
+def test_a_configuration_with_more_calibration_draws_still_pairs_in_claims_4_and_5(tmp_path):
+    """Self-calibrated Top-θ with draws 0 and 1 (merged into one measurement), transferred thresholds and layers 0-1
+    unprotected with draw 0 only: claims 4 and 5 still pair them, the merged side's draws resampled (before: no pair,
+    their calib_seed "0,1" against "0")."""
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(12)
+    dense = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
+    for seed in (0, 1):
+        _add(store, "arc_easy", "toptheta", "post", 19, "vmc", _flip(dense, 4 * seed, 0.0), 0.1, shots=25, target=0.1,
+             seed=seed)
+    _add(store, "arc_easy", "toptheta", "post", 14, "vmc", _flip(dense, 20, 0.0), 0.1, shots=25, target=0.1, seed=0,
+         calib_task="arc_challenge")
+    summary = load_summary(tmp_path)
+    rid = _add(store, "arc_easy", "toptheta", "post", 43, "vmc", _flip(dense, 8, 0.0), 0.1, shots=25, target=0.1,
+               seed=0)
+    summary = load_summary(tmp_path)
+    summary.loc[summary["run_id"] == rid, "layer_k"] = "none"  # layers 0-1 at k, as long_rows/smol_first_layers
+    found = verdicts.verdicts(summary, tmp_path)
+    (four,), (five,) = found[3].pairs, found[4].pairs
+    assert four["method"] == "paired bootstrap over questions and 1 × 2 calibration seeds"
+    assert four["diff"] == pytest.approx(-(20 - 2) / N)
+    assert five["method"] == "paired bootstrap over questions and 2 × 1 calibration seeds"
+    assert five["diff"] == pytest.approx((8 - 2) / N)
+
 def test_the_monte_carlo_error_matches_the_spread_of_reruns():
     """mc_error estimates how far a bound moves when the bootstrap is rerun with another seed."""
     rng = np.random.default_rng(7)
