@@ -15,7 +15,7 @@ N = 400
 
 
 def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=None, choices=4, shots=0, target=None,
-         clamped=0, calib_task=None):
+         clamped=0, calib_task=None, layer_k=None):
     """One run of `task` on len(outcomes) questions with per-question samples (lm-eval's layout, `choices` answer
     options per question), as run.py stores it."""
     limit = len(outcomes)
@@ -25,7 +25,7 @@ def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=No
     config = {"model": {"name": "tiny"}, "task": {"name": task, "lm_eval_task": task, "limit": limit,
                                                   **({"num_fewshot": shots, "fewshot_sampler": "first_n"} if shots else {})},
               "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
-                             "layer_k": {"0": 512} if sparsifier != "dense" else {},
+                             "layer_k": (layer_k if layer_k is not None else {"0": 512}) if sparsifier != "dense" else {},
                              **({"target_kept": target} if target is not None else {})},
               "comp": {"sdc": "exact" if "sdc" in comp else None, "sdc_scale": 1.0, "vmc": "vmc" in comp},
               "calib": calib}
@@ -137,7 +137,6 @@ def test_seeds_that_disagree_widen_the_interval(tmp_path):
     assert not paired.seeded_outcomes("arc_easy", a_runs[:1], [b_run]).seeded
 
 
-
 def test_a_configuration_with_more_calibration_draws_still_pairs_in_claims_4_and_5(tmp_path):
     """Self-calibrated Top-θ with draws 0 and 1 (merged into one measurement), transferred thresholds and layers 0-1
     unprotected with draw 0 only: claims 4 and 5 still pair them, the merged side's draws resampled (before: no pair,
@@ -151,17 +150,16 @@ def test_a_configuration_with_more_calibration_draws_still_pairs_in_claims_4_and
              seed=seed)
     _add(store, "arc_easy", "toptheta", "post", 14, "vmc", _flip(dense, 20, 0.0), 0.1, shots=25, target=0.1, seed=0,
          calib_task="arc_challenge")
-    summary = load_summary(tmp_path)
-    rid = _add(store, "arc_easy", "toptheta", "post", 43, "vmc", _flip(dense, 8, 0.0), 0.1, shots=25, target=0.1,
-               seed=0)
-    summary = load_summary(tmp_path)
-    summary.loc[summary["run_id"] == rid, "layer_k"] = "none"  # layers 0-1 at k, as long_rows/smol_first_layers
-    found = verdicts.verdicts(summary, tmp_path)
+    # layers 0-1 at every layer's k, as long_rows/smol_first_layers
+    _add(store, "arc_easy", "toptheta", "post", 43, "vmc", _flip(dense, 8, 0.0), 0.1, shots=25, target=0.1, seed=0,
+         layer_k={})
+    found = verdicts.verdicts(load_summary(tmp_path), tmp_path)
     (four,), (five,) = found[3].pairs, found[4].pairs
     assert four["method"] == "paired bootstrap over questions and 1 × 2 calibration seeds"
     assert four["diff"] == pytest.approx(-(20 - 2) / N)
     assert five["method"] == "paired bootstrap over questions and 2 × 1 calibration seeds"
     assert five["diff"] == pytest.approx((8 - 2) / N)
+
 
 def test_the_monte_carlo_error_matches_the_spread_of_reruns():
     """mc_error estimates how far a bound moves when the bootstrap is rerun with another seed."""
