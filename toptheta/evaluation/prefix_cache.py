@@ -7,8 +7,8 @@ sequence whole counts them) and continue each sequence from the cached keys and 
 
 * multiple-choice scoring (``shared_context_lm.SharedContextHFLM``) groups its contexts by their longest common
   token prefix (:func:`prefix_groups`), runs each group's prefix once (:func:`run_prefix`), then its contexts'
-  own tokens in batches on copies of that cache (:func:`repeat_rows`); the group's cache is dropped before the
-  next group's prefix runs, so memory holds one prefix at a time whatever the number of groups;
+  own tokens in batches on copies of that cache (``attention.cache.select_rows``); the group's cache is dropped
+  before the next group's prefix runs, so memory holds one prefix at a time whatever the number of groups;
 * generation (``prefix_sharing.generate_shared``) takes a base prompt (:func:`plan`) and runs its tokens once in
   segments that end where some prompt's shared part ends (:func:`run_prefix` again), then continues each prompt
   from a copy of the cache cut at its shared length (``attention.cache.cache_prefix``).
@@ -145,7 +145,7 @@ def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
     def forward(ids: list[int], start: int, cache, uses: int):
         nonlocal tokens_run
         tokens_run += len(ids) - start
-        own = repeat_rows(cache, torch.zeros(1, dtype=torch.long, device=device), room=len(ids) - start) \
+        own = select_rows(cache, torch.zeros(1, dtype=torch.long, device=device), room=len(ids) - start) \
             if cache is not None else growing_cache(model)
         with repeated(uses):
             run_prefix(cached_forward(model, own), ids, start=start)
@@ -178,12 +178,6 @@ def track(cache):
 def live_prefixes() -> int:
     """How many prefix caches noted by :func:`track` are still alive (the memory bound's test reads it)."""
     return len(_LIVE)
-
-
-def repeat_rows(cache, rows: torch.Tensor, room: int = 0):
-    """A cache holding the given batch rows (repeats allowed) of ``cache``, which stays as it was, with spare room
-    for ``room`` more positions (``attention.cache.select_rows``: one copy, and none when the next forward appends)."""
-    return select_rows(cache, rows, room=room)
 
 
 def move_padding_left(cache, lengths: torch.Tensor, width: int, room: int = 0):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention import prefill
-from ..attention.cache import dropping_appends, growing_cache, grows
+from ..attention.cache import dropping_appends, growing_cache, grows, select_rows
 from ..compat import cache_layers
 from .batched_lm import (  # noqa: F401  (BatchedHFLM, check_decode_batch: importable from here, as before)
     BatchedHFLM,
@@ -36,7 +36,7 @@ from .batched_lm import (  # noqa: F401  (BatchedHFLM, check_decode_batch: impor
     left_pad,
 )
 from .model_facts import active_stats, has_sliding_window
-from .prefix_cache import MIN_GEMM_ROWS, move_padding_left, prefix_groups, repeat_rows, run_prefix, track
+from .prefix_cache import MIN_GEMM_ROWS, move_padding_left, prefix_groups, run_prefix, track
 
 if TYPE_CHECKING:
     from ..attention.stats import SparsityStats
@@ -151,7 +151,7 @@ class SharedContextHFLM(BatchedHFLM):
         for b, tokens in enumerate(suffixes):
             ids[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         pos = (shared + torch.arange(S))[None].expand(B, S)
-        rows = repeat_rows(cache, torch.zeros(B, dtype=torch.long, device=self.device), room=S)
+        rows = select_rows(cache, torch.zeros(B, dtype=torch.long, device=self.device), room=S)
         with stats.repeated(weight) if stats is not None else contextlib.nullcontext():
             if padded:
                 real = torch.arange(S)[None, :] < lengths[:, None]  # (B, S)
@@ -252,7 +252,7 @@ def _continuing(cache, select: torch.Tensor, room: int):
         with dropping_appends(cache):
             yield cache
     else:
-        yield repeat_rows(cache, select.to(cache_layers(cache)[0].keys.device), room=room)
+        yield select_rows(cache, select.to(cache_layers(cache)[0].keys.device), room=room)
 
 
 def _packs_in_one_key_block(context: int, packed: int) -> bool:
