@@ -580,3 +580,52 @@ def test_prefill_with_and_without_tile_skipping_gives_the_same_numbers(monkeypat
                          block_n=16, skip_tiles=True)
     _assert_same(res, stats, ref_out, ref_keep, ref_stats)
     assert int(res.skipped_tiles.sum()) > 0
+
+
+# ---- addressing past 2^31 elements -----------------------------------------------------------------------
+
+def _far_apart(tensors, stride: int, where):
+    """Copies of (B, ·, ·, ·) tensors laid out in one storage whose batch stride is ``stride`` elements, so
+    sequence b of each starts b · stride elements in. In the interpreter the storage is a sparse memory-mapped
+    file: only the pages the copies touch take memory or disk (8 GiB of float32 is mostly a hole)."""
+    B = tensors[0].shape[0]
+    slab = [t[0].numel() for t in tensors]
+    size = (B - 1) * stride + sum(slab)
+    if INTERPRETED:
+        path = where / "storage.bin"
+        with open(path, "wb") as f:
+            f.truncate(size * tensors[0].element_size())
+        base = torch.from_file(str(path), shared=True, size=size, dtype=tensors[0].dtype)
+    else:
+        base = torch.empty(size, dtype=tensors[0].dtype, device=DEVICE)
+    views, offset = [], 0
+    for t, n in zip(tensors, slab):
+        strides = (stride, *t[0].stride())
+        view = base.as_strided(t.shape, strides, storage_offset=offset)
+        view.copy_(t)
+        views.append(view)
+        offset += n
+    return views
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_sequences_more_than_two_to_the_31_elements_in(monkeypatch, tmp_path, kind):
+    """A batch whose third sequence starts past 2^31 elements into its tensors, each stride fitting 32 bits (a long
+    KV cache times a batch: 8 KV heads × 128k keys × 128 dims is 2^27 elements a sequence, so sequence 16 starts at
+    2^31): the kernels address it in 64 bits and give the plain kernel's numbers. In 32 bits b · stride wraps
+    negative and the kernel reads another sequence's memory, or none. (A stride of 2^31 or more would not tell:
+    Triton passes such an integer argument as int64.)"""
+    B, Q, K = 3, 20, 20
+    q, k, v = _data(B, Q, K, seed=9)
+    if kind == "decode":
+        q, Q = q[:, :, -1:].contiguous(), 1
+    ks, valid, n = _bounds(B, Q, K, key_start=[0, 3, 7])
+    sparsifier, comp = _objects("pre-sdc-vmc" if kind == "prefill" else "post-vmc", "keep-max")
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, kind)
+    stride = 2 ** 30 + 4096
+    fq, fk, fv = _far_apart([q, k, v], stride, tmp_path)
+    assert stride < 2 ** 31 <= fk.storage_offset() + (B - 1) * fk.stride(0) and torch.equal(fk, k)
+    fn = prefill_attention if kind == "prefill" else decode_attention
+    blocks = dict(block_m=16, block_n=16) if kind == "prefill" else dict(block_n=16)
+    res, stats = _triton(fn, fq, fk, fv, n, sparsifier, comp, kind, key_start=ks, **blocks)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)

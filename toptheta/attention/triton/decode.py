@@ -48,8 +48,8 @@ def _union(keep, GP: tl.constexpr, QP: tl.constexpr, BLOCK_N: tl.constexpr):
 def _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window,
                 GP: tl.constexpr, QP: tl.constexpr, CAUSAL: tl.constexpr):
     """The program's stacked rows r = g·QP + q: (b, hkv, g, qi, row_ok, lo_row, hi_row), keys [lo_row, hi_row)."""
-    b = pid // Hkv
-    hkv = pid % Hkv
+    b = (pid // Hkv).to(tl.int64)  # 64-bit offsets: b · stride passes 2^31 in a batch of long caches
+    hkv = (pid % Hkv).to(tl.int64)
     r = tl.arange(0, GP * QP)
     g = r // QP
     qi = r % QP
@@ -105,7 +105,7 @@ def _decode_logits(
     if SCALE_Q:
         q = q * scaling
     Kb = K_ptr + b * skb + hkv * skh
-    s_rows = S_ptr + (pid * (G * Qn) + g * Qn + qi) * KP  # (R,) scratch rows; only row_ok rows are stored
+    s_rows = S_ptr + (pid.to(tl.int64) * (G * Qn) + g * Qn + qi) * KP  # (R,) scratch rows, only row_ok's stored
     m_i = tl.full([GP * QP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP * QP], tl.float32)
     for start in range(lo, hi, BLOCK_N):
@@ -147,7 +147,7 @@ def _decode_select(
     lo_row, hi_row, lo, hi = _chunk_rows(lo_row, hi_row, split, CHUNK)
     offs_dv = tl.arange(0, BLOCK_DV)
     Vb = V_ptr + b * svb + hkv * svh
-    s_rows = S_ptr + (pid * (G * Qn) + g * Qn + qi) * KP
+    s_rows = S_ptr + (pid.to(tl.int64) * (G * Qn) + g * Qn + qi) * KP
 
     r_i = tl.zeros([GP * QP], tl.float32)
     cnt = tl.zeros([GP * QP], tl.int32)

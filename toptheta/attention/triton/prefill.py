@@ -177,8 +177,8 @@ def _prefill_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: b · stride passes 2^31 in a batch of long sequences
+    h = (pid_bh % H).to(tl.int64)
     hkv = h // G
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
