@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import toptheta  # noqa: E402
 from toptheta.attention import backends  # noqa: E402
+from toptheta.attention.host_reads import by_kind, counting_host_reads  # noqa: E402
 from toptheta.calibration import Thresholds  # noqa: E402
 
 H, HKV, D, K_BUDGET = 32, 8, 128, 64  # LLaMA-3-8B: 32 query heads, 8 KV heads, head dim 128; k = 64
-READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "cpu", "numpy")
 
 
 class Counter(TorchDispatchMode):
@@ -51,37 +51,6 @@ class Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def counting_host_reads(tally: dict):
-    """Wrap the tensor-to-Python conversions; a meta tensor gets a dummy answer (it has no value to read)."""
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def wrap(name):
-        original = saved[name]
-
-        def read(self, *args, **kwargs):
-            tally[name] = tally.get(name, 0) + 1
-            if self.device.type != "meta":
-                return original(self, *args, **kwargs)
-            if name == "cpu":
-                return torch.zeros(self.shape, dtype=self.dtype)
-            if name == "tolist":
-                return torch.zeros(self.shape, dtype=self.dtype).tolist()
-            if name == "numpy":
-                return torch.zeros(self.shape, dtype=self.dtype).numpy()
-            return {"__bool__": True, "__float__": 0.0}.get(name, 0)
-
-        return read
-
-    for name in READS:
-        setattr(torch.Tensor, name, wrap(name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
 
 
 @contextlib.contextmanager
@@ -171,7 +140,7 @@ def measure(backend: str | None, config, phase: str, tokens: int, device: str, d
     os.environ["TOPTHETA_BACKEND"] = backend or "auto"
     call = lambda: toptheta.sparse_attention(q, k, v, None, scaling=D ** -0.5, layer=0, sparsifier=sparsifier,  # noqa
                                              compensations=comp, stats=stats, phase=phase)
-    reads, launches, counter = {}, {}, Counter()
+    reads, launches, counter = [], {}, Counter()
     on_meta = triton_on_meta(launches) if backend == "triton" and device == "meta" else contextlib.nullcontext()
     counting = contextlib.nullcontext() if backend == "triton" and device == "meta" else counting_triton_launches(launches)
     try:
@@ -195,8 +164,8 @@ def measure(backend: str | None, config, phase: str, tokens: int, device: str, d
         else:
             os.environ["TOPTHETA_BACKEND"] = previous
     return {"backend": next(reversed(stats.backend_calls)), "torch_ops": counter.ops,
-            "triton_launches": launched, "host_reads": sum(reads.values()),
-            "host_reads_by_kind": reads, "seconds": round(seconds, 3)}
+            "triton_launches": launched, "host_reads": len(reads),
+            "host_reads_by_kind": by_kind(reads), "seconds": round(seconds, 3)}
 
 
 def per_forward(tokens: int, max_n: int) -> list[dict]:
@@ -218,13 +187,13 @@ def per_forward(tokens: int, max_n: int) -> list[dict]:
         for masked in (False, True):
             kwargs = {"attention_mask": torch.ones(1, tokens, dtype=torch.long, device="meta")} if masked else {}
             with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
-                with counting_host_reads({}):
+                with counting_host_reads([]):
                     model(ids, **kwargs)  # warm-up
-                reads = {}
+                reads = []
                 with counting_host_reads(reads):
                     model(ids, **kwargs)
-            out.append({"tokens": tokens, "config": label, "mask": masked, "host_reads_per_forward": sum(reads.values()),
-                        "host_reads_by_kind": reads, "backends": dict(stats.backend_calls)})
+            out.append({"tokens": tokens, "config": label, "mask": masked, "host_reads_per_forward": len(reads),
+                        "host_reads_by_kind": by_kind(reads), "backends": dict(stats.backend_calls)})
             print(json.dumps(out[-1]), flush=True)
     return out
 

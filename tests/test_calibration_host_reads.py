@@ -8,7 +8,6 @@ values ``calibrate`` gave before the device path existed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 
@@ -16,11 +15,11 @@ import pytest
 import torch
 
 import toptheta
+from toptheta.attention.host_reads import counting_host_reads
 from toptheta.calibration import OrderStatCollector, TargetKCollector
 from toptheta.models import build_tiny_model
 
 calibrate_module = importlib.import_module("toptheta.calibration.calibrate")
-READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "cpu", "numpy")
 
 # (calibrated entries, mean) of the threshold values (and of the calibrated SDC masses) of `calibrate` on this
 # file's model and documents (digest below), recorded on an AMD EPYC machine. They replace bitwise hashes taken before
@@ -36,26 +35,6 @@ GOLDEN = {
     ('target-k', 'pre', 0.5, False, 'layer-head-n'): (688, 2.1761492, 688, 0.629083225),
     ('target-k', 'pre', 0.5, False, 'layer'): (2, 2.48719382, 2, 0.618612498),
 }
-
-
-@contextlib.contextmanager
-def counting_host_reads(tally: list):
-    """Record (conversion, shape) of every tensor-to-Python conversion inside the block."""
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def wrap(name):
-        def read(self, *args, **kwargs):
-            tally.append((name, tuple(self.shape)))
-            return saved[name](self, *args, **kwargs)
-        return read
-
-    for name in READS:
-        setattr(torch.Tensor, name, wrap(name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
 
 
 def counted(cls, tally: list, device_path: bool):
