@@ -629,3 +629,25 @@ def test_sequences_more_than_two_to_the_31_elements_in(monkeypatch, tmp_path, ki
     blocks = dict(block_m=16, block_n=16) if kind == "prefill" else dict(block_n=16)
     res, stats = _triton(fn, fq, fk, fv, n, sparsifier, comp, kind, key_start=ks, **blocks)
     _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+
+
+def test_the_prefill_grid_stays_within_cudas_limits(monkeypatch):
+    """CUDA allows at most 65,535 programs along grid axes 1 and 2: a batch of 8,192 short sequences of 9 heads (a
+    small model's lm-eval batch, 73,728 sequence-heads) launches within them, every (query block, head, sequence)
+    once. The launch is recorded, not run (the interpreter would take minutes over 73,728 programs)."""
+    import toptheta.attention.triton.prefill as module
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(module, "_prefill_kernel", Recorder())
+    monkeypatch.setattr(module, "check_device", lambda kernel, *tensors: tensors[0].device)
+    B, Hq, Hkv, D = 8192, 9, 3, 16
+    q, kv = torch.zeros(B, Hq, 1, D), torch.zeros(B, Hkv, 1, D)
+    module.prefill_attention(q, kv, kv, scaling=1.0, theta=None, placement=None)
+    (grid,) = grids
+    assert grid == (1, Hq, B) and max(grid[1:]) <= 65535

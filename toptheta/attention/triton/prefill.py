@@ -176,9 +176,8 @@ def _prefill_kernel(
     SKIP_TILES: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: b · stride passes 2^31 in a batch of long sequences
-    h = (pid_bh % H).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)  # 64-bit offsets: b · stride passes 2^31 in a batch of long sequences
+    b = tl.program_id(2).to(tl.int64)
     hkv = h // G
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -283,7 +282,7 @@ def _prefill_kernel(
     tl.store(KEPT_ptr + row, cnt, mask=row_ok)
     tl.store(KMASS_ptr + row, kept_mass, mask=row_ok)
     tl.store(EMPTY_ptr + row, empty.to(tl.int8), mask=row_ok)
-    prog = pid_bh * tl.num_programs(0) + pid_m
+    prog = (b * H + h) * tl.num_programs(0) + pid_m
     tl.store(TILES_ptr + prog, tiles)
     tl.store(SKIP_ptr + prog, skipped)
     if STATS:  # the call's statistics, added to the layer's packed counters (stats.SparsityStats.packed_row)
@@ -365,7 +364,7 @@ def prefill_attention(
     tiles = torch.zeros(B, H, n_mblocks, dtype=torch.int32, device=device)
     skipped = torch.zeros(B, H, n_mblocks, dtype=torch.int32, device=device)
     ieee = query.dtype == torch.float32
-    grid = (n_mblocks, B * H)
+    grid = (n_mblocks, H, B)  # the order of (m-block, b · H + h) programs, each axis within CUDA's 65,535 limit
     stats_args, counting = stats_arguments(stats_row, stats_columns, kept_mass)
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _prefill_kernel[grid](
