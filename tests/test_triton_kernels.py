@@ -651,3 +651,54 @@ def test_the_prefill_grid_stays_within_cudas_limits(monkeypatch):
     module.prefill_attention(q, kv, kv, scaling=1.0, theta=None, placement=None)
     (grid,) = grids
     assert grid == (1, Hq, B) and max(grid[1:]) <= 65535
+
+
+# ---- a model spread over GPUs ------------------------------------------------------------------------------
+
+def test_kernels_launch_on_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device, not the tensors': the wrappers make the tensors' device current
+    around their launches (``launching_on``), so the layers a ``device_map=auto`` model puts on cuda:1 run there.
+    Here the context each wrapper enters is recorded; ``launching_on`` itself picks CUDA's device context for a
+    CUDA device (built without touching CUDA) and nothing off CUDA."""
+    import contextlib
+
+    import toptheta.attention.triton.decode as decode_module
+    import toptheta.attention.triton.prefill as prefill_module
+    from toptheta.attention.triton.common import launching_on
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(device)
+        yield
+
+    for module in (prefill_module, decode_module):
+        monkeypatch.setattr(module, "launching_on", recording)
+    q, k, v = _data(2, 8, 8)
+    prefill_module.prefill_attention(q, k, v, scaling=0.5, theta=None, placement=None, block_m=16, block_n=16)
+    decode_module.decode_attention(q[:, :, -1:], k, v, scaling=0.5, theta=None, placement=None, block_n=16)
+    assert entered == [q.device, q.device]
+    context = launching_on(torch.device("cuda", 1))
+    assert isinstance(context, torch.cuda.device) and context.idx == 1
+    assert isinstance(launching_on(torch.device("cpu")), contextlib.nullcontext)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or torch.cuda.device_count() < 2, reason="needs two CUDA devices and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_kernels_on_the_second_gpu_while_the_first_is_current(monkeypatch, kind):
+    """Tensors on cuda:1 while cuda:0 is current (a layer of a model spread over two GPUs): the plain kernel's numbers."""
+    B, Q, K = 2, 20, 20
+    q, k, v = (t.to("cuda:1") for t in _data(B, Q, K, seed=10))
+    if kind == "decode":
+        q, Q = q[:, :, -1:].contiguous(), 1
+    ks, valid, n = (t.to("cuda:1") for t in _bounds(B, Q, K, key_start=[0, 3]))
+    sparsifier, comp = _objects("pre-sdc-vmc" if kind == "prefill" else "post-vmc", "keep-max")
+    torch.cuda.set_device(0)
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, kind)
+    fn = prefill_attention if kind == "prefill" else decode_attention
+    blocks = dict(block_m=16, block_n=16) if kind == "prefill" else dict(block_n=16)
+    res, stats = _triton(fn, q, k, v, n, sparsifier, comp, kind, key_start=ks, **blocks)
+    assert res.out.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)

@@ -6,6 +6,7 @@ Shapes use B (batch), H (query heads), Hkv (KV heads), Q (query rows), K (keys),
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,13 @@ def check_device(kernel, *tensors: torch.Tensor) -> torch.device:
             f"the Triton kernels need CUDA tensors, got {device.type} tensors; move them to a GPU, or set "
             "TRITON_INTERPRET=1 before triton is first imported to run the kernels on CPU in Triton's interpreter")
     return device
+
+
+def launching_on(device: torch.device):
+    """A context in which Triton launches on ``device``. Triton launches on the current CUDA device, not the
+    tensors': a model spread over GPUs (``model.device_map=auto``) has layers on cuda:1 and beyond, whose kernels
+    would otherwise run on cuda:0 with pointers into another GPU's memory. A no-op off CUDA (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_qkv, next_pow2, row_bounds, row_inputs,
-                     stats_arguments, value_means)
+from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_qkv, launching_on, next_pow2,
+                     row_bounds, row_inputs, stats_arguments, value_means)
 from .prefill import TINY, compensated, empty_mask, kept_weights, row_keys, skip_cut, tile_pv, tile_scores
 
 MAX_ROWS = 256  # GP·QP rows per program
@@ -373,23 +373,24 @@ def decode_attention(
     win = window or NO_WINDOW
     group = dict(GP=GP, QP=QP, CAUSAL=causal)
     stats_args, counting = stats_arguments(stats_row, stats_columns, kept_mass)
-    _decode_logits[(B * Hkv, NS)](
-        query, key, scratch, m_part, l_part, *query.stride(), *key.stride(), ks, ke, qo,
-        G, Hkv, Q, D, K, NS, CHUNK, win, float(scaling),
-        BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), SCALE_Q=ieee, IEEE=ieee, **group, **extra,
-    )
-    _decode_select[(B * Hkv, NS)](
-        value, scratch, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part,
-        *value.stride(), ks, ke, qo, th, H, G, Hkv, Q, Dv, K, NS, CHUNK, win,
-        NSP=next_pow2(NS), BLOCK_N=BLOCK_N, BLOCK_DV=BLOCK_DV, POST=post,
-        KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, SKIP=rows.skip, **group, **extra,
-    )
-    _decode_finish[(B * Hkv,)](
-        out, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part, *out.stride(),
-        ks, ke, qo, th, rows.mass, v_mean, rows.v_all, kept, kept_mass, empty, n, vrows, tiles, skipped, *stats_args,
-        H, G, Hkv, Q, Dv, NS, win, float(sdc_scale),
-        NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, VSUM=vsum, UNIFORM=rows.uniform,
-        STATS=counting, SPARSE=sparse, SKIP=rows.skip, **group, **extra,
-    )
+    with launching_on(device):
+        _decode_logits[(B * Hkv, NS)](
+            query, key, scratch, m_part, l_part, *query.stride(), *key.stride(), ks, ke, qo,
+            G, Hkv, Q, D, K, NS, CHUNK, win, float(scaling),
+            BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), SCALE_Q=ieee, IEEE=ieee, **group, **extra,
+        )
+        _decode_select[(B * Hkv, NS)](
+            value, scratch, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part,
+            *value.stride(), ks, ke, qo, th, H, G, Hkv, Q, Dv, K, NS, CHUNK, win,
+            NSP=next_pow2(NS), BLOCK_N=BLOCK_N, BLOCK_DV=BLOCK_DV, POST=post,
+            KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, SKIP=rows.skip, **group, **extra,
+        )
+        _decode_finish[(B * Hkv,)](
+            out, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part, *out.stride(),
+            ks, ke, qo, th, rows.mass, v_mean, rows.v_all, kept, kept_mass, empty, n, vrows, tiles, skipped,
+            *stats_args, H, G, Hkv, Q, Dv, NS, win, float(sdc_scale),
+            NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, VSUM=vsum,
+            UNIFORM=rows.uniform, STATS=counting, SPARSE=sparse, SKIP=rows.skip, **group, **extra,
+        )
     return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.view(torch.bool),
                            vrows=vrows, tiles=tiles, skipped_tiles=skipped)

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_qkv, next_pow2, row_bounds, row_inputs,
-                     stats_arguments, value_means)
+from .common import (NO_WINDOW, SDC_MODES, TritonAttention, check_device, check_qkv, launching_on, next_pow2,
+                     row_bounds, row_inputs, stats_arguments, value_means)
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # float32 tiny, the plain kernel's clamp (a constexpr: kernels may read no other globals)
 
@@ -367,18 +367,19 @@ def prefill_attention(
     grid = (n_mblocks, H, B)  # the order of (m-block, b · H + h) programs, each axis within CUDA's 65,535 limit
     stats_args, counting = stats_arguments(stats_row, stats_columns, kept_mass)
     extra = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    _prefill_kernel[grid](
-        query, key, value, out,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        rows.key_start, rows.key_end, rows.q_offset, rows.theta, rows.mass, v_mean, rows.v_all,
-        kept, kept_mass, empty, tiles, skipped, *stats_args,
-        H, H // Hkv, Hkv, Q, D, Dv, window or NO_WINDOW, float(scaling), float(sdc_scale),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-        POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse,
-        UNIFORM=rows.uniform, CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse,
-        SKIP_TILES=bool(skip_tiles), SKIP=rows.skip,
-        **extra,
-    )
+    with launching_on(device):
+        _prefill_kernel[grid](
+            query, key, value, out,
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+            rows.key_start, rows.key_end, rows.q_offset, rows.theta, rows.mass, v_mean, rows.v_all,
+            kept, kept_mass, empty, tiles, skipped, *stats_args,
+            H, H // Hkv, Hkv, Q, D, Dv, window or NO_WINDOW, float(scaling), float(sdc_scale),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
+            POST=post, SDC=SDC_MODES[sdc], VMC=vmc, KEEP_MAX=empty_rows == "keep-max" or not sparse,
+            UNIFORM=rows.uniform, CAUSAL=causal, SCALE_Q=ieee, IEEE=ieee, STATS=counting, SPARSE=sparse,
+            SKIP_TILES=bool(skip_tiles), SKIP=rows.skip,
+            **extra,
+        )
     n = (hi - lo).to(torch.int32)  # (B, Q)
     return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.bool(), vrows=None,
                            tiles=tiles, skipped_tiles=skipped)
