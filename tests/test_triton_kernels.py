@@ -702,3 +702,38 @@ def test_kernels_on_the_second_gpu_while_the_first_is_current(monkeypatch, kind)
     res, stats = _triton(fn, q, k, v, n, sparsifier, comp, kind, key_start=ks, **blocks)
     assert res.out.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0
     _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+
+
+def test_decode_steps_reuse_their_internal_buffers():
+    """A decode call holds its 9 internal buffers (logits scratch, per-chunk partials) for the next call: a second step
+    allocates only what it returns, and a longer cache regrows them. Same numbers either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import toptheta.attention.triton.decode as decode_module
+
+    class Empties(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket.__name__ in ("empty", "empty_strided")
+            return func(*args, **(kwargs or {}))
+
+    def step(K):
+        q, k, v = _data(2, 1, K, seed=11)
+        counter = Empties()
+        with counter:
+            out = decode_module.decode_attention(q, k, v, scaling=0.5, theta=None, placement=None, block_n=16).out
+        return out, counter.count
+
+    decode_module.release_buffers()
+    first, fresh = step(40)
+    again, reused = step(40)
+    assert torch.equal(first, again) and fresh - reused == 9
+    longer, grown = step(400)
+    assert grown > reused  # the logits scratch (and more chunks' partials) outgrew the held buffers
+    q, k, v = _data(2, 1, 400, seed=11)
+    decode_module.release_buffers()
+    assert torch.equal(longer, decode_module.decode_attention(q, k, v, scaling=0.5, theta=None, placement=None,
+                                                              block_n=16).out)
