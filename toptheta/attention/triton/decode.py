@@ -18,7 +18,7 @@ into chunks as in flash-decoding, one program per (sequence, KV head, chunk), in
 
 The weights share one reference max per row (the row's), so no rescaling between chunks is needed and the sums
 are those of a single pass. Memory per step beyond K and the kept V rows: the logits written and read once and
-(chunks × rows × Dv) float32 partial sums.
+(chunks × rows × Dv) float32 partial sums, in buffers held from one call to the next (``release_buffers`` frees them).
 """
 
 from __future__ import annotations
