@@ -7,6 +7,7 @@ compiled kernels on a GPU with ``TRITON_INTERPRET=0 pytest -m 'gpu or not gpu' t
 the ``gpu`` tests add realistic shapes in bfloat16 and float32.
 """
 
+import contextlib
 import importlib
 import os
 import sys
@@ -660,8 +661,6 @@ def test_kernels_launch_on_the_tensors_device(monkeypatch):
     around their launches (``launching_on``), so the layers a ``device_map=auto`` model puts on cuda:1 run there.
     Here the context each wrapper enters is recorded; ``launching_on`` itself picks CUDA's device context for a
     CUDA device (built without touching CUDA) and nothing off CUDA."""
-    import contextlib
-
     import toptheta.attention.triton.decode as decode_module
     import toptheta.attention.triton.prefill as prefill_module
     from toptheta.attention.triton.common import launching_on
