@@ -11,6 +11,8 @@ prefill of 4k, 16k and 32k tokens (causal), decode of one query row over 16k and
     ours_post_vmc      TopTheta(post) + VMC (prefill and decode)
     skip_pre           prefill: skip-softmax (BLASST's one λ) before the softmax, no compensation (as deployed)
     skip_post_vmc      skip-softmax after the softmax + VMC (prefill and decode)
+    topk_post_vmc      decode: Top-k after the softmax + VMC (k per head such that the union keeps about the target)
+    plain_topk_post_vmc  decode: the same through the plain kernel (TOPTHETA_BACKEND=plain), what served it before
 
 at kept fractions --fractions (default 1/3 and 1/10: of the attention elements for prefill, of the V rows, the union
 over a KV head's query heads, for decode). Our calls go through the backend registry as in a run (statistics on); the
@@ -202,9 +204,27 @@ def skip_lambda(q, k, scaling: float, u: float, n: float) -> float:
     return float(n) * float(torch.tensor(t - m).exp())
 
 
-def ours_call(q, k, v, scaling, sparsifier, compensations, phase, stats):
-    return lambda: toptheta.sparse_attention(q, k, v, None, scaling=scaling, layer=0, sparsifier=sparsifier,
+def ours_call(q, k, v, scaling, sparsifier, compensations, phase, stats, backend: str | None = None):
+    """One attention call through the backend registry; ``backend`` forces one for this call alone."""
+    def call():
+        saved = os.environ.get("TOPTHETA_BACKEND")
+        if backend is not None:
+            os.environ["TOPTHETA_BACKEND"] = backend
+        try:
+            return toptheta.sparse_attention(q, k, v, None, scaling=scaling, layer=0, sparsifier=sparsifier,
                                              compensations=compensations, stats=stats, phase=phase)
+        finally:
+            if saved is None:
+                os.environ.pop("TOPTHETA_BACKEND", None)
+            else:
+                os.environ["TOPTHETA_BACKEND"] = saved
+    return call
+
+
+def decode_k(n: int, groups: int, u: float) -> int:
+    """Top-k's k per head for a decode row of n keys whose union over ``groups`` heads keeps about u of the V rows
+    (each head keeps f = 1 − (1 − u)^{1/G}, as ``decode_thresholds``)."""
+    return max(1, round((1 - (1 - u) ** (1 / groups)) * n))
 
 
 def measure(kind: str, device: torch.device, shape: str, lengths: list[int], fractions: list[float], repeats: int,
@@ -229,15 +249,18 @@ def measure(kind: str, device: torch.device, shape: str, lengths: list[int], fra
                 methods["ours_post_vmc"] = (toptheta.TopTheta(decode_thresholds(q, k, scaling, u)), [toptheta.VMC()])
                 lam = skip_lambda(q, k, scaling, u, n)
                 methods["skip_post_vmc"] = (toptheta.SkipSoftmax(lam, "post", k=K_BUDGET), [toptheta.VMC()])
+                topk = toptheta.TopK(decode_k(n, H // Hkv, u), "post")
+                methods["topk_post_vmc"] = (topk, [toptheta.VMC()])
+                methods["plain_topk_post_vmc"] = (topk, [toptheta.VMC()], "plain")
             calls, kept, served, err = {"flash": flash}, {}, {}, {}
             reference = flash().float()
-            for name, (sparsifier, comp) in methods.items():
+            for name, (sparsifier, comp, *backend) in methods.items():
                 probe = SparsityStats(1, H, Hkv)
-                out = ours_call(q, k, v, scaling, sparsifier, comp, kind, probe)()
+                out = ours_call(q, k, v, scaling, sparsifier, comp, kind, probe, *backend)()
                 kept[name] = probe.kept_attention_fraction if kind == "prefill" else probe.kept_vrow_fraction
                 served[name] = dict(probe.backend_calls)
                 err[name] = float((out.float().transpose(1, 2) - reference).abs().mean())
-                calls[name] = ours_call(q, k, v, scaling, sparsifier, comp, kind, SparsityStats(1, H, Hkv))
+                calls[name] = ours_call(q, k, v, scaling, sparsifier, comp, kind, SparsityStats(1, H, Hkv), *backend)
             timing = time_calls(calls, device, repeats)
             base = timing["flash"]
             for name, t in timing.items():

@@ -90,14 +90,14 @@ def triton_on_meta(tally: dict):
         return lambda kernel, *tensors: tensors[0].device if tensors[0].device.type == "meta" else check(kernel,
                                                                                                          *tensors)
 
-    refuse = backend.TritonBackend.refuse
+    refuse_device = backend.TritonBackend.refuse_device
     saved = [(JITFunction, "run", JITFunction.run), (decode, "check_device", decode.check_device),
-             (prefill, "check_device", prefill.check_device), (backend.TritonBackend, "refuse", refuse)]
+             (prefill, "check_device", prefill.check_device), (backend.TritonBackend, "refuse_device", refuse_device)]
     JITFunction.run = launch
     decode.check_device = accept(decode.check_device)
     prefill.check_device = accept(prefill.check_device)
-    backend.TritonBackend.refuse = lambda self, call: (None if call.device.type == "meta" and call.kind in
-                                                       ("dense", "toptheta") else refuse(self, call))
+    backend.TritonBackend.refuse_device = lambda self, call: (None if call.device.type == "meta" else
+                                                              refuse_device(self, call))
     try:
         yield
     finally:

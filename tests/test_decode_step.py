@@ -85,9 +85,13 @@ def test_gpu_decode_benchmark_dry_run_runs_the_triton_kernels(tmp_path, monkeypa
     assert bench.main(["--device", "cpu-interpret", "--lengths", "80", "--fractions", "0.1", "--repeats", "1",
                        "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["decode"]
-    assert [r["method"] for r in rows] == ["flash", "ours_post_vmc", "skip_post_vmc"]
+    assert [r["method"] for r in rows] == ["flash", "ours_post_vmc", "skip_post_vmc", "topk_post_vmc",
+                                           "plain_topk_post_vmc"]
     assert rows[1]["backend_calls"] == {"triton": 1} and 0.03 < rows[1]["kept_fraction"] < 0.3
     assert rows[2]["backend_calls"] == {"triton": 1} and 0 < rows[2]["kept_fraction"] < 1
+    assert rows[3]["backend_calls"] == {"triton": 1} and rows[4]["backend_calls"] == {"plain": 1}
+    assert rows[3]["kept_fraction"] == rows[4]["kept_fraction"] and 0.03 < rows[3]["kept_fraction"] < 0.3
+    assert abs(rows[3]["mean_abs_diff_to_flash"] - rows[4]["mean_abs_diff_to_flash"]) < 1e-6
     assert "Triton interpreter" in out.with_suffix(".md").read_text()
 
 

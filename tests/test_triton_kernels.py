@@ -83,8 +83,20 @@ SKIP_CONFIGS = {
 }
 
 
-def _objects(name: str, empty_rows: str = "keep-max"):
-    if name in SKIP_CONFIGS:
+# Top-k (decode only: its boundary is a selection over each whole row) -> (placement, SDC estimator, VMC)
+TOPK_CONFIGS = {
+    "topk-pre": ("pre", None, False),
+    "topk-pre-sdc-vmc": ("pre", "exact", True),
+    "topk-post": ("post", None, False),
+    "topk-post-vmc": ("post", None, True),
+}
+
+
+def _objects(name: str, empty_rows: str = "keep-max", k: int = 8):
+    if name in TOPK_CONFIGS:
+        placement, estimator, vmc = TOPK_CONFIGS[name]
+        sparsifier = toptheta.TopK(k, placement)
+    elif name in SKIP_CONFIGS:
         placement, estimator, vmc, lam = SKIP_CONFIGS[name]
         sparsifier = toptheta.SkipSoftmax(lam, placement, k=3)
     else:
@@ -98,6 +110,8 @@ def _lowered(sparsifier, n):
     """({theta or cut_offset: per-row tensor}, clamped rows) for rows of lengths n (B, Q), as the backend lowers."""
     if isinstance(sparsifier, toptheta.SkipSoftmax):
         return {"theta": None, "cut_offset": sparsifier.cut_offsets(0, n[:, None, :])}, 0
+    if isinstance(sparsifier, toptheta.TopK):
+        return {"theta": None, "top_k": sparsifier.k_for(0)}, 0
     theta, clamped = lowering.row_thresholds(sparsifier, 0, n)
     return {"theta": theta}, clamped
 
@@ -413,6 +427,61 @@ def test_float16_inputs_accumulate_in_float32(monkeypatch, kind):
 
 # ---- the wrappers' contracts ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", list(TOPK_CONFIGS))
+def test_topk_decode_equals_the_plain_kernel(monkeypatch, name):
+    """Top-k decode (k = 8): one row per sequence with left padding and a row of n = 2 ≤ k kept whole, then three
+    rows per sequence (causal among themselves) in a sliding window, then k ≥ K (every row whole)."""
+    B, K = 3, 40
+    q, k, v = _data(B, 1, K, seed=1)
+    ks, valid, n = _bounds(B, 1, K, key_start=[0, 5, K - 2])
+    sparsifier, comp = _objects(name)
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
+    res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert res.kept[:2].eq(8).all() and res.kept[2].eq(2).all() and 0 < ref_stats.kept_vrow_fraction < 1
+
+    Q, W = 3, 12
+    q, k, v = _data(2, Q, 37, seed=2)
+    ks, valid, n = _bounds(2, Q, 37, key_start=[0, 30], window=W)
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
+    res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, window=W,
+                         block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+
+    whole, _ = _objects(name, k=64)
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, whole, comp, "decode")
+    res, stats = _triton(decode_attention, q, k, v, n, whole, comp, "decode", key_start=ks, window=W, block_n=16)
+    if ref_keep is None:  # the plain kernel selects nothing when K ≤ k: every valid key kept
+        ref_keep = valid.expand(2, H, Q, 37)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+
+
+@pytest.mark.parametrize("name", ["topk-pre-sdc-vmc", "topk-post-vmc"])
+def test_topk_decode_breaks_ties_at_the_kth_logit_by_key_order(monkeypatch, name):
+    """Six copies of one key (and its V row) at keys 9-14, along the queries so that they lead many rows, k = 3: the
+    rows keep exactly k keys, the first of the tied ones (the float64 rule: a stable sort, so the V rows kept are
+    the group's union under it), and the plain kernel's output and counts, whichever copies it kept."""
+    B, K = 2, 40
+    q, k, v = _data(B, 2, K, seed=3)
+    lead = q.view(B, HKV, H // HKV * 2, -1).sum(2, keepdim=True)  # along the group's queries: a large logit
+    k[:, :, 9:15], v[:, :, 9:15] = lead / lead.norm(dim=-1, keepdim=True) * 4, v[:, :, 9:10]
+    ks, valid, n = _bounds(B, 2, K, key_start=[0, 4])
+    sparsifier, comp = _objects(name, k=3)
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
+    res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, block_n=16)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q.double().cpu(), k.double().cpu().repeat_interleave(H // HKV, 1))
+    logits = logits.masked_fill(~valid.cpu(), float("-inf"))
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :3]
+    by_key_order = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, True).to(DEVICE)
+    kth = logits.gather(-1, order[..., -1:])
+    straddling = ((logits > kth).sum(-1) + (logits == kth).sum(-1) > 3) & ((logits == kth).sum(-1) > 1)
+    assert straddling.sum() >= 4, "rows whose k-th logit is tied with keys beyond it"
+    assert torch.equal(res.kept.long(), ref_keep.sum(-1)) and res.kept.eq(3).all()
+    torch.testing.assert_close(res.out, ref_out, atol=1e-5, rtol=1e-5)
+    ref_stats.vrow_kept.copy_(stats.vrow_kept)  # the plain kernel's copies may differ: checked against the rule
+    _assert_same(res, stats, ref_out, by_key_order, ref_stats)
+
+
 def test_wrappers_refuse_bad_inputs():
     q, k, v = _data(1, 4, 4)
     offset = torch.zeros(1, 1, 4, dtype=torch.float64, device=DEVICE)
@@ -423,6 +492,12 @@ def test_wrappers_refuse_bad_inputs():
             fn(q[:, :, -1:], k, v, scaling=1.0, theta=None, cut_offset=offset[..., -1:], sdc="exp-threshold")
         with pytest.raises(ValueError, match="keep-max"):
             fn(q[:, :, -1:], k, v, scaling=1.0, theta=None, cut_offset=offset[..., -1:], empty_rows="reference")
+    with pytest.raises(ValueError, match="one rule"):
+        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=offset.float()[..., -1:], placement="pre", top_k=2)
+    with pytest.raises(ValueError, match="SDC\\('exact'\\)"):
+        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, placement="pre", sdc="exp-threshold", top_k=2)
+    with pytest.raises(ValueError, match="integer"):
+        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, placement="post", top_k=0)
     with pytest.raises(ValueError, match="multiple"):
         prefill_attention(q[:, :3], k, v, scaling=1.0, theta=None)
     with pytest.raises(ValueError, match="placement='pre'"):
@@ -459,8 +534,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-m", "toptheta.attention.triton.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 24, done.stdout  # prefill and the three decode launches × 2 dtypes × 3 rules
-    assert done.stdout.count("skip-softmax") == 8, done.stdout
+    # prefill and the three decode launches × 2 dtypes × 3 rules, and Top-k's three decode launches × 2 dtypes
+    assert done.stdout.count("ok ") == 30, done.stdout
+    assert done.stdout.count("skip-softmax") == 8 and done.stdout.count("top-k") == 6, done.stdout
 
 
 # ---- compiled kernels on a GPU: realistic shapes ------------------------------------------------------
@@ -736,3 +812,49 @@ def test_decode_steps_reuse_their_internal_buffers():
     decode_module.release_buffers()
     assert torch.equal(longer, decode_module.decode_attention(q, k, v, scaling=0.5, theta=None, placement=None,
                                                               block_n=16).out)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the GPU run is test_backends' test_generate_on_cuda_gives_the_cpu_tokens...")
+@pytest.mark.parametrize("name", ["topk-post-vmc", "topk-pre-sdc-vmc"])
+def test_generate_with_topk_runs_its_decode_steps_on_triton(monkeypatch, name):
+    """Greedy decoding with left padding as the registry chooses on a GPU: Triton takes Top-k's decode steps and
+    refuses its prefill (a prefill row's k-th logit is a selection over the whole row), which a torch or C++ kernel
+    serves; the tokens and counts of the plain kernel alone."""
+    from conftest import tiny_6heads
+
+    from toptheta.attention import backends
+    from toptheta.attention.backends import triton as triton_backend
+
+    class OnCpu(triton_backend.TritonBackend):
+        """The Triton backend choosing for CPU tensors as it chooses for CUDA ones."""
+
+        def refuse_device(self, call):
+            return None
+
+    sparsifier, comp = _objects(name, k=3)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    model = tiny_6heads("llama")
+
+    def generate():
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        return out, stats
+
+    monkeypatch.setenv("TOPTHETA_BACKEND", "plain")
+    ref, ref_stats = generate()
+    monkeypatch.delenv("TOPTHETA_BACKEND")
+    backends.register(OnCpu(importlib.import_module("toptheta.attention.triton")))  # in the registered one's place
+    try:
+        got, stats = generate()
+    finally:
+        backends.unregister("triton")
+        if triton_backend.BACKEND is not None:
+            backends.register(triton_backend.BACKEND)
+    assert stats.backend_calls["triton"] == 5 * 2, stats.backend_calls  # 5 decode steps × 2 layers
+    assert sum(stats.backend_calls.values()) == 6 * 2 and ref_stats.backend_calls == {"plain": 12}
+    assert torch.equal(got, ref)
+    for counter in ("prefill_kept", "decode_kept", "vrow_kept", "prefill_valid", "decode_valid", "vrow_valid"):
+        assert torch.equal(getattr(stats, counter), getattr(ref_stats, counter)), counter
+    assert 0 < stats.kept_vrow_fraction < 1

@@ -11,7 +11,9 @@ sequence, ``key_start`` (left padding) to K, with the queries at ``q_offset = K 
 form (a sliding window, a bidirectional or hand-made one) goes to the other backends. θ per row is
 ``call.thetas`` (rows kept whole get a θ that keeps every key), skip-softmax's ln(λ/n) per row
 ``SkipSoftmax.cut_offsets`` (the kernels cut at min(m + it, m) with the row's maximum), calibrated SDC's mass
-``call.sdc_mass``. Top-p is left to the plain kernel (its boundary needs a selection over each whole row). The
+``call.sdc_mass``, Top-k's k in decode steps (the decode kernel finds each row's k-th logit in the logits it writes
+between its launches). Top-p, and Top-k in prefill, are left to the plain kernel: their boundaries are selections
+over whole rows, which a prefill tile never holds. The
 kernels add each call's statistics to the layer's packed counters themselves (``SparsityStats.packed_row``).
 A kernel that raises (a compile failure) is logged once and the plain kernel serves that call and later ones.
 """
@@ -52,14 +54,22 @@ class TritonBackend(Backend):
         self.module = module
         self.failed: set[str] = set()  # kernels that raised once: not asked again in this process
 
-    def refuse(self, call: AttentionCall) -> str | None:
+    def refuse_device(self, call: AttentionCall) -> str | None:
+        """Why the call's tensors are not the kernels' (the first of ``refuse``'s checks), or None."""
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         if call.device.type != "cuda" and not (call.on_cpu and interpret and call.forced):
             return (f"CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 and TOPTHETA_BACKEND=triton); got "
                     f"{call.device}")
-        if call.kind not in SERVED:
-            return (f"dense, Top-θ and skip-softmax only, not {call.kind} (top-p needs each row's nucleus boundary, "
-                    "a selection over the whole row: the plain kernel's sort serves it)")
+        return None
+
+    def refuse(self, call: AttentionCall) -> str | None:
+        device = self.refuse_device(call)
+        if device is not None:
+            return device
+        if call.kind not in SERVED and not (call.kind == "topk" and _which(call) == "decode"):
+            return (f"dense, Top-θ and skip-softmax, and Top-k in decode steps only, not {call.kind} in "
+                    f"{_which(call)} (top-p's nucleus and a prefill row's k-th logit are selections over whole "
+                    "rows: the plain kernel's sort and topk serve them)")
         if call.observer is not None or call.softcap or call.bias is not None:
             return "no observers, soft-capping or additive biases"
         if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
@@ -101,17 +111,19 @@ class TritonBackend(Backend):
         if sparse and call.sdc_mode == 3:
             mass = call.sdc_mass(n)
         kernel = self.module.decode_attention if which == "decode" else self.module.prefill_attention
-        counted = {}
+        further = {}  # the kernel's arguments beyond the common ones
         if call.counting:  # the kernel adds the call's statistics to the layer's counters itself: no tensor ops here
             row, columns = stats_target(call.stats, call.layer, call.phase, call.device)
-            counted = {"stats_row": row, "stats_columns": columns}
+            further.update(stats_row=row, stats_columns=columns)
+        if call.kind == "topk":  # decode only: the kernel finds each row's k-th logit between its launches
+            further["top_k"] = call.sparsifier.k_for(call.layer)
         if which == "decode" and sparse and call.vmc and Q == 1:
-            counted["v_sum"] = running_value_sum(call.layer, call.value, key_start)
+            further["v_sum"] = running_value_sum(call.layer, call.value, key_start)
         result = kernel(call.query, call.key, call.value, scaling=call.scaling, theta=theta,
                         placement=call.placement if sparse else None, key_start=key_start, key_end=K,
                         q_offset=q_offset, causal=True, window=None, sdc=call.sdc.estimator if call.sdc else None,
                         sdc_scale=call.sdc_scale if call.sdc else 1.0, sdc_mass=mass, vmc=call.vmc,
-                        empty_rows=call.empty_rows, cut_offset=offsets, **counted)
+                        empty_rows=call.empty_rows, cut_offset=offsets, **further)
         if call.counting and sparse:
             call.stats.count_clamped(clamped, call.device)
         out = result.out.transpose(1, 2)  # (B, Q, H, Dv)
