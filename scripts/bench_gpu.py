@@ -12,7 +12,9 @@ prefill of 4k, 16k and 32k tokens (causal), decode of one query row over 16k and
     skip_pre           prefill: skip-softmax (BLASST's one λ) before the softmax, no compensation (as deployed)
     skip_post_vmc      skip-softmax after the softmax + VMC (prefill and decode)
     topk_post_vmc      decode: Top-k after the softmax + VMC (k per head such that the union keeps about the target)
-    plain_topk_post_vmc  decode: the same through the plain kernel (TOPTHETA_BACKEND=plain), what served it before
+    topp_post_vmc      decode: top-p after the softmax + VMC (p: the mean mass of each head's k largest probabilities)
+    plain_topk_post_vmc, plain_topp_post_vmc
+                       decode: the same through the plain kernel (TOPTHETA_BACKEND=plain), what served them before
 
 at kept fractions --fractions (default 1/3 and 1/10: of the attention elements for prefill, of the V rows, the union
 over a KV head's query heads, for decode). Our calls go through the backend registry as in a run (statistics on); the
@@ -227,6 +229,14 @@ def decode_k(n: int, groups: int, u: float) -> int:
     return max(1, round((1 - (1 - u) ** (1 / groups)) * n))
 
 
+def decode_p(q, k, scaling: float, top: int) -> float:
+    """Top-p's p for a decode row: the mean over heads of the mass of each head's ``top`` largest probabilities (so
+    that a head keeps about ``top`` keys, as Top-k with k = top)."""
+    H, Hkv = q.shape[1], k.shape[1]
+    s = torch.einsum("hd,hkd->hk", q[0, :, 0].float(), k[0].float().repeat_interleave(H // Hkv, 0)) * scaling
+    return float(torch.softmax(s, -1).topk(top, dim=-1).values.sum(-1).mean())
+
+
 def measure(kind: str, device: torch.device, shape: str, lengths: list[int], fractions: list[float], repeats: int,
             dtype: torch.dtype, seed: int = 0) -> list[dict]:
     """Rows of the prefill (kind "prefill") or decode ("decode") benchmark."""
@@ -249,9 +259,13 @@ def measure(kind: str, device: torch.device, shape: str, lengths: list[int], fra
                 methods["ours_post_vmc"] = (toptheta.TopTheta(decode_thresholds(q, k, scaling, u)), [toptheta.VMC()])
                 lam = skip_lambda(q, k, scaling, u, n)
                 methods["skip_post_vmc"] = (toptheta.SkipSoftmax(lam, "post", k=K_BUDGET), [toptheta.VMC()])
-                topk = toptheta.TopK(decode_k(n, H // Hkv, u), "post")
+                k_head = decode_k(n, H // Hkv, u)
+                topk = toptheta.TopK(k_head, "post")
+                topp = toptheta.TopP(min(1.0, decode_p(q, k, scaling, k_head)), "post", k=K_BUDGET)
                 methods["topk_post_vmc"] = (topk, [toptheta.VMC()])
+                methods["topp_post_vmc"] = (topp, [toptheta.VMC()])
                 methods["plain_topk_post_vmc"] = (topk, [toptheta.VMC()], "plain")
+                methods["plain_topp_post_vmc"] = (topp, [toptheta.VMC()], "plain")
             calls, kept, served, err = {"flash": flash}, {}, {}, {}
             reference = flash().float()
             for name, (sparsifier, comp, *backend) in methods.items():

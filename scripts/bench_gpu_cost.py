@@ -120,6 +120,7 @@ def configs(max_n: int) -> dict:
         "top-θ post + VMC": (toptheta.TopTheta(post), [toptheta.VMC()]),
         "top-θ pre + SDC + VMC": (toptheta.TopTheta(pre), [toptheta.SDC("exact"), toptheta.VMC()]),
         "top-k post + VMC": (toptheta.TopK(K_BUDGET, "post"), [toptheta.VMC()]),
+        "top-p post + VMC": (toptheta.TopP(0.9, "post", k=K_BUDGET), [toptheta.VMC()]),
     }
 
 

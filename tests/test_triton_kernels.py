@@ -83,19 +83,22 @@ SKIP_CONFIGS = {
 }
 
 
-# Top-k (decode only: its boundary is a selection over each whole row) -> (placement, SDC estimator, VMC)
-TOPK_CONFIGS = {
+# Top-k and top-p (decode only: their boundaries are selections over whole rows) -> (placement, SDC estimator, VMC)
+RANKED_CONFIGS = {
     "topk-pre": ("pre", None, False),
     "topk-pre-sdc-vmc": ("pre", "exact", True),
     "topk-post": ("post", None, False),
     "topk-post-vmc": ("post", None, True),
+    "topp-pre-sdc-vmc": ("pre", "exact", True),
+    "topp-post": ("post", None, False),
+    "topp-post-vmc": ("post", None, True),
 }
 
 
-def _objects(name: str, empty_rows: str = "keep-max", k: int = 8):
-    if name in TOPK_CONFIGS:
-        placement, estimator, vmc = TOPK_CONFIGS[name]
-        sparsifier = toptheta.TopK(k, placement)
+def _objects(name: str, empty_rows: str = "keep-max", k: int = 8, p: float = 0.95):
+    if name in RANKED_CONFIGS:
+        placement, estimator, vmc = RANKED_CONFIGS[name]
+        sparsifier = toptheta.TopK(k, placement) if name.startswith("topk") else toptheta.TopP(p, placement, k=k)
     elif name in SKIP_CONFIGS:
         placement, estimator, vmc, lam = SKIP_CONFIGS[name]
         sparsifier = toptheta.SkipSoftmax(lam, placement, k=3)
@@ -110,8 +113,8 @@ def _lowered(sparsifier, n):
     """({theta or cut_offset: per-row tensor}, clamped rows) for rows of lengths n (B, Q), as the backend lowers."""
     if isinstance(sparsifier, toptheta.SkipSoftmax):
         return {"theta": None, "cut_offset": sparsifier.cut_offsets(0, n[:, None, :])}, 0
-    if isinstance(sparsifier, toptheta.TopK):
-        return {"theta": None, "top_k": sparsifier.k_for(0)}, 0
+    if isinstance(sparsifier, (toptheta.TopK, toptheta.TopP)):
+        return {"theta": None, "boundary": lowering.row_boundary(sparsifier, 0)}, 0
     theta, clamped = lowering.row_thresholds(sparsifier, 0, n)
     return {"theta": theta}, clamped
 
@@ -427,10 +430,11 @@ def test_float16_inputs_accumulate_in_float32(monkeypatch, kind):
 
 # ---- the wrappers' contracts ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", list(TOPK_CONFIGS))
-def test_topk_decode_equals_the_plain_kernel(monkeypatch, name):
-    """Top-k decode (k = 8): one row per sequence with left padding and a row of n = 2 ≤ k kept whole, then three
-    rows per sequence (causal among themselves) in a sliding window, then k ≥ K (every row whole)."""
+@pytest.mark.parametrize("name", list(RANKED_CONFIGS))
+def test_topk_and_topp_decode_equal_the_plain_kernel(monkeypatch, name):
+    """Top-k (k = 8) and top-p (p = 0.95, rows of n ≤ 8 whole) decode: one row per sequence with left padding and a
+    row of n = 2 kept whole, then three rows per sequence (causal among themselves) in a sliding window, then
+    k ≥ K (every row whole)."""
     B, K = 3, 40
     q, k, v = _data(B, 1, K, seed=1)
     ks, valid, n = _bounds(B, 1, K, key_start=[0, 5, K - 2])
@@ -438,7 +442,11 @@ def test_topk_decode_equals_the_plain_kernel(monkeypatch, name):
     ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
     res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, block_n=16)
     _assert_same(res, stats, ref_out, ref_keep, ref_stats)
-    assert res.kept[:2].eq(8).all() and res.kept[2].eq(2).all() and 0 < ref_stats.kept_vrow_fraction < 1
+    assert res.kept[2].eq(2).all() and 0 < ref_stats.kept_vrow_fraction < 1
+    if name.startswith("topk"):
+        assert res.kept[:2].eq(8).all()
+    else:  # the nucleus of p = 0.6 varies with the row
+        assert len(set(res.kept[:2].flatten().tolist())) > 2
 
     Q, W = 3, 12
     q, k, v = _data(2, Q, 37, seed=2)
@@ -482,6 +490,22 @@ def test_topk_decode_breaks_ties_at_the_kth_logit_by_key_order(monkeypatch, name
     _assert_same(res, stats, ref_out, by_key_order, ref_stats)
 
 
+@pytest.mark.parametrize("name", ["topp-pre-sdc-vmc", "topp-post-vmc"])
+def test_topp_decode_keeps_every_key_tied_with_its_boundary(monkeypatch, name):
+    """The six copies of one key of the Top-k tie test: a nucleus that ends inside them keeps all six (the plain
+    kernel's rule: the set depends on the scores only), so some rows keep more keys than the mass needed."""
+    B, K = 2, 40
+    q, k, v = _data(B, 2, K, seed=3)
+    lead = q.view(B, HKV, H // HKV * 2, -1).sum(2, keepdim=True)
+    k[:, :, 9:15], v[:, :, 9:15] = lead / lead.norm(dim=-1, keepdim=True) * 4, v[:, :, 9:10]
+    ks, valid, n = _bounds(B, 2, K, key_start=[0, 4])
+    sparsifier, comp = _objects(name, k=3, p=0.5)
+    ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
+    res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, block_n=16)
+    _assert_same(res, stats, ref_out, ref_keep, ref_stats)
+    assert (ref_keep[..., 9:15].sum(-1) == 6).sum() >= 4  # rows whose nucleus took the whole tied group
+
+
 def test_wrappers_refuse_bad_inputs():
     q, k, v = _data(1, 4, 4)
     offset = torch.zeros(1, 1, 4, dtype=torch.float64, device=DEVICE)
@@ -492,12 +516,17 @@ def test_wrappers_refuse_bad_inputs():
             fn(q[:, :, -1:], k, v, scaling=1.0, theta=None, cut_offset=offset[..., -1:], sdc="exp-threshold")
         with pytest.raises(ValueError, match="keep-max"):
             fn(q[:, :, -1:], k, v, scaling=1.0, theta=None, cut_offset=offset[..., -1:], empty_rows="reference")
+    top2 = lowering.topk_boundary(2)
     with pytest.raises(ValueError, match="one rule"):
-        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=offset.float()[..., -1:], placement="pre", top_k=2)
+        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=offset.float()[..., -1:], placement="pre",
+                         boundary=top2)
     with pytest.raises(ValueError, match="SDC\\('exact'\\)"):
-        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, placement="pre", sdc="exp-threshold", top_k=2)
+        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, placement="pre", sdc="exp-threshold",
+                         boundary=top2)
+    with pytest.raises(ValueError, match="placement='pre' or 'post'"):
+        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, placement=None, boundary=top2)
     with pytest.raises(ValueError, match="integer"):
-        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, placement="post", top_k=0)
+        lowering.topk_boundary(0)
     with pytest.raises(ValueError, match="multiple"):
         prefill_attention(q[:, :3], k, v, scaling=1.0, theta=None)
     with pytest.raises(ValueError, match="placement='pre'"):
@@ -534,9 +563,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     done = subprocess.run([sys.executable, "-m", "toptheta.attention.triton.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout + done.stderr
-    # prefill and the three decode launches × 2 dtypes × 3 rules, and Top-k's three decode launches × 2 dtypes
+    # prefill and the three decode launches × 2 dtypes × 3 rules, and the boundary rules' three decode launches × 2
     assert done.stdout.count("ok ") == 30, done.stdout
-    assert done.stdout.count("skip-softmax") == 8 and done.stdout.count("top-k") == 6, done.stdout
+    assert done.stdout.count("skip-softmax") == 8 and done.stdout.count("top-k/top-p") == 6, done.stdout
 
 
 # ---- compiled kernels on a GPU: realistic shapes ------------------------------------------------------
@@ -815,11 +844,11 @@ def test_decode_steps_reuse_their_internal_buffers():
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the GPU run is test_backends' test_generate_on_cuda_gives_the_cpu_tokens...")
-@pytest.mark.parametrize("name", ["topk-post-vmc", "topk-pre-sdc-vmc"])
-def test_generate_with_topk_runs_its_decode_steps_on_triton(monkeypatch, name):
-    """Greedy decoding with left padding as the registry chooses on a GPU: Triton takes Top-k's decode steps and
-    refuses its prefill (a prefill row's k-th logit is a selection over the whole row), which a torch or C++ kernel
-    serves; the tokens and counts of the plain kernel alone."""
+@pytest.mark.parametrize("name", ["topk-post-vmc", "topk-pre-sdc-vmc", "topp-post-vmc"])
+def test_generate_with_topk_or_topp_runs_its_decode_steps_on_triton(monkeypatch, name):
+    """Greedy decoding with left padding as the registry chooses on a GPU: Triton takes Top-k's and top-p's decode
+    steps and refuses their prefill (a prefill row's boundary is a selection over the whole row), which a torch or C++
+    kernel serves; the tokens and counts of the plain kernel alone."""
     from conftest import tiny_6heads
 
     from toptheta.attention import backends
@@ -831,7 +860,7 @@ def test_generate_with_topk_runs_its_decode_steps_on_triton(monkeypatch, name):
         def refuse_device(self, call):
             return None
 
-    sparsifier, comp = _objects(name, k=3)
+    sparsifier, comp = _objects(name, k=3, p=0.5)  # a tiny random model's attention is nearly uniform
     ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding

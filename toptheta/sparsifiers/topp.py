@@ -52,12 +52,7 @@ class TopP(Sparsifier):
         k = self.k_for(rows.layer)
         if rows.logits.shape[-1] <= k or self.p >= 1.0:  # every row has n ≤ K ≤ k, or p = 1: nothing to drop
             return None
-        ranked = torch.sort(rows.logits, dim=-1, descending=True).values  # (B, H, Q, K), -inf (invalid) last
-        e = (ranked.double() - rows.row_max.double()).exp_()  # (B, H, Q, K) exp(s − m), 0 where invalid
-        running = e.cumsum(-1)  # (B, H, Q, K) mass up to each ranked key; the last is the row's total
-        before = e.neg_().add_(running)  # mass strictly before each ranked key (in e's buffer)
-        needed = (before < self.p * running[..., -1:]).sum(-1, keepdim=True)  # (B, H, Q, 1) keys to reach p
-        boundary = ranked.gather(-1, (needed - 1).clamp_min(0))  # (B, H, Q, 1) score of the last key needed
+        boundary = nucleus_boundary(rows.logits, rows.row_max, self.p)  # (B, H, Q, 1)
         keep = (rows.logits >= boundary) & rows.valid  # ties with the boundary kept; rows without keys keep none
         return keep_whole_short_rows(keep, rows, k)
 
@@ -73,3 +68,15 @@ class TopP(Sparsifier):
     def __repr__(self) -> str:
         return f"TopP(p={self.p}, placement={self.placement!r}, k={self.k}, layer_k={self.layer_k})"
 
+
+def nucleus_boundary(logits: torch.Tensor, row_max: torch.Tensor, p: float) -> torch.Tensor:
+    """(..., 1) the score of the last key each row needs for a mass of p: a row keeps the keys scoring at least it.
+
+    ``logits`` (..., K) with −inf at invalid keys, ``row_max`` (..., 1) each row's maximum (0 for rows without a
+    valid key). The keys are ranked by a sort; the mass before each is summed in float64 from the logits."""
+    ranked = torch.sort(logits, dim=-1, descending=True).values  # (..., K), -inf (invalid) last
+    e = (ranked.double() - row_max.double()).exp_()  # (..., K) exp(s − m), 0 where invalid
+    running = e.cumsum(-1)  # (..., K) mass up to each ranked key; the last is the row's total
+    before = e.neg_().add_(running)  # mass strictly before each ranked key (in e's buffer)
+    needed = (before < p * running[..., -1:]).sum(-1, keepdim=True)  # (..., 1) keys to reach p
+    return ranked.gather(-1, (needed - 1).clamp_min(0))  # (..., 1) score of the last key needed

@@ -11,9 +11,9 @@ sequence, ``key_start`` (left padding) to K, with the queries at ``q_offset = K 
 form (a sliding window, a bidirectional or hand-made one) goes to the other backends. θ per row is
 ``call.thetas`` (rows kept whole get a θ that keeps every key), skip-softmax's ln(λ/n) per row
 ``SkipSoftmax.cut_offsets`` (the kernels cut at min(m + it, m) with the row's maximum), calibrated SDC's mass
-``call.sdc_mass``, Top-k's k in decode steps (the decode kernel finds each row's k-th logit in the logits it writes
-between its launches). Top-p, and Top-k in prefill, are left to the plain kernel: their boundaries are selections
-over whole rows, which a prefill tile never holds. The
+``call.sdc_mass``; in decode steps, Top-k's and top-p's boundary rules (``lowering.row_boundary``: the decode kernel
+ranks the logits it writes between its launches). Their prefill is left to the plain kernel: a boundary is a
+selection over the whole row, which a prefill tile never holds. The
 kernels add each call's statistics to the layer's packed counters themselves (``SparsityStats.packed_row``).
 A kernel that raises (a compile failure) is logged once and the plain kernel serves that call and later ones.
 """
@@ -30,6 +30,7 @@ import torch
 from .. import decode
 from ..kernel import plain_attention
 from ..triton.common import stats_target
+from ..triton.lowering import row_boundary
 from . import Backend
 from .call import AttentionCall
 
@@ -66,10 +67,10 @@ class TritonBackend(Backend):
         device = self.refuse_device(call)
         if device is not None:
             return device
-        if call.kind not in SERVED and not (call.kind == "topk" and _which(call) == "decode"):
-            return (f"dense, Top-θ and skip-softmax, and Top-k in decode steps only, not {call.kind} in "
-                    f"{_which(call)} (top-p's nucleus and a prefill row's k-th logit are selections over whole "
-                    "rows: the plain kernel's sort and topk serve them)")
+        if call.kind not in SERVED and not (call.kind in RANKED and _which(call) == "decode"):
+            return (f"dense, Top-θ and skip-softmax, and Top-k and top-p in decode steps only, not {call.kind} in "
+                    f"{_which(call)} (a prefill row's k-th logit or nucleus is a selection over the whole row, which "
+                    "no prefill tile holds: the plain kernel's topk and sort serve them)")
         if call.observer is not None or call.softcap or call.bias is not None:
             return "no observers, soft-capping or additive biases"
         if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
@@ -115,8 +116,8 @@ class TritonBackend(Backend):
         if call.counting:  # the kernel adds the call's statistics to the layer's counters itself: no tensor ops here
             row, columns = stats_target(call.stats, call.layer, call.phase, call.device)
             further.update(stats_row=row, stats_columns=columns)
-        if call.kind == "topk":  # decode only: the kernel finds each row's k-th logit between its launches
-            further["top_k"] = call.sparsifier.k_for(call.layer)
+        if call.kind in RANKED:  # decode only: the boundary is found between the kernel's launches
+            further["boundary"] = row_boundary(call.sparsifier, call.layer)
         if which == "decode" and sparse and call.vmc and Q == 1:
             further["v_sum"] = running_value_sum(call.layer, call.value, key_start)
         result = kernel(call.query, call.key, call.value, scaling=call.scaling, theta=theta,
@@ -131,6 +132,7 @@ class TritonBackend(Backend):
 
 
 SERVED = ("dense", "toptheta", "skipsoftmax")  # registered sparsifier names the kernels compute
+RANKED = ("topk", "topp")  # ... and those they compute in decode steps, ranking whole rows of the logits they write
 
 
 def running_value_sum(layer: int, value: torch.Tensor, key_start: torch.Tensor) -> torch.Tensor:

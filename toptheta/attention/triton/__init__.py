@@ -3,8 +3,10 @@
 * ``prefill.prefill_attention``: flash-attention tiles; pre-softmax Top-θ in one pass, post-softmax in two;
   skip-softmax (``cut_offset``: one λ, the cut taken from each row's true maximum) in two.
 * ``decode.decode_attention``: a few query rows over a cache; the G heads of a KV group in one program, V read
-  only at the rows some head keeps, the kept V rows (union over the group) counted.
-* ``lowering``: per-row θ and calibrated SDC masses from a ``TopTheta`` sparsifier, and the statistics back.
+  only at the rows some head keeps, the kept V rows (union over the group) counted; Top-k and top-p through a
+  ``boundary`` found in the logits between its launches.
+* ``lowering``: per-row θ and calibrated SDC masses from a ``TopTheta`` sparsifier, Top-k's and top-p's boundary
+  rules, and the statistics back.
 
 Importing this package imports nothing heavy: the kernels (and triton) load on first use of a wrapper.
 """

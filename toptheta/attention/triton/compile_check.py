@@ -7,7 +7,7 @@ This lowers each kernel through TTIR → TTGIR → PTX → cubin with the ptxas 
     TRITON_INTERPRET=0 python -m toptheta.attention.triton.compile_check [--quick] [--arch 90]
 
 About 10 s of CPU per variant; ``--quick`` compiles one pre- and one post-softmax Top-θ variant and one skip-softmax
-variant per kernel and dtype, and a post-softmax Top-k variant of the decode launches (30 kernels).
+variant per kernel and dtype, and a post-softmax boundary (Top-k, top-p) variant of the decode launches (30 kernels).
 """
 
 from __future__ import annotations
@@ -52,19 +52,19 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, arch: int = 90, num_war
 
 def variants(quick: bool):
     """(kernel name, dtype, constexprs) of every variant worth compiling separately."""
-    # (post, SDC mode, keep-max, skip-softmax, Top-k (decode only))
+    # (post, SDC mode, keep-max, skip-softmax, a boundary rule: Top-k, top-p (decode only))
     modes = [(False, 1, True, False, False), (True, 0, True, False, False), (True, 0, True, True, False),
              (True, 0, True, False, True)] if quick else (
         [(False, sdc, keep_max, False, False) for sdc in range(4) for keep_max in (True, False)]
         + [(True, 0, True, False, False), (True, 0, False, False, False), (False, 1, True, True, False),
            (True, 0, True, True, False), (False, 1, True, False, True), (True, 0, True, False, True)])
-    for dtype, (post, sdc, keep_max, skip, topk) in itertools.product(("float32", "bfloat16"), modes):
+    for dtype, (post, sdc, keep_max, skip, ranked) in itertools.product(("float32", "bfloat16"), modes):
         ieee = dtype == "float32"
         common = dict(POST=post, SDC=sdc, VMC=True, KEEP_MAX=keep_max, UNIFORM=not (keep_max or post or sdc),
                       CAUSAL=True, SCALE_Q=ieee, IEEE=ieee, BLOCK_D=128, BLOCK_DV=128, STATS=True, SPARSE=True, VSUM=False,
-                      SKIP_TILES=True, SKIP=skip, TOPK=topk)
+                      SKIP_TILES=True, SKIP=skip, RANKED=ranked)
         wide = 32 if ieee else 64  # the wrappers' default tiles
-        if not topk:  # Top-k's prefill is the plain kernel's
+        if not ranked:  # Top-k's and top-p's prefill is the plain kernel's
             yield "prefill", dtype, dict(common, BLOCK_M=wide, BLOCK_N=wide)
         for part in ("logits", "select", "finish"):  # the decode step's three launches
             yield f"decode_{part}", dtype, dict(common, GP=4, QP=4, NSP=64, BLOCK_N=64)
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     for name, dtype, constexprs in variants(args.quick):
         label = f"{name} {dtype} {'post' if constexprs['POST'] else 'pre'} sdc={constexprs['SDC']} " \
                 f"keep_max={constexprs['KEEP_MAX']}{' skip-softmax' if constexprs['SKIP'] else ''}" \
-                f"{' top-k' if constexprs['TOPK'] else ''}"
+                f"{' top-k/top-p' if constexprs['RANKED'] else ''}"
         try:
             shared = compile_kernel(kernels[name], dtype, constexprs, arch=args.arch).metadata.shared
         except Exception as error:  # report every variant, then fail

@@ -9,9 +9,10 @@ into chunks as in flash-decoding, one program per (sequence, KV head, chunk), in
    per KV head: 1/16 of K's bytes for 4 heads, D = 128, bf16), with the chunk's running max and dense sum.
 2. ``_decode_select``: the chunks' (m, l) combined into the row's, so the selection is decided once with the
    row's own max: pre-softmax keeps s > θ, post-softmax e^{s−m}/l > θ, and an empty row (nothing above θ) keeps
-   its maximum under "keep-max" in the same pass. Top-k keeps each row's k largest logits: its boundary (the k-th
-   logit, and the last of the keys tied with it that still fit) is found in torch between launches 1 and 2, from
-   the logits launch 1 wrote (``topk_boundary``). The chunk's logits are read back from the scratch (not K);
+   its maximum under "keep-max" in the same pass. Top-k and top-p rank each whole row: their boundary (a logit θ,
+   and the last of the keys tied with it that still fit) is found in torch between launches 1 and 2, from the
+   logits launch 1 wrote (``boundary``, e.g. ``lowering.topk_boundary``). The chunk's logits are read back from the
+   scratch (not K);
    V is loaded only at rows some head of the group keeps, and a tile nobody keeps loads no V at all. Per chunk:
    Σ_kept w·v, Σ_kept w, kept keys, and the union of kept V rows over the group's heads.
 3. ``_decode_finish``: the chunks' sums added (fixed order: deterministic), then compensation and VMC as the
@@ -26,6 +27,7 @@ are those of a single pass. Memory per step beyond K and the kept V rows: the lo
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import triton
@@ -124,9 +126,9 @@ def _decode_logits(
 
 
 @triton.jit
-def _topk_weights(s, valid, offs_n, m, l, theta, last, POST: tl.constexpr):
-    """Top-k's rule on one tile (``topk_boundary`` gives θ and ``last``): keep s > θ, and the keys tied with θ
-    at index ≤ ``last``; the weights as ``prefill.kept_weights`` (e^{s−m}, over l after the softmax)."""
+def _ranked_weights(s, valid, offs_n, m, l, theta, last, POST: tl.constexpr):
+    """A boundary rule on one tile (Top-k, top-p: θ and ``last`` from ``boundary``): keep s > θ, and the keys tied
+    with θ at index ≤ ``last``; the weights as ``prefill.kept_weights`` (e^{s−m}, over l after the softmax)."""
     w = tl.exp(s - m[:, None])
     if POST:
         w = w / tl.maximum(l, TINY)[:, None]
@@ -143,7 +145,7 @@ def _decode_select(
     H, G, Hkv, Qn, DV, KP, NS, CHUNK, window,
     GP: tl.constexpr, QP: tl.constexpr, NSP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     POST: tl.constexpr, KEEP_MAX: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, SKIP: tl.constexpr,
-    TOPK: tl.constexpr,
+    RANKED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -154,7 +156,7 @@ def _decode_select(
     h = hkv * G + g
     theta = tl.load(THETA_ptr + (b * H + h) * Qn + qi, mask=row_ok, other=float("-inf"))
     top = 1.0 / tl.maximum(l_i, TINY)  # the largest probability
-    if TOPK:  # θ is the row's k-th largest logit: the row's maximum always passes
+    if RANKED:  # θ is a logit of the row (Top-k's k-th, top-p's boundary): the row's maximum always passes
         last = tl.load(LAST_ptr + (b * H + h) * Qn + qi, mask=row_ok, other=-1)
         empty = live & False
     else:
@@ -178,8 +180,8 @@ def _decode_select(
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = (offs_n[None, :] >= lo_row[:, None]) & (offs_n[None, :] < hi_row[:, None])
         s = tl.load(s_rows[:, None] + offs_n[None, :], mask=valid, other=float("-inf"))
-        if TOPK:
-            w, keep = _topk_weights(s, valid, offs_n, m_fin, l_i, theta, last, POST)
+        if RANKED:
+            w, keep = _ranked_weights(s, valid, offs_n, m_fin, l_i, theta, last, POST)
         else:
             w, keep = kept_weights(s, valid, m_fin, l_i, theta, cut, empty, top, POST, SKIP, KEEP_MAX)
         r_i += tl.sum(w, 1)
@@ -212,7 +214,7 @@ def _decode_finish(
     H, G, Hkv, Qn, DV, NS, window, sdc_scale,
     GP: tl.constexpr, QP: tl.constexpr, NSP: tl.constexpr, BLOCK_DV: tl.constexpr,
     POST: tl.constexpr, SDC: tl.constexpr, VMC: tl.constexpr, VSUM: tl.constexpr, UNIFORM: tl.constexpr,
-    CAUSAL: tl.constexpr, STATS: tl.constexpr, SPARSE: tl.constexpr, SKIP: tl.constexpr, TOPK: tl.constexpr,
+    CAUSAL: tl.constexpr, STATS: tl.constexpr, SPARSE: tl.constexpr, SKIP: tl.constexpr, RANKED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
@@ -223,7 +225,7 @@ def _decode_finish(
     h = hkv * G + g
     row = (b * H + h) * Qn + qi
     theta = tl.load(THETA_ptr + row, mask=row_ok, other=float("-inf"))
-    if TOPK:  # a Top-k row always keeps its maximum: never empty
+    if RANKED:  # a ranked row always keeps its maximum: never empty
         empty = live & False
     else:
         empty = empty_mask(live, theta, m_fin, 1.0 / tl.maximum(l_i, TINY), POST, SKIP)
@@ -329,41 +331,25 @@ def chunking(B: int, Hkv: int, K: int, block_n: int, device: torch.device, split
     return max(1, -(-K // chunk)), chunk
 
 
-def check_top_k(top_k, theta, cut_offset, placement: str | None, sdc: str | None) -> None:
-    """A Top-k call's arguments, or a ValueError naming the fix."""
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"top_k must be an integer ≥ 1, got {top_k!r}")
+def check_boundary(theta, cut_offset, placement: str | None, sdc: str | None) -> None:
+    """The other arguments of a call with a ``boundary`` rule, or a ValueError naming the fix."""
     if theta is not None or cut_offset is not None:
-        raise ValueError("give one rule: theta (Top-θ), cut_offset (skip-softmax) or top_k (Top-k)")
+        raise ValueError("give one rule: theta (Top-θ), cut_offset (skip-softmax) or boundary (Top-k, top-p)")
     if placement is None:
-        raise ValueError("top_k selects keys: it needs placement='pre' or 'post'")
+        raise ValueError("a boundary selects keys: it needs placement='pre' or 'post'")
     if sdc not in (None, "exact"):
-        raise ValueError(f"SDC({sdc!r}) needs calibrated thresholds, which Top-k has not; use SDC('exact')")
+        raise ValueError(f"SDC({sdc!r}) needs calibrated thresholds, which a boundary rule has not; use SDC('exact')")
 
 
-def topk_boundary(scratch: torch.Tensor, shape: tuple[int, ...], bounds: tuple[torch.Tensor, torch.Tensor],
-                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's Top-k boundary, from the logits ``_decode_logits`` wrote to ``scratch`` (B·Hkv, G·Q, K):
-    (θ (B, H, Q) float32, last (B, H, Q) int32). The row keeps s > θ and the keys with s = θ at index ≤ last: its k
-    largest valid logits, ties at the k-th broken by key order (the fused CPU kernel's rule, ``FusedRule``). A row
-    of n ≤ k gets θ = −inf and keeps every valid key.
-
-    Torch ops on the device (no host read): a masked fill of the positions outside each row's keys (the held
-    scratch keeps an earlier call's logits there), ``topk``, and a count and a running count of each row's logits
-    at θ; about 12 ops over G·Q·K floats per KV head, beside the K bytes the step reads."""
+def row_logits(scratch: torch.Tensor, shape: tuple[int, ...], bounds: tuple[torch.Tensor, torch.Tensor]
+               ) -> torch.Tensor:
+    """The logits ``_decode_logits`` wrote to ``scratch`` as (B, H, Q, K), −inf outside each row's keys [lo, hi)
+    (filled in place: the held scratch keeps an earlier call's logits there). ``shape`` = (B, Hkv, G, Q, K)."""
     B, Hkv, G, Q, K = shape
-    s = scratch[: B * Hkv * G * Q * K].view(B, Hkv, G, Q, K)
-    lo, hi = bounds  # (B, Q) each row's keys [lo, hi)
+    s = scratch[: B * Hkv * G * Q * K].view(B, Hkv * G, Q, K)  # rows r = g·Q + q of KV head hkv: head hkv·G + g
+    lo, hi = bounds  # (B, Q)
     j = torch.arange(K, device=s.device)
-    s.masked_fill_((j < lo[:, None, None, :, None]) | (j >= hi[:, None, None, :, None]), float("-inf"))
-    if k >= K:  # every row has n ≤ k: all kept
-        theta = s.new_full((B, Hkv * G, Q), float("-inf"))
-        return theta, torch.full((B, Hkv * G, Q), K, dtype=torch.int32, device=s.device)
-    theta = s.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # (B, Hkv, G, Q, 1) the k-th logit
-    need = k - (s > theta).sum(-1, dtype=torch.int32)  # (B, Hkv, G, Q) ≥ 1: keys tied with θ still to keep
-    ties = (s == theta).cumsum(-1, dtype=torch.int32)  # running count of the logits at θ
-    last = (ties < need[..., None]).sum(-1, dtype=torch.int32)  # the index of the need-th of them
-    return theta.view(B, Hkv * G, Q), last.view(B, Hkv * G, Q)
+    return s.masked_fill_((j < lo[:, None, :, None]) | (j >= hi[:, None, :, None]), float("-inf"))
 
 
 def decode_attention(
@@ -393,19 +379,21 @@ def decode_attention(
     stats_row: torch.Tensor | None = None,  # the layer's packed counters (SparsityStats.packed_row): added to here
     stats_columns=None,  # their first columns, as common.stats_target
     cut_offset: torch.Tensor | None = None,  # (B|1, H|1, Q) float64 skip-softmax ln(λ/n) per row, instead of theta
-    top_k: int | None = None,  # Top-k: each row keeps its k largest logits, instead of theta
+    boundary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,  # a rule over whole rows
 ) -> TritonAttention:
-    """Top-θ, skip-softmax (``cut_offset``), Top-k (``top_k``) or dense (``placement=None``) attention of a few
-    query rows over a cache; the inputs mean what they mean for ``prefill.prefill_attention``. The result's
-    ``vrows`` holds the kept V rows per (B, Hkv, Q); ``tiles`` / ``skipped_tiles`` sum over the chunks.
+    """Top-θ, skip-softmax (``cut_offset``), a rule that ranks whole rows (``boundary``: Top-k, top-p) or dense
+    (``placement=None``) attention of a few query rows over a cache; the inputs mean what they mean for
+    ``prefill.prefill_attention``. The result's ``vrows`` holds the kept V rows per (B, Hkv, Q); ``tiles`` /
+    ``skipped_tiles`` sum over the chunks.
 
-    Top-k finds each row's boundary between the first two launches, from the logits the first one wrote
-    (``topk_boundary``: a selection over whole rows in torch, on the device, no host read); rows of n ≤ k keep
-    every valid key, ties at the k-th logit are broken by key order (``FusedRule``), and no row is empty."""
+    ``boundary`` maps the logits of every row (B, H, Q, K) float32, −inf at keys outside the row, to (θ, last), each
+    (B, H, Q): the row keeps s > θ and the keys with s = θ at index ≤ last, and no row is empty
+    (``lowering.topk_boundary``, ``lowering.topp_boundary``). It runs between the first two launches on the logits the
+    first one wrote, in torch on the device: it must not read the host."""
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
     device = check_device(_decode_select, query, key, value)
-    if top_k is not None:
-        check_top_k(top_k, theta, cut_offset, placement, sdc)
+    if boundary is not None:
+        check_boundary(theta, cut_offset, placement, sdc)
     rows = row_inputs(value, B, H, Q, device, theta=theta, cut_offset=cut_offset, placement=placement,
                       key_start=key_start, key_end=key_end, q_offset=q_offset, causal=causal, window=window, sdc=sdc,
                       sdc_mass=sdc_mass, empty_rows=empty_rows)
@@ -463,7 +451,7 @@ def decode_attention(
     win = window or NO_WINDOW
     group = dict(GP=GP, QP=QP, CAUSAL=causal)
     stats_args, counting = stats_arguments(stats_row, stats_columns, kept_mass)
-    topk = top_k is not None and sparse
+    ranked = boundary is not None and sparse
     with launching_on(device):
         _decode_logits[(B * Hkv, NS)](
             query, key, scratch, m_part, l_part, *query.stride(), *key.stride(), ks, ke, qo,
@@ -471,21 +459,23 @@ def decode_attention(
             BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), SCALE_Q=ieee, IEEE=ieee, **group, **extra,
         )
         last = th  # a valid pointer the select kernel does not read
-        if topk:
-            th, last = topk_boundary(scratch, (B, Hkv, G, Q, K), row_bounds(ks, ke, qo, Q, window, causal),
-                                      top_k)
+        if ranked:
+            logits = row_logits(scratch, (B, Hkv, G, Q, K), row_bounds(ks, ke, qo, Q, window, causal))
+            theta_rows, last_rows = boundary(logits)
+            th = theta_rows.to(torch.float32).expand(B, H, Q).contiguous()
+            last = last_rows.to(torch.int32).expand(B, H, Q).contiguous()
         _decode_select[(B * Hkv, NS)](
             value, scratch, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part,
             *value.stride(), ks, ke, qo, th, last, H, G, Hkv, Q, Dv, K, NS, CHUNK, win,
             NSP=next_pow2(NS), BLOCK_N=BLOCK_N, BLOCK_DV=BLOCK_DV, POST=post,
-            KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, SKIP=rows.skip, TOPK=topk, **group, **extra,
+            KEEP_MAX=empty_rows == "keep-max" or not sparse, IEEE=ieee, SKIP=rows.skip, RANKED=ranked, **group, **extra,
         )
         _decode_finish[(B * Hkv,)](
             out, m_part, l_part, acc_part, r_part, cnt_part, vr_part, tiles_part, skip_part, *out.stride(),
             ks, ke, qo, th, rows.mass, v_mean, rows.v_all, kept, kept_mass, empty, n, vrows, tiles, skipped,
             *stats_args, H, G, Hkv, Q, Dv, NS, win, float(sdc_scale),
             NSP=next_pow2(NS), BLOCK_DV=BLOCK_DV, POST=post, SDC=SDC_MODES[sdc], VMC=vmc, VSUM=vsum,
-            UNIFORM=rows.uniform, STATS=counting, SPARSE=sparse, SKIP=rows.skip, TOPK=topk, **group, **extra,
+            UNIFORM=rows.uniform, STATS=counting, SPARSE=sparse, SKIP=rows.skip, RANKED=ranked, **group, **extra,
         )
     return TritonAttention(out=out, n=n, kept=kept, kept_mass=kept_mass, empty=empty.view(torch.bool),
                            vrows=vrows, tiles=tiles, skipped_tiles=skipped)
