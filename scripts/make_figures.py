@@ -209,7 +209,7 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
     if any(v.pairs for v in found_baselines):
         outputs.table("baseline_verdicts", verdicts.verdict_table(found_baselines),
                       "Top-θ against today's threshold baselines at equal sparsity",
-                      " ".join(baselines.__doc__.split("\n\n")[1].split()) + "\n\n")
+                      " ".join(baselines.__doc__.split("\n\n")[1].split()) + " " + baselines.SCOPE_ALL + "\n\n")
         outputs.table("baseline_pairs", verdicts.pairs_table(found_baselines), "The run pairs behind each baseline verdict")
     crossing = past_calibration.past_calibration_table(summary)
     if len(crossing):

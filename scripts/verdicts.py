@@ -81,7 +81,7 @@ def section(results: Path, command: str) -> str:
 def baselines_section(summary, results: Path, level: str) -> list[str]:
     """Top-θ against today's threshold baselines at equal target (results/baselines.py), decided as the claims are."""
     lines = [f"{level} Top-θ against today's threshold baselines at equal sparsity", "",
-             " ".join(baselines.__doc__.split("\n\n")[1].split()), ""]
+             " ".join(baselines.__doc__.split("\n\n")[1].split()) + " " + baselines.SCOPE_LONG_ROWS, ""]
     found = baselines.baseline_verdicts(summary, results) if len(summary) else []
     if not any(v.pairs for v in found):
         return lines + ["No baseline run at a matched target is stored yet (`python run.py -m "

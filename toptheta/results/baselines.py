@@ -24,6 +24,11 @@ BASELINES = (("topp", "post", "vmc", "top-p post + VMC"),
              ("skipsoftmax", "pre", "none", "skip-softmax pre (as deployed)"),
              ("skipsoftmax", "post", "vmc", "skip-softmax post + VMC"))
 TOPTHETA = (("toptheta", "post", "vmc"), ("toptheta", "pre", "sdc=exact+vmc"))
+# What each report pools, said beside its table (the two differ, and their pair counts with them)
+SCOPE_LONG_ROWS = ("Here: the long-row settings alone (at least 10 fixed exemplars); "
+                   "`figures/baseline_verdicts.md` pools every setting with matched baseline runs.")
+SCOPE_ALL = ("Here: every setting with matched baseline runs, zero-shot and long rows; results/README.md's long-row "
+             "section pools the long-row settings alone, so its pair counts are smaller.")
 
 
 def _picks(sparsifier: str, placement: str, comp: str):
