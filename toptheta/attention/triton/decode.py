@@ -95,13 +95,16 @@ def _decode_logits(
     KS_ptr, KE_ptr, QO_ptr,
     G, Hkv, Qn, D, KP, NS, CHUNK, window, scaling,
     GP: tl.constexpr, QP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, SCALE_Q: tl.constexpr, IEEE: tl.constexpr, RANKED: tl.constexpr,
 ):
     pid = tl.program_id(0)  # sequence × KV head
     split = tl.program_id(1)  # key chunk
     b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
                                                         CAUSAL)
     lo_row, hi_row, lo, hi = _chunk_rows(lo_row, hi_row, split, CHUNK)
+    if RANKED:  # a logit at every key of the chunk, −inf outside the row: the boundary ranks whole rows of the scratch
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, KP)
     offs_d = tl.arange(0, BLOCK_D)
     h = hkv * G + g
     q = tl.load(Q_ptr + b * sqb + h[:, None] * sqh + qi[:, None] * sqm + offs_d[None, :] * sqd,
@@ -115,7 +118,10 @@ def _decode_logits(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         s, valid = tile_scores(q, Kb, offs_n, offs_d, lo_row, hi_row, skn, skd, D, scaling, SCALE_Q, IEEE)
-        tl.store(s_rows[:, None] + offs_n[None, :], s, mask=valid)
+        if RANKED:
+            tl.store(s_rows[:, None] + offs_n[None, :], s, mask=row_ok[:, None] & (offs_n[None, :] < hi))
+        else:
+            tl.store(s_rows[:, None] + offs_n[None, :], s, mask=valid)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(s - m_use[:, None]), 1)
@@ -341,15 +347,11 @@ def check_boundary(theta, cut_offset, placement: str | None, sdc: str | None) ->
         raise ValueError(f"SDC({sdc!r}) needs calibrated thresholds, which a boundary rule has not; use SDC('exact')")
 
 
-def row_logits(scratch: torch.Tensor, shape: tuple[int, ...], bounds: tuple[torch.Tensor, torch.Tensor]
-               ) -> torch.Tensor:
-    """The logits ``_decode_logits`` wrote to ``scratch`` as (B, H, Q, K), −inf outside each row's keys [lo, hi)
-    (filled in place: the held scratch keeps an earlier call's logits there). ``shape`` = (B, Hkv, G, Q, K)."""
+def row_logits(scratch: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The logits ``_decode_logits`` wrote to ``scratch`` with ``RANKED`` (every key, −inf outside each row's keys)
+    as a (B, H, Q, K) view. ``shape`` = (B, Hkv, G, Q, K)."""
     B, Hkv, G, Q, K = shape
-    s = scratch[: B * Hkv * G * Q * K].view(B, Hkv * G, Q, K)  # rows r = g·Q + q of KV head hkv: head hkv·G + g
-    lo, hi = bounds  # (B, Q)
-    j = torch.arange(K, device=s.device)
-    return s.masked_fill_((j < lo[:, None, :, None]) | (j >= hi[:, None, :, None]), float("-inf"))
+    return scratch[: B * Hkv * G * Q * K].view(B, Hkv * G, Q, K)  # rows r = g·Q + q of KV head hkv: head hkv·G + g
 
 
 def decode_attention(
@@ -456,12 +458,11 @@ def decode_attention(
         _decode_logits[(B * Hkv, NS)](
             query, key, scratch, m_part, l_part, *query.stride(), *key.stride(), ks, ke, qo,
             G, Hkv, Q, D, K, NS, CHUNK, win, float(scaling),
-            BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), SCALE_Q=ieee, IEEE=ieee, **group, **extra,
+            BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), SCALE_Q=ieee, IEEE=ieee, RANKED=ranked, **group, **extra,
         )
         last = th  # a valid pointer the select kernel does not read
         if ranked:
-            logits = row_logits(scratch, (B, Hkv, G, Q, K), row_bounds(ks, ke, qo, Q, window, causal))
-            theta_rows, last_rows = boundary(logits)
+            theta_rows, last_rows = boundary(row_logits(scratch, (B, Hkv, G, Q, K)))
             th = theta_rows.to(torch.float32).expand(B, H, Q).contiguous()
             last = last_rows.to(torch.int32).expand(B, H, Q).contiguous()
         _decode_select[(B * Hkv, NS)](

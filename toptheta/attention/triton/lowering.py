@@ -28,7 +28,7 @@ def topk_boundary(k: int):
     key order (the fused CPU kernel's rule, ``FusedRule``); rows of n ≤ k keep every valid key (θ = −inf).
 
     θ is the k-th logit (``torch.topk``); ``last`` the index of the tied key that completes k, from a count of
-    the logits above θ and a running count of those at θ. About a dozen device ops, no host read."""
+    the logits above θ and a running count of those at θ: ten device ops, no host read."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"Top-k needs an integer k ≥ 1, got {k!r}")
 
