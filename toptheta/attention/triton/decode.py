@@ -12,9 +12,8 @@ into chunks as in flash-decoding, one program per (sequence, KV head, chunk), in
    its maximum under "keep-max" in the same pass. Top-k and top-p rank each whole row: their boundary (a logit θ,
    and the last of the keys tied with it that still fit) is found in torch between launches 1 and 2, from the
    logits launch 1 wrote (``boundary``, e.g. ``lowering.topk_boundary``). The chunk's logits are read back from the
-   scratch (not K);
-   V is loaded only at rows some head of the group keeps, and a tile nobody keeps loads no V at all. Per chunk:
-   Σ_kept w·v, Σ_kept w, kept keys, and the union of kept V rows over the group's heads.
+   scratch (not K); V is loaded only at rows some head of the group keeps, and a tile nobody keeps loads no V at all.
+   Per chunk: Σ_kept w·v, Σ_kept w, kept keys, and the union of kept V rows over the group's heads.
 3. ``_decode_finish``: the chunks' sums added (fixed order: deterministic), then compensation and VMC as the
    prefill kernel (``prefill.py``): exact / exp-threshold / calibrated SDC; VMC with v̄ given (a running V sum
    kept beside the cache, or means), or computed here.
@@ -102,7 +101,7 @@ def _decode_logits(
     b, hkv, g, qi, row_ok, lo_row, hi_row = _group_rows(pid, KS_ptr, KE_ptr, QO_ptr, G, Hkv, Qn, window, GP, QP,
                                                         CAUSAL)
     lo_row, hi_row, lo, hi = _chunk_rows(lo_row, hi_row, split, CHUNK)
-    if RANKED:  # a logit at every key of the chunk, −inf outside the row: the boundary ranks whole rows of the scratch
+    if RANKED:  # a logit at every key of the chunk, −inf outside the row: the boundary ranks whole scratch rows
         lo = split * CHUNK
         hi = tl.minimum(lo + CHUNK, KP)
     offs_d = tl.arange(0, BLOCK_D)

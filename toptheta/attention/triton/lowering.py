@@ -47,7 +47,8 @@ def topk_boundary(k: int):
 
 def topp_boundary(p: float, k: int = 0):
     """The decode kernel's ``boundary`` for top-p: each row keeps the keys scoring at least the last one its mass p
-    needs, ties with it kept (``topp.nucleus_boundary``, the plain kernel's rule); rows of n ≤ k keep every valid key."""
+    needs, ties with it kept (``topp.nucleus_boundary``, the plain kernel's rule); rows of n ≤ k keep every valid
+    key."""
     def boundary(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, H, Q, K) -> (B, H, Q) × 2
         K = logits.shape[-1]
         keep_all = logits.new_full(logits.shape[:-1], K, dtype=torch.int32)  # every tie with θ kept
