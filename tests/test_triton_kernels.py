@@ -469,16 +469,21 @@ def test_topk_and_topp_decode_equal_the_plain_kernel(monkeypatch, name):
     _assert_same(res, stats, ref_out, ref_keep, ref_stats)
 
 
+def _tied_group(B=2, K=40):
+    """Two decode rows per sequence (left padding in the second) over keys whose 9-14 are six copies of one key and
+    its V row, along the group's queries (a large logit, so the copies lead many rows): (q, k, v, key_start, valid, n)."""
+    q, k, v = _data(B, 2, K, seed=3)
+    lead = q.view(B, HKV, H // HKV * 2, -1).sum(2, keepdim=True)
+    k[:, :, 9:15], v[:, :, 9:15] = lead / lead.norm(dim=-1, keepdim=True) * 4, v[:, :, 9:10]
+    return (q, k, v, *_bounds(B, 2, K, key_start=[0, 4]))
+
+
 @pytest.mark.parametrize("name", ["topk-pre-sdc-vmc", "topk-post-vmc"])
 def test_topk_decode_breaks_ties_at_the_kth_logit_by_key_order(monkeypatch, name):
-    """Six copies of one key (and its V row) at keys 9-14, along the queries so that they lead many rows, k = 3: the
+    """``_tied_group``'s six copies of one key, k = 3: the
     rows keep exactly k keys, the first of the tied ones (the float64 rule: a stable sort, so the V rows kept are
     the group's union under it), and the plain kernel's output and counts, whichever copies it kept."""
-    B, K = 2, 40
-    q, k, v = _data(B, 2, K, seed=3)
-    lead = q.view(B, HKV, H // HKV * 2, -1).sum(2, keepdim=True)  # along the group's queries: a large logit
-    k[:, :, 9:15], v[:, :, 9:15] = lead / lead.norm(dim=-1, keepdim=True) * 4, v[:, :, 9:10]
-    ks, valid, n = _bounds(B, 2, K, key_start=[0, 4])
+    q, k, v, ks, valid, n = _tied_group()
     sparsifier, comp = _objects(name, k=3)
     ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
     res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, block_n=16)
@@ -499,11 +504,7 @@ def test_topk_decode_breaks_ties_at_the_kth_logit_by_key_order(monkeypatch, name
 def test_topp_decode_keeps_every_key_tied_with_its_boundary(monkeypatch, name):
     """The six copies of one key of the Top-k tie test: a nucleus that ends inside them keeps all six (the plain
     kernel's rule: the set depends on the scores only), so some rows keep more keys than the mass needed."""
-    B, K = 2, 40
-    q, k, v = _data(B, 2, K, seed=3)
-    lead = q.view(B, HKV, H // HKV * 2, -1).sum(2, keepdim=True)
-    k[:, :, 9:15], v[:, :, 9:15] = lead / lead.norm(dim=-1, keepdim=True) * 4, v[:, :, 9:10]
-    ks, valid, n = _bounds(B, 2, K, key_start=[0, 4])
+    q, k, v, ks, valid, n = _tied_group()
     sparsifier, comp = _objects(name, k=3, p=0.5)
     ref_out, ref_keep, ref_stats = _plain(monkeypatch, q, k, v, valid, sparsifier, comp, "decode")
     res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks, block_n=16)
