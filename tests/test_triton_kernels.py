@@ -576,6 +576,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 
 # ---- compiled kernels on a GPU: realistic shapes ------------------------------------------------------
 
+LONG_CACHE = 16384  # keys of the gpu tests' long decode cache
+
+
 def _gpu_case(dtype, B=2, Hq=32, Hkv=8, Q=512, K=1024, D=128, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, Hq, Q, D, device="cuda", generator=g, dtype=torch.float32).to(dtype)
@@ -647,6 +650,40 @@ def test_compiled_kernels_on_realistic_shapes(monkeypatch, dtype, name):
         for counter in ("prefill_valid", "decode_valid", "vrow_valid", "rows"):
             assert torch.equal(getattr(ref_stats, counter), getattr(stats, counter)), counter
         assert 0 < float(stats.prefill_kept.sum() + stats.decode_kept.sum()) < float(n.sum() * Hq)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["topk-pre-sdc-vmc", "topk-post-vmc", "topp-post-vmc"])
+def test_compiled_boundary_rules_on_a_long_cache(monkeypatch, dtype, name):
+    """A decode step over 16k cached keys (D = 128, GQA, left padding): Top-k (k = 256) and top-p
+    (p = 0.5) through the compiled decode kernel against the plain kernel on the same GPU. The two paths sum q·k in
+    different orders, so a boundary can fall on another key in a few rows: kept counts per row agree on all but
+    1 % of rows (Top-k: exactly k everywhere), outputs on the rows that agree."""
+    B, Hkv, K, D = 2, HKV, LONG_CACHE, 128
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(B, h, r, D, device=DEVICE, generator=g).to(dtype) for h, r in ((H, 1), (Hkv, K), (Hkv, K)))
+    q = q * (2 * D ** -0.5)  # the helpers' scaling 0.5: logits q·k/√D, about N(0, 1)
+    sparsifier, comp = _objects(name, k=256, p=0.5)
+    ks = torch.tensor([0, 1000], dtype=torch.int32, device=DEVICE)
+    keys = torch.arange(K, device=DEVICE)
+    valid = (keys >= ks[:, None].long())[:, None, None, :]  # (B, 1, 1, K)
+    n = (K - ks.long())[:, None]  # (B, 1)
+    monkeypatch.setattr(plain_decode, "ENABLED", False)
+    ref_stats, seen = toptheta.SparsityStats(1, H, Hkv), []
+    ref = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=sparsifier,
+                                    compensations=comp, stats=ref_stats, phase="decode",
+                                    observer=lambda r: seen.append(r.keep.sum(-1))).transpose(1, 2)
+    res, stats = _triton(decode_attention, q, k, v, n, sparsifier, comp, "decode", key_start=ks)
+    assert res.out.dtype == dtype and int(res.tiles.sum()) > 0
+    same = res.kept.long() == torch.cat(seen, dim=2)  # (B, H, 1)
+    assert same.float().mean() >= 0.99, f"{int((~same).sum())} rows keep another number of keys"
+    if name.startswith("topk"):
+        assert res.kept.eq(256).all()
+    atol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(res.out.float()[same], ref.float()[same], atol=atol, rtol=atol)
+    assert 0 < stats.kept_vrow_fraction < 0.5 and abs(stats.kept_vrow_fraction - ref_stats.kept_vrow_fraction) < 0.01
 
 
 def test_the_running_value_sum_adds_new_rows_and_restarts_on_another_cache():
