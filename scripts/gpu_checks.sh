@@ -30,7 +30,7 @@ step() {  # step SECONDS NAME COMMAND...
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a "$log"
 step 180 prefill python scripts/bench_attention.py --device cuda --out "$out/gpu_attention"
-step 120 decode python scripts/bench_decode.py --device cuda --out "$out/gpu_decode"
+step 180 decode python scripts/bench_decode.py --device cuda --out "$out/gpu_decode"
 step 150 tune python scripts/bench_gpu.py --tune --out "$out/gpu_tune"
-step 200 tests python -m pytest -q -m gpu -rs --durations=8 tests/test_triton_kernels.py tests/test_backends.py
+step 300 tests python -m pytest -q -m gpu -rs --durations=8 tests/test_triton_kernels.py tests/test_backends.py
 exit $status
