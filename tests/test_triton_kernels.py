@@ -531,6 +531,9 @@ def test_wrappers_refuse_bad_inputs():
                          boundary=top2)
     with pytest.raises(ValueError, match="placement='pre' or 'post'"):
         decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, placement=None, boundary=top2)
+    with pytest.raises(ValueError, match="keep-max"):
+        decode_attention(q[:, :, -1:], k, v, scaling=1.0, theta=None, placement="pre", empty_rows="reference",
+                         boundary=top2)
     with pytest.raises(ValueError, match="integer"):
         lowering.topk_boundary(0)
     with pytest.raises(ValueError, match="multiple"):

@@ -336,7 +336,7 @@ def chunking(B: int, Hkv: int, K: int, block_n: int, device: torch.device, split
     return max(1, -(-K // chunk)), chunk
 
 
-def check_boundary(theta, cut_offset, placement: str | None, sdc: str | None) -> None:
+def check_boundary(theta, cut_offset, placement: str | None, sdc: str | None, empty_rows: str) -> None:
     """The other arguments of a call with a ``boundary`` rule, or a ValueError naming the fix."""
     if theta is not None or cut_offset is not None:
         raise ValueError("give one rule: theta (Top-θ), cut_offset (skip-softmax) or boundary (Top-k, top-p)")
@@ -344,6 +344,8 @@ def check_boundary(theta, cut_offset, placement: str | None, sdc: str | None) ->
         raise ValueError("a boundary selects keys: it needs placement='pre' or 'post'")
     if sdc not in (None, "exact"):
         raise ValueError(f"SDC({sdc!r}) needs calibrated thresholds, which a boundary rule has not; use SDC('exact')")
+    if empty_rows != "keep-max":
+        raise ValueError("a boundary rule keeps each row's maximum, so no row is empty: empty_rows='keep-max'")
 
 
 def row_logits(scratch: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -394,7 +396,7 @@ def decode_attention(
     B, H, Hkv, Q, K, D, Dv = check_qkv(query, key, value)
     device = check_device(_decode_select, query, key, value)
     if boundary is not None:
-        check_boundary(theta, cut_offset, placement, sdc)
+        check_boundary(theta, cut_offset, placement, sdc, empty_rows)
     rows = row_inputs(value, B, H, Q, device, theta=theta, cut_offset=cut_offset, placement=placement,
                       key_start=key_start, key_end=key_end, q_offset=q_offset, causal=causal, window=window, sdc=sdc,
                       sdc_mass=sdc_mass, empty_rows=empty_rows)
