@@ -41,6 +41,7 @@ def test_import_toptheta_registers_the_model_without_importing_it():
         ({"decode_batch": 0}, "decode_batch must be None \\(batch_size\\) or an int >= 1, got 0"),
         ({"calib_sampler": "last_n"}, "calib_sampler='last_n': use first_n"),
         ({"calib_cover_shots": -1}, "calib_cover_shots=-1: give 0 or a positive number"),
+        ({"calib_max_length": 1}, "calib_max_length=1: give the tokens a calibration sequence is cut to"),
         ({"beyond": "extrapolate"}, "beyond='extrapolate': use clamp .* or fit"),
     ],
 )

@@ -146,6 +146,11 @@ class CalibConfig:
     # (thresholds_cache.calibrate_on_task), so 25-shot questions longer than any 25-shot calibration document still
     # meet calibrated lengths. 0 (the default) stays out of the run id.
     cover_shots: int = 0
+    # Tokens a calibration sequence is cut to (its last ones, as HFLM cuts a request). null: model.max_length, as the
+    # evaluated lm-eval requests are. Long-context calibration (calib.task=long_documents for passkey, ruler, longbench)
+    # needs it at least as long as the evaluated prompts: model.max_length (2048 for the small models) would cut the
+    # documents there. null stays out of the run id.
+    max_length: Optional[int] = None
 
 
 @dataclass
@@ -260,7 +265,7 @@ def check(cfg: Any) -> None:
 
     problems.extend(sparsifier_problems(sparsifier, comp))
     need(get(comp, "sdc_scale") > 0, "comp.sdc_scale", get(comp, "sdc_scale"), "a positive factor (1.0 = none)")
-    for key, minimum in (("num_samples", 1), ("num_fewshot", 0), ("cover_shots", 0)):
+    for key, minimum in (("num_samples", 1), ("num_fewshot", 0), ("cover_shots", 0), ("max_length", 2)):
         value = get(calib, key)
         need(value is None or is_int(value, minimum), f"calib.{key}", value, f"null or an integer >= {minimum}")
     # θ = mean + sigma_add · std of each row's (k+1)-th largest score: beyond ±3 std it lies outside nearly every

@@ -33,5 +33,6 @@ def warn_unintended(label: str, sparsifier: dict, calib: dict | None, stats, thr
     clamped = int(stats.clamped_rows)
     if clamped and thresholds is not None:
         log.warning("%s: %d attention rows were longer than the longest calibrated row (%d keys) and used its θ "
-                    "(clamped rows); calibrate on longer documents (calib.task, calib.num_samples) or cap the "
-                    "evaluated length (task.max_length=%d)", label, clamped, thresholds.max_n, thresholds.max_n)
+                    "(clamped rows); calibrate on longer documents (calib.task, calib.num_samples; calib.max_length "
+                    "when model.max_length cuts them), extrapolate θ (calib.beyond=fit) or cap the evaluated length "
+                    "(task.max_length=%d)", label, clamped, thresholds.max_n, thresholds.max_n)

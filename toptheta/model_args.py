@@ -24,7 +24,7 @@ SAMPLERS = (None, "default", "first_n")  # conf/task's fewshot_sampler
 BEYOND = ("clamp", "fit")  # conf/calib's beyond
 # conf/calib/paper.yaml's settings, so thresholds calibrated here and by run.py share the cache.
 CALIB_DEFAULTS = {key: value for key, value in defaults(CalibConfig).items()
-                  if key not in ("beyond", "cover_shots")}  # options at their defaults stay out of the cache key
+                  if key not in ("beyond", "cover_shots", "max_length")}  # at their defaults: not in the cache key
 
 
 def parse_layer_k(value: Any) -> dict[int, int]:
@@ -90,7 +90,7 @@ def sparsifier_and_comp(name: str, k: Any, layer_k: Any, placement: str, comp: A
 
 
 def calibration(task: str | None, num_samples: int, num_fewshot: int | None, sampler: str | None, cover_shots: int,
-                beyond: str, granularity: str, sigma_add: float) -> dict:
+                beyond: str, granularity: str, sigma_add: float, max_length: int | None = None) -> dict:
     """run.py's calib dict (conf/calib/paper.yaml with these settings), checked. Options at the value they had before
     they existed are left out, so both entry points share the thresholds cache (thresholds_cache.thresholds_key)."""
     if sampler not in SAMPLERS:
@@ -99,13 +99,17 @@ def calibration(task: str | None, num_samples: int, num_fewshot: int | None, sam
     if not isinstance(cover_shots, int) or isinstance(cover_shots, bool) or cover_shots < 0:
         raise ValueError(f"calib_cover_shots={cover_shots!r}: give 0 or a positive number of extra shots, "
                          "e.g. calib_cover_shots=4 with calib_fewshot=25")
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                   or max_length < 2):
+        raise ValueError(f"calib_max_length={max_length!r}: give the tokens a calibration sequence is cut to (≥ 2), "
+                         "e.g. calib_max_length=16384 to calibrate on long documents uncut")
     if beyond not in BEYOND:
         raise ValueError(f"beyond={beyond!r}: use clamp (θ of the longest calibrated row) or fit (a law of θ "
                          "against row length, extrapolated)")
     calib = {**CALIB_DEFAULTS, "task": task, "num_samples": num_samples, "num_fewshot": num_fewshot,
              "granularity": granularity, "sigma_add": float(sigma_add)}
     for key, value, before in (("fewshot_sampler", sampler, None), ("cover_shots", cover_shots, 0),
-                               ("beyond", beyond, "clamp")):
+                               ("beyond", beyond, "clamp"), ("max_length", max_length, None)):
         if value not in (before, "default"):
             calib[key] = value
     return calib

@@ -98,8 +98,8 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
                      else task.get("num_fewshot")}
         if task.get("fewshot_sampler") not in (None, "default"):  # calibration rows built as the evaluated ones
             calib_cfg["fewshot_sampler"] = task["fewshot_sampler"]
-        for key, before in (("beyond", "clamp"), ("cover_shots", 0)):  # options at what they did before they existed:
-            if calib_cfg.get(key, before) == before:                     # run ids stay as they were
+        for key, before in (("beyond", "clamp"), ("cover_shots", 0), ("max_length", None)):  # options at what they
+            if calib_cfg.get(key, before) == before:  # did before they existed: run ids stay as they were
                 calib_cfg.pop(key, None)
     label = f"{sparsifier['name']}-{placement}" if kind.drops else sparsifier["name"]
     sparse = {**sparsifier, "placement": placement, "layer_k": {int(a): int(b) for a, b in (sparsifier.get("layer_k") or {}).items()}}

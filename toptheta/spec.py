@@ -121,6 +121,7 @@ class CalibSpec(Section):
     lookup: str = "nearest"
     smooth_sigma: float = 0.0
     beyond: str = "clamp"
+    max_length: int | None = None
     settings: dict = field(default_factory=dict, repr=False, compare=False)
 
     def key_settings(self) -> dict:
@@ -183,7 +184,8 @@ class RunSpec:
     def from_model_args(cls, pretrained: str, *, sparsifier: str = "toptheta", k: int | None = None,
                         layer_k: Any = DEFAULT_LAYER_K, placement: str = "auto", comp: str | None = "vmc",
                         calib_task: str | None = None, calib_samples: int = 120, calib_fewshot: int | None = None,
-                        calib_sampler: str | None = None, calib_cover_shots: int = 0, beyond: str = "clamp",
+                        calib_sampler: str | None = None, calib_cover_shots: int = 0,
+                        calib_max_length: int | None = None, beyond: str = "clamp",
                         granularity: str = "layer-head-n", sigma_add: float = 0.1, dtype: str = "float32",
                         device: str | None = None, device_map: str | None = None, revision: str | None = None,
                         data_dir_path: str | None = None, **rest) -> tuple[RunSpec, dict]:
@@ -191,7 +193,7 @@ class RunSpec:
         ``run.py`` checks its config, and the model_args left for lm-eval's HFLM. No task: lm-eval chooses it."""
         sparse, comp_settings, rest = sparsifier_and_comp(sparsifier, k, layer_k, placement, comp, rest)
         calib = calibration(calib_task, calib_samples, calib_fewshot, calib_sampler, calib_cover_shots, beyond,
-                            granularity, sigma_add)
+                            granularity, sigma_add, max_length=calib_max_length)
         model = {"name": pretrained, "dtype": dtype, "device": resolve_device(device), "device_map": device_map,
                  "revision": revision}
         spec = cls.from_identity({"model": model, "sparsifier": sparse, "comp": comp_settings,

@@ -100,7 +100,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     t0 = time.time()
     thresholds = calibrate_on_task(
         model, tokenizer, calib.task, data_dir=spec.data_dir_path, num_fewshot=calib.num_fewshot,
-        num_samples=calib.num_samples, max_length=spec.model.max_length, seed=calib.seed,
+        num_samples=calib.num_samples, max_length=calib.max_length or spec.model.max_length, seed=calib.seed,
         fewshot_sampler=calib.fewshot_sampler, cover_shots=int(calib.cover_shots or 0), k=sparsifier.k,
         placement=sparsifier.placement, layer_k=sparsifier.settings.get("layer_k"), statistic=calib.statistic,
         sigma_add=calib.sigma_add, granularity=calib.granularity, tac=calib.tac, sample_frac=calib.sample_frac,

@@ -31,8 +31,9 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
                     its train split, else ``arc_challenge``. Also ``calib_samples`` (120), ``calib_fewshot``,
                     ``calib_sampler`` (``first_n`` when the task's exemplars are fixed, as run.py's
                     ``task.fewshot_sampler``), ``calib_cover_shots`` (0; N also calibrates at calib_fewshot + N
-                    shots, so rows reach past the longest question), ``granularity`` (``layer-head-n``),
-                    ``sigma_add`` (0.1)
+                    shots, so rows reach past the longest question), ``calib_max_length`` (tokens a calibration
+                    sequence is cut to; default the model's context as lm-eval cuts requests: raise it to calibrate
+                    on long documents), ``granularity`` (``layer-head-n``), ``sigma_add`` (0.1)
 ``beyond``          rows longer than any calibrated one: ``clamp`` (default, the longest row's θ) or ``fit``
 ``data_dir``        ``auto`` (shipped data / $TOPTHETA_DATA_DIR), ``hub`` or a folder: calibration data, and the
                     data of the offline tasks ``toptheta-eval`` runs
