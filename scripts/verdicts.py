@@ -96,8 +96,8 @@ def past_calibration_section(summary) -> list[str]:
              " ".join(past_calibration.__doc__.split("\n\n")[1].split()), ""]
     if table.empty:
         return lines + ["No long-context Top-θ run meets rows past its calibration yet."]
-    shown = table[["model", "task", "limit", "k", "calib_task", "calib_beyond", "attention_ratio", "vrow_ratio",
-                   "within_target", "value_toptheta", "value_topk", "run_id"]]
+    shown = table[["model", "task", "limit", "k", "calib_task", "calib_beyond", "clamped_rows", "attention_ratio",
+                   "vrow_ratio", "within_target", "value_toptheta", "value_topk", "run_id"]]
     return lines + [markdown(shown).rstrip(), "", f"Within ×{past_calibration.TARGET:g} in {int(table['within_target'].sum())} "
                     f"of {len(table)} rows; every column in `figures/past_calibration.md`."]
 
