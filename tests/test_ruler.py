@@ -347,7 +347,8 @@ def test_a_matched_ruler_run_resolves_k_on_ruler_prompts_of_another_draw(tmp_pat
     registry.unregister_task_kind("ruler")
     try:  # the same entry, its target prompts watched
         registry.register_task_kind("ruler", check_context=entry.check_context, before_load=entry.before_load,
-                                    target_prompts=lambda *a: used.append(a[2:]) or ruler_target_prompts(*a))(entry.run)
+                                    target_prompts=lambda *a, **kw: used.append(a[2:]) or ruler_target_prompts(*a, **kw)
+                                    )(entry.run)
         pipeline.run(cfg(*overrides))
     finally:
         registry.unregister_task_kind("ruler")

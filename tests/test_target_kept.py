@@ -4,6 +4,7 @@ tolerance, unreachable targets are refused before evaluation, and both settings 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -147,7 +148,9 @@ def test_target_task_names_the_rows_a_target_is_resolved_on(tmp_path):
             f"results_dir={tmp_path}", "task.allow_unsafe_code=true")
     plain = pipeline.plan(cfg(*base))[-1]
     code = pipeline.plan(cfg(*base, "sparsifier.target_task=python_code"))[-1]
-    assert plain.target.task == "arc_challenge" and "target_task" not in plain.sparsifier.settings
+    # unset on HumanEval: its own prompt shape (registry.TaskKindEntry.target_prompts), not the calibration task's rows
+    assert (plain.target.task, plain.target.kind) == ("humaneval", "humaneval")
+    assert "target_task" not in plain.sparsifier.settings
     assert code.target.task == "python_code" and code.calib.task == "arc_challenge" and code.run_id != plain.run_id
     assert code.target.num_fewshot == 5  # built as the calibration rows are
     with pytest.raises(ValueError, match="sparsifier.target_task"):
@@ -155,3 +158,50 @@ def test_target_task_names_the_rows_a_target_is_resolved_on(tmp_path):
                           f"results_dir={tmp_path}"))
     with pytest.raises((ValueError, FileNotFoundError), match="no_such_task"):
         pipeline.plan(cfg(*base, "sparsifier.target_task=no_such_task"))
+
+
+def test_humaneval_target_prompts_are_shaped_as_its_own_and_none_is_a_problem():
+    """HumanEval's target rows: python_code functions (signature and docstring) in HumanEval's instruction, a draw of
+    calib.seed, never one of the 164 problems."""
+    from toptheta.evaluation.generation import HUMANEVAL_INSTRUCTION, humaneval_target_prompts
+    from toptheta.evaluation.humaneval import load_problems
+
+    chat = humaneval_target_prompts({}, None, 16, 0, chat_template=True)
+    bare = humaneval_target_prompts({}, None, 16, 0, chat_template=False)
+    assert chat == [HUMANEVAL_INSTRUCTION.format(prompt=p) for p in bare] and len(set(bare)) == 16
+    assert all(p.startswith("def ") and p.count("\n") >= 2 for p in bare), bare  # a signature, then its docstring
+    assert humaneval_target_prompts({}, None, 16, 0, chat_template=False) == bare  # deterministic
+    assert humaneval_target_prompts({}, None, 16, 1, chat_template=False) != bare  # calib.seed draws others
+    problems = {p.prompt for p in load_problems().values()}
+    assert not problems & set(bare)
+
+
+def test_a_matched_humaneval_run_decodes_its_target_rows_as_the_task_does(tmp_path, monkeypatch):
+    """target_measure=vrows on HumanEval: the V rows are counted while its target prompts are decoded to the end of
+    each answer (registry.TaskKindEntry.target_decode), not for 8 tokens, and the record says so."""
+    from toptheta import matched, registry
+    from toptheta.evaluation import generation
+    from toptheta.models.loading import load_model
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(matched, "VROW_SEQUENCES", 2)
+    (spec,) = pipeline.plan(cfg("model=tiny-llama", "task=humaneval", "task.max_length=120", "sparsifier=topk",
+                                "comp=vmc", "sparsifier.placement=post", "sparsifier.layer_k=null",
+                                "sparsifier.target_kept=0.5", "sparsifier.target_measure=vrows", "baseline=false",
+                                "task.allow_unsafe_code=true", f"results_dir={tmp_path}"))
+    assert (spec.target.task, spec.target.kind) == ("humaneval", "humaneval")
+    entry, decoded = registry.task_kind("humaneval"), []
+
+    def watched(task, model, tokenizer, prompts, *, chat_template):
+        out = generation.humaneval_decode(task, model, tokenizer, prompts, chat_template=chat_template)
+        decoded.append((prompts, [o["prompt_tokens"] for o in out], [len(tokenizer.encode(o["text"])) for o in out]))
+    monkeypatch.setitem(registry._TASK_KINDS, "humaneval", dataclasses.replace(entry, target_decode=watched))
+    model, tokenizer, _ = load_model("tiny-llama")
+    resolved, record = matched.resolve_target(spec, model, tokenizer)
+    chat = spec.model.chat_template
+    assert decoded and all(p == generation.humaneval_target_prompts({}, None, 2, 0, chat_template=chat)
+                           for p, _, _ in decoded)
+    prompt_tokens, new_tokens = decoded[0][1], decoded[0][2]
+    assert max(prompt_tokens) < 110 and max(new_tokens) > matched.VROW_TOKENS  # past the 8 tokens of before
+    assert record["decoded"] == "as the task" and record["target_measure"] == "vrows"
+    assert resolved.sparsifier.k == record["k"] >= 1 and record["calibration_sequences"] == 2

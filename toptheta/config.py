@@ -101,12 +101,13 @@ class SparsifierConfig:
     target_kept: Optional[float] = None
     # What target_kept is a fraction of: null or attention (prefill attention elements, the QA tasks' measure), or
     # vrows (V rows read in decode steps, the generation tasks' measure: measured by decoding a few tokens after each
-    # calibration row). Part of the run id when set.
+    # calibration row, or as the task decodes where it says how: HumanEval to the end of each answer). Part of the
+    # run id when set.
     target_measure: Optional[TargetMeasure] = None
     # The task whose calibration rows target_kept is resolved on (its train split, or ours: python_code for
-    # HumanEval); null: the calibration task (calib.task / task.calib_task), or the generation task's own prompts
-    # where it builds them (ruler). Set it when thresholds come from another task than the rows the run meets
-    # (HumanEval with ARC-calibrated thresholds: sparsifier.target_task=python_code). Part of the run id when set.
+    # HumanEval); null: the generation task's own prompts where it builds them (ruler: another draw; HumanEval:
+    # python_code functions in its prompt shape), else the calibration task (calib.task / task.calib_task). Set it
+    # to fit on another task's rows (sparsifier.target_task=python_code). Part of the run id when set.
     target_task: Optional[str] = None
     # The baselines' own parameters (null elsewhere, and then out of the run id): topp's probability mass p,
     # skipsoftmax's λ. With target_kept set, the parameter is fitted instead (calibration/target_param.py).

@@ -38,7 +38,7 @@ def kept_in_sparsified_layers(stats, sparsifier: SparsifierSpec) -> float | None
 
 MEASURE_SEQUENCES = 32  # calibration rows Top-θ's kept fraction is measured on, per k tried
 VROW_SEQUENCES = 16  # target_measure=vrows: calibration rows decoded from, per setting tried
-VROW_TOKENS = 8  # tokens decoded greedily after each of them
+VROW_TOKENS = 8  # tokens decoded greedily after each of them, unless the task decodes them as its own (HumanEval)
 
 
 def decode_after(model, prompts: list[list[int]], tokens: int, pad_token_id: int) -> None:
@@ -69,10 +69,13 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         return spec, None
     rows = spec.target
     vrows = spec.sparsifier.target_measure == "vrows"
-    if rows.kind is not None:  # the generation task's own prompts, another draw (ruler)
-        prompts = task_kind(rows.kind).target_prompts(spec.task.settings, tokenizer,
-                                                      VROW_SEQUENCES if vrows else MEASURE_SEQUENCES, rows.seed)
-        sequences = [encode_prompt(tokenizer, p, chat_template=spec.model.chat_template) for p in prompts]
+    chat = spec.model.chat_template
+    entry = task_kind(rows.kind) if rows.kind is not None else None
+    decode_as_task = vrows and entry is not None and entry.target_decode is not None
+    if entry is not None:  # the generation task's own prompts, another draw (ruler) or documents shaped as its own
+        prompts = entry.target_prompts(spec.task.settings, tokenizer, VROW_SEQUENCES if vrows else MEASURE_SEQUENCES,
+                                       rows.seed, chat_template=chat)
+        sequences = [encode_prompt(tokenizer, p, chat_template=chat) for p in prompts]
     else:
         sequences = calibration_requests(
             tokenizer, rows.task, data_dir=spec.data_dir_path, num_fewshot=rows.num_fewshot,
@@ -96,7 +99,9 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                 thresholds, _ = obtain_thresholds(candidate, model, tokenizer)
         with torch.no_grad(), sparsify(model, candidate.sparsifier.build(thresholds),
                                        candidate.comp.objects(thresholds)) as stats:
-            if vrows:  # the generation tasks' measure: V rows read in decode steps after each calibration row
+            if decode_as_task:  # the generation task's own decoding (HumanEval: to the end of each answer)
+                entry.target_decode(spec.task.settings, model, tokenizer, prompts[:VROW_SEQUENCES], chat_template=chat)
+            elif vrows:  # the generation tasks' measure: V rows read in decode steps after each calibration row
                 decode_after(model, sequences[:VROW_SEQUENCES], VROW_TOKENS,
                              tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
             else:  # shared prefixes (fixed exemplars, a question's choices) run once, counted once per sequence
@@ -117,7 +122,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                  target, k, kept, rows.task)
         return with_value(k), {"target_kept": target, "target_measure": "vrows", "k": k, "calibration_kept": kept,
                                "tried": [(max(1, round(v)), f) for v, f in tried],
-                               "calibration_sequences": min(len(sequences), VROW_SEQUENCES)}
+                               "calibration_sequences": min(len(sequences), VROW_SEQUENCES),
+                               "decoded": "as the task" if decode_as_task else f"{VROW_TOKENS} tokens"}
     if parameter is not None:  # a rule with its own parameter (p, λ): that is bisected, k keeps only rows whole
         key = parameter.key
         value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key))
@@ -125,7 +131,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                  rows.task)
         return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,
                                         "tried": tried, "calibration_sequences": len(sequences),
-                                        **({"target_measure": "vrows"} if vrows else {})}
+                                        **({"target_measure": "vrows", "decoded": "as the task" if decode_as_task
+                                            else f"{VROW_TOKENS} tokens"} if vrows else {})}
     k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
                                measure if spec.calib is not None else None, windows=layer_windows(model))
     log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows.task)

@@ -113,7 +113,8 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
         sparse[kind.tuned_key] = None
         if sparse.get("target_task") is None and task.get("kind") != LM_EVAL_KIND \
                 and task_kind(task["kind"]).target_prompts is not None:
-            # a generation task that builds prompts (ruler): rows of its own lengths and layout, another draw
+            # a generation task that builds prompts: rows of its own shape (ruler: another draw of its generator;
+            # HumanEval: python_code functions in its instruction), registry.TaskKindEntry.target_prompts
             target_rows = {"task": task["name"], "kind": task["kind"], "seed": calib.get("seed", 0)}
         else:
             target_rows = {"task": sparse.get("target_task") or calib_task or task.get("calib_task")

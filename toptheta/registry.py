@@ -207,10 +207,14 @@ class TaskKindEntry:
     check_context: Callable[[dict, int, str], None] | None = None
     # (task settings): raise with the fix before any model loads (HumanEval: no unisolated code execution)
     before_load: Callable[[dict], None] | None = None
-    # (task settings, tokenizer, count, draw) -> ``count`` prompts built as the task builds its own but disjoint from
-    # them (another draw of its generator): the rows sparsifier.target_kept is resolved on. Without it, matched runs
-    # resolve on the calibration task's rows.
-    target_prompts: Callable[[dict, Any, int, int], list[str]] | None = None
+    # (task settings, tokenizer, count, draw, *, chat_template) -> ``count`` prompts built as the task builds its own
+    # but disjoint from them (another draw of its generator, or documents shaped as its prompts): the rows
+    # sparsifier.target_kept is resolved on. Without it, matched runs resolve on the calibration task's rows.
+    target_prompts: Callable[..., list[str]] | None = None
+    # (task settings, model, tokenizer, prompts, *, chat_template): decodes target prompts as the task decodes
+    # its own (how far, when it stops), for the V-row measure (sparsifier.target_measure=vrows). Without it, that
+    # measure decodes matched.VROW_TOKENS tokens after each prompt.
+    target_decode: Callable[..., Any] | None = None
 
 
 _TASK_KINDS: dict[str, TaskKindEntry] = {}
@@ -218,7 +222,8 @@ _TASK_KINDS: dict[str, TaskKindEntry] = {}
 
 def register_task_kind(name: str, *, check_context: Callable[[dict, int, str], None] | None = None,
                        before_load: Callable[[dict], None] | None = None,
-                       target_prompts: Callable[[dict, Any, int, int], list[str]] | None = None):
+                       target_prompts: Callable[..., list[str]] | None = None,
+                       target_decode: Callable[..., Any] | None = None):
     """Function decorator: ``task.kind=name`` runs the function (see TaskKindEntry.run for its signature)."""
     if name == LM_EVAL_KIND:
         raise ValueError(f"{LM_EVAL_KIND!r} is every lm-eval task's kind; choose another name")
@@ -227,7 +232,7 @@ def register_task_kind(name: str, *, check_context: Callable[[dict, int, str], N
         old = _TASK_KINDS.get(name)
         if old is not None and old.run.__qualname__ != run.__qualname__:
             raise ValueError(f"task kind {name!r} is registered already ({old.run.__qualname__}); choose another name")
-        _TASK_KINDS[name] = TaskKindEntry(name, run, check_context, before_load, target_prompts)
+        _TASK_KINDS[name] = TaskKindEntry(name, run, check_context, before_load, target_prompts, target_decode)
         return run
     return register
 

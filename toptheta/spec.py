@@ -133,7 +133,8 @@ class CalibSpec(Section):
 @dataclass(frozen=True)
 class TargetRows(Section):
     """Matched sparsity: the calibration rows ``sparsifier.target_kept`` is resolved on; with ``kind`` (a generation
-    task that builds its own, registry.TaskKindEntry.target_prompts) the evaluated task's prompts of another draw."""
+    task that builds its own, registry.TaskKindEntry.target_prompts) prompts shaped as the evaluated task's, none of
+    them evaluated (ruler: another draw; HumanEval: python_code functions)."""
 
     task: str | None = None
     kind: str | None = None

@@ -9,6 +9,7 @@ block; passkey and ruler run length by length, resumable (``long_context.by_leng
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 from typing import Callable
 
@@ -33,14 +34,9 @@ def run_humaneval(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
     allow_unsafe = bool(task.get("allow_unsafe_code", False))
     require_isolation(allow_unsafe)  # refuse in a second, before any generation, if code cannot be isolated
     problems = load_problems(limit=task.get("limit"))
-    max_length = int(task.get("max_length") or 2048)
-    prompts = [HUMANEVAL_INSTRUCTION.format(prompt=p.prompt) if chat_template else p.prompt for p in problems.values()]
-    with tqdm(total=len(prompts), desc="humaneval", unit="problem") as bar:  # prompt (as the model sees it) +
-        # completion ≤ max_length tokens
-        outputs = generate_all(model, tokenizer, prompts, max_new_tokens=lambda n: max_length - n,
-                               chat_template=chat_template,
-                               decode_batch=int(task.get("decode_batch") or 1),
-                               share_prefix=bool(task.get("share_prefix")), progress=bar)
+    prompts = humaneval_prompts([p.prompt for p in problems.values()], chat_template=chat_template)
+    with tqdm(total=len(prompts), desc="humaneval", unit="problem") as bar:
+        outputs = humaneval_decode(task, model, tokenizer, prompts, chat_template=chat_template, progress=bar)
     completions, samples = {}, []
     for (task_id, problem), out in zip(problems.items(), outputs):
         # A chat answer restates the function: prompt + code redefines it, and the redefinition wins.
@@ -54,6 +50,39 @@ def run_humaneval(task: dict, model, tokenizer, *, chat_template: bool) -> dict:
     for s in samples:
         s.update(passed=verdicts[s["task_id"]].passed, status=verdicts[s["task_id"]].status)
     return task_result("humaneval", "pass@1", [float(s["passed"]) for s in samples], samples)
+
+
+def humaneval_prompts(functions: list[str], *, chat_template: bool) -> list[str]:
+    """What the model is given for each function prompt (a signature and its docstring): the instruction around it
+    for a chat model, the bare prompt to continue otherwise."""
+    return [HUMANEVAL_INSTRUCTION.format(prompt=f) if chat_template else f for f in functions]
+
+
+def humaneval_decode(task: dict, model, tokenizer, prompts: list[str], *, chat_template: bool,
+                     progress=None) -> list[dict]:
+    """HumanEval's decoding: greedy until the end of the answer, prompt (as the model sees it) + completion ≤
+    task.max_length tokens (2048 in the paper), task.decode_batch prompts at a time."""
+    max_length = int(task.get("max_length") or 2048)
+    return generate_all(model, tokenizer, prompts, max_new_tokens=lambda n: max_length - n,
+                        chat_template=chat_template, decode_batch=int(task.get("decode_batch") or 1),
+                        share_prefix=bool(task.get("share_prefix")), progress=progress)
+
+
+TARGET_DRAW_SEED = 7_919  # HumanEval's target prompts: python_code's train split shuffled by this seed + the draw
+
+
+def humaneval_target_prompts(task: dict, tokenizer, count: int, draw: int, *, chat_template: bool) -> list[str]:
+    """``count`` prompts shaped as HumanEval's (a function's signature and docstring, in the same instruction) from
+    python_code's train split, documented standard-library functions that are no HumanEval problem: the rows a
+    matched HumanEval run resolves ``sparsifier.target_kept`` on, decoded to the end as the task decodes
+    (``humaneval_decode``). ``draw`` (calib.seed) picks other documents."""
+    import random
+
+    from .tasks.static.python_code_data import python_code_documents
+
+    documents = python_code_documents("train")
+    random.Random(TARGET_DRAW_SEED + draw).shuffle(documents)
+    return humaneval_prompts([d["prompt"] for d in documents[:count]], chat_template=chat_template)
 
 
 def _sandbox_limits(task: dict):
@@ -174,7 +203,8 @@ def _humaneval_isolated(task: dict) -> None:
     require_isolation(bool(task.get("allow_unsafe_code", False)))  # no unisolated code execution
 
 
-@register_task_kind("humaneval", check_context=_humaneval_fits, before_load=_humaneval_isolated)
+@register_task_kind("humaneval", check_context=_humaneval_fits, before_load=_humaneval_isolated,
+                    target_prompts=humaneval_target_prompts, target_decode=humaneval_decode)
 def _humaneval(task: dict, model, tokenizer, *, chat_template: bool, **_) -> dict:
     return run_humaneval(task, model, tokenizer, chat_template=chat_template)
 

@@ -49,9 +49,10 @@ def ruler_records(task: dict, tokenizer) -> list[dict]:
     return records[: int(task["limit"])] if task.get("limit") else records
 
 
-def ruler_target_prompts(task: dict, tokenizer, count: int, draw: int) -> list[str]:
+def ruler_target_prompts(task: dict, tokenizer, count: int, draw: int, *, chat_template: bool = True) -> list[str]:
     """``count`` prompts built as the task's own (its lengths, sub-tasks and knobs, spread evenly over the lengths)
-    from another seed, so none is an evaluated prompt: the rows ``sparsifier.target_kept`` is resolved on."""
+    from another seed, so none is an evaluated prompt: the rows ``sparsifier.target_kept`` is resolved on. (The chat
+    template is applied where the prompts are encoded, as for the evaluated ones.)"""
     lengths = task.get("lengths") or DEFAULT_LENGTHS
     per_length = -(-count // len(lengths))
     records = build_ruler_records(tokenizer, lengths=lengths, prompts_per_length=per_length,

@@ -16,12 +16,14 @@ import datasets
 DATA = Path(__file__).resolve().parents[3] / "data" / "python_code"  # toptheta/data/python_code
 
 
+def python_code_documents(split: str) -> list[dict]:
+    """The documents of one split ("train" or "test"): {"id", "prompt", "body"} each, in the file's order."""
+    with gzip.open(DATA / f"{split}.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
 def python_code_dataset(**_) -> dict[str, datasets.Dataset]:
-    splits = {}
-    for split in ("train", "test"):
-        with gzip.open(DATA / f"{split}.jsonl.gz", "rt", encoding="utf-8") as f:
-            splits[split] = datasets.Dataset.from_list([json.loads(line) for line in f])
-    return splits
+    return {split: datasets.Dataset.from_list(python_code_documents(split)) for split in ("train", "test")}
 
 
 def process_results(doc: dict, results: list) -> dict[str, float]:
