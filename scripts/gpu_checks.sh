@@ -8,6 +8,10 @@
 #     bash scripts/gpu_checks.sh [OUT_DIR]   # default results/bench: gpu_checks.log, gpu_{attention,decode,tune}.{json,md}
 # Each step has its own time limit, so one that hangs leaves the others their time; the exit status is the first
 # failure's.
+# Sending this checkout to a lent GPU machine: the tool copies the tracked working tree, at most 64 MiB, and the run
+# store alone is ~250 MB (results/runs, which no GPU check reads). Untrack it for the call, then put it back:
+#   git rm -r -q --cached results/runs && echo /results/runs/ >> .git/info/exclude   # before
+#   git reset -q -- results/runs && sed -i '\#^/results/runs/$#d' .git/info/exclude   # after (nothing committed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/bench}
