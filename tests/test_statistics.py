@@ -477,3 +477,30 @@ def test_claim_3_pairs_runs_matched_at_the_smallest_target_whatever_k_each_resol
     compensated = table[table["setting"] == "sdc=exact+vmc"].set_index("k")
     assert compensated["diff"].to_dict() == pytest.approx({5: 28 / N, 19: 3 / N})
     assert compensated["target_kept"].to_dict() == pytest.approx({5: 0.05, 19: 0.1})  # the table says which target
+
+
+def test_a_matched_run_that_missed_its_target_pairs_with_nothing_at_it(tmp_path):
+    """comparisons.on_target: runs compared at a target kept fraction must have kept it (±10 % on the evaluated rows).
+    A run whose fit missed (rows to fit on unlike the evaluated ones) is no point of equal sparsity: its pairs go,
+    in the claims and in the baseline verdicts, while the runs that landed still pair."""
+    from toptheta.results import baselines
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(3)
+    dense = (rng.random(N) < 0.6).astype(float)
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
+    _add(store, "arc_easy", "toptheta", "post", 19, "vmc", dense.copy(), 0.105, shots=25, target=0.1)
+    _add(store, "arc_easy", "topk", "post", 16, "vmc", _flip(dense, 20, 0.0), 0.095, shots=25, target=0.1)
+    _add(store, "arc_easy", "topk", "post", 9, "vmc", _flip(dense, 60, 0.0), 0.06, shots=25, target=0.1)  # missed
+    _add(store, "arc_easy", "topp", "post", None, "vmc", _flip(dense, 40, 0.0), 0.2, shots=25, target=0.1)  # missed
+    one = verdicts.verdicts(load_summary(tmp_path), tmp_path)[0]
+    assert len(one.pairs) == 1 and one.pairs[0]["diff"] == pytest.approx(20 / N)
+    topp = baselines.baseline_verdicts(load_summary(tmp_path), tmp_path)[0]
+    assert not topp.pairs
+    rows = comparisons.store_rows(load_summary(tmp_path))
+    landed = {int(r["k"]) for _, r in rows.iterrows() if r["sparsifier"] == "topk" and comparisons.on_target(r)}
+    assert landed == {16}
+    assert comparisons.on_target({"target_kept": None, "kept_attention_fraction": 0.9})  # a run given by k
+    assert comparisons.on_target({"target_kept": 1 / 3, "target_measure": "vrows", "kept_vrow_fraction": 0.35,
+                                  "kept_attention_fraction": 0.6})  # its own measure decides
+    assert not comparisons.on_target({"target_kept": 1 / 3, "target_measure": "vrows", "kept_vrow_fraction": 0.224})

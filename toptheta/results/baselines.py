@@ -5,7 +5,7 @@ Baselines (sparsifiers/topp.py, sparsifiers/skipsoftmax.py): top-p after the sof
 before the softmax without compensation, as deployed; skip-softmax after the softmax with VMC. Each is compared with
 Top-θ post + VMC and Top-θ pre + SDC + VMC (calibrated on the evaluated task, as the baselines' λ and p are fitted on
 it; the cross-dataset runs of claim 4 stay out) at the same matched target (``sparsifier.target_kept``: each run within
-±10 % of the target kept fraction), in the same setting (model, task, shots, fixed exemplars, questions), paired per
+±10 % of the target kept fraction, comparisons.on_target), in the same setting (model, task, shots, fixed exemplars, questions), paired per
 question. The claim per baseline: Top-θ − baseline > 0 (superiority), pooled over its pairs in the informative
 settings as the paper's claims are (verdicts.py); the interval also answers non-inferiority at one point.
 """

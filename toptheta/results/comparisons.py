@@ -23,6 +23,8 @@ from . import figures, labels, paired, pooled, seeds, selection
 
 LEVEL = 0.95  # every pair's interval, and the claims' (verdicts.py)
 MARGIN = 0.01  # the non-inferiority margin of every claim (verdicts.decide)
+MATCHED_SLACK = 0.10  # how far the evaluated rows of a run matched to a target may land from it (target_kept.py)
+TARGET_MEASURES = {"attention": "kept_attention_fraction", "vrows": "kept_vrow_fraction"}  # sparsifier.target_measure
 
 
 @dataclass
@@ -125,16 +127,42 @@ def self_calibrated(row: pd.Series) -> bool:
     return calib != "" and calib in (as_text(row["task"]), IN_DOMAIN.get(as_text(row["task"]), ""))
 
 
+def target_measure(row) -> str:
+    """The column a matched run's target is a fraction of (``sparsifier.target_measure``; attention elements unless
+    it says V rows, also for runs stored before the column)."""
+    measure = row.get("target_measure")
+    return TARGET_MEASURES.get(measure if isinstance(measure, str) and measure else "attention",
+                               TARGET_MEASURES["attention"])
+
+
+def on_target(row) -> bool:
+    """Whether a run stands at its matched target: a run given by k always; a run matched to a target kept fraction
+    (``target_kept``) when its evaluated rows landed within ±MATCHED_SLACK of it. A run whose fit missed (its
+    fitting rows unlike the evaluated ones) is no point of equal sparsity, so it pairs with nothing at the target."""
+    target = selection.as_number(row.get("target_kept"))
+    if not isinstance(target, (int, float)) or target <= 0:
+        return True
+    try:
+        kept = float(row.get(target_measure(row)))
+    except (TypeError, ValueError):
+        return False
+    return abs(kept / target - 1) <= MATCHED_SLACK
+
+
 def find_pairs(rows: pd.DataFrame, pick_a, pick_b, match: Sequence[str], results_dir, accept=None,
                sizes: dict[tuple, dict[float, list[pd.Series]]] | None = None) -> list[dict]:
-    """Every (a, b) in one group picked by pick_a / pick_b, equal on `match` and passing `accept`; with `sizes`
-    (sample_sizes of all rows) a pair whose two configurations also make an accepted pair on more questions of
-    the setting is left to that larger sample (the same questions must not count twice)."""
+    """Every (a, b) in one group picked by pick_a / pick_b, equal on `match`, both at their target (``on_target``)
+    and passing `accept`; with `sizes` (sample_sizes of all rows) a pair whose two configurations also make an
+    accepted pair on more questions of the setting is left to that larger sample (the same questions must not
+    count twice)."""
     out = []
     for _, group in rows.groupby("group", sort=True):
         for _, a in group[group.apply(pick_a, axis=1)].iterrows():
+            if not on_target(a):
+                continue
             for _, b in group[group.apply(pick_b, axis=1)].iterrows():
-                if a["run_id"] == b["run_id"] or not _same(a, b, match) or (accept and not accept(a, b)):
+                if a["run_id"] == b["run_id"] or not _same(a, b, match) or not on_target(b) \
+                        or (accept and not accept(a, b)):
                     continue
                 if sizes is not None and pair_superseded(a, b, sizes, accept):
                     continue

@@ -24,17 +24,14 @@ from pathlib import Path
 import pandas as pd
 
 from . import comparisons, figures, labels, precision, selection
-from .comparisons import LEVEL, MARGIN, Verdict
+from .comparisons import LEVEL, MARGIN, MATCHED_SLACK, Verdict, target_measure
 
 HOLDS_AT = 3.0
-MATCHED_SLACK = 0.10  # how far the evaluated rows of a run matched to a target may land from it (target_kept.py)
 PAPER_AT = 10.0
 COLUMNS = ["setting", "series", "measure", "runs", "non_inferior_runs", "reduction", "kept", "k", "target_kept",
            "seeds", "diff", "ci_low", "ci_high", "mc_low", "mc_high", "resamples", "reaches_3x", "reaches_10x",
            "largest_tested_reduction", "group", "run_id"]
 
-
-TARGET_MEASURES = {"attention": "kept_attention_fraction", "vrows": "kept_vrow_fraction"}  # sparsifier.target_measure
 
 
 def reaches(run, x: str, factor: float) -> bool:
@@ -44,9 +41,7 @@ def reaches(run, x: str, factor: float) -> bool:
     kept = float(run[x])
     if 1.0 / kept >= factor:
         return True
-    measure = run.get("target_measure")
-    measure = "attention" if not isinstance(measure, str) or not measure else measure  # empty: before the column
-    target = selection.as_number(run.get("target_kept")) if TARGET_MEASURES.get(measure) == x else None
+    target = selection.as_number(run.get("target_kept")) if target_measure(run) == x else None
     return isinstance(target, (int, float)) and target == target and 0 < target <= 1.0 / factor \
         and kept <= target * (1 + MATCHED_SLACK)
 

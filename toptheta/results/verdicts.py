@@ -161,7 +161,7 @@ def _claim_pairs(rows: pd.DataFrame, results_dir: Path | None) -> list[tuple[lis
         else:
             pairs += find_pairs(main, pick("toptheta", placement, comp_theta), pick("topk", placement, comp_k), same,
                                 results_dir, sizes=sizes)
-    out.append((pairs, "Top-θ − Top-k at equal k (or equal target_kept)"))
+    out.append((pairs, "Top-θ − Top-k at equal k (or equal target_kept, each run within ±10 % of it)"))
 
     # The paper's two configurations only. Without compensation the placements differ in more than placement: a
     # pre-softmax row is renormalised over its kept keys, a post-softmax row keeps its dense probabilities (weights
