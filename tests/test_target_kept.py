@@ -8,6 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -161,19 +162,32 @@ def test_target_task_names_the_rows_a_target_is_resolved_on(tmp_path):
 
 
 def test_humaneval_target_prompts_are_shaped_as_its_own_and_none_is_a_problem():
-    """HumanEval's target rows: python_code functions (signature and docstring) in HumanEval's instruction, a draw of
-    calib.seed, never one of the 164 problems."""
-    from toptheta.evaluation.generation import HUMANEVAL_INSTRUCTION, humaneval_target_prompts
+    """HumanEval's target rows: python_code functions (signature and docstring) in HumanEval's instruction, as long
+    as HumanEval's prompts (quantile by quantile), never one of the 164 problems."""
+    from toptheta.evaluation.generation import HUMANEVAL_INSTRUCTION, humaneval_prompts, humaneval_target_prompts
+    from toptheta.evaluation.greedy import encode_prompt
     from toptheta.evaluation.humaneval import load_problems
+    from toptheta.evaluation.tasks.static.python_code_data import python_code_documents
+    from toptheta.models.tiny import build_tiny_tokenizer
 
-    chat = humaneval_target_prompts({}, None, 16, 0, chat_template=True)
-    bare = humaneval_target_prompts({}, None, 16, 0, chat_template=False)
-    assert chat == [HUMANEVAL_INSTRUCTION.format(prompt=p) for p in bare] and len(set(bare)) == 16
+    tok = build_tiny_tokenizer()
+    chat = humaneval_target_prompts({}, tok, 16, 0, chat_template=True)
+    bare = humaneval_target_prompts({}, tok, 16, 0, chat_template=False)
     assert all(p.startswith("def ") and p.count("\n") >= 2 for p in bare), bare  # a signature, then its docstring
-    assert humaneval_target_prompts({}, None, 16, 0, chat_template=False) == bare  # deterministic
-    assert humaneval_target_prompts({}, None, 16, 1, chat_template=False) != bare  # calib.seed draws others
-    problems = {p.prompt for p in load_problems().values()}
-    assert not problems & set(bare)
+    assert all(c.startswith(HUMANEVAL_INSTRUCTION.split("{")[0]) for c in chat) and len(set(chat)) == 16
+    assert humaneval_target_prompts({}, tok, 16, 0, chat_template=True) == chat  # deterministic
+    problems = [p.prompt for p in load_problems().values()]
+    assert not set(problems) & set(bare)
+
+    def tokens(prompts):
+        return sorted(len(encode_prompt(tok, p, chat_template=True)) for p in prompts)
+    ours, theirs = np.array(tokens(chat)), np.array(tokens(humaneval_prompts(problems, chat_template=True)))
+    everything = np.array(tokens(humaneval_prompts([d["prompt"] for d in python_code_documents("train")],
+                                                   chat_template=True)))
+    assert abs(np.median(ours) - np.median(theirs)) < abs(np.median(everything) - np.median(theirs)) / 2
+    assert abs(ours.mean() / theirs.mean() - 1) < 0.15
+    with pytest.raises(ValueError, match="python_code's train split has"):
+        humaneval_target_prompts({}, tok, 1000, 0, chat_template=True)
 
 
 def test_a_matched_humaneval_run_decodes_its_target_rows_as_the_task_does(tmp_path, monkeypatch):
@@ -181,14 +195,20 @@ def test_a_matched_humaneval_run_decodes_its_target_rows_as_the_task_does(tmp_pa
     each answer (registry.TaskKindEntry.target_decode), not for 8 tokens, and the record says so."""
     from toptheta import matched, registry
     from toptheta.evaluation import generation
+    from toptheta.evaluation.greedy import encode_prompt
     from toptheta.models.loading import load_model
 
     monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(matched, "VROW_SEQUENCES", 2)
-    (spec,) = pipeline.plan(cfg("model=tiny-llama", "task=humaneval", "task.max_length=120", "sparsifier=topk",
-                                "comp=vmc", "sparsifier.placement=post", "sparsifier.layer_k=null",
-                                "sparsifier.target_kept=0.5", "sparsifier.target_measure=vrows", "baseline=false",
-                                "task.allow_unsafe_code=true", f"results_dir={tmp_path}"))
+    monkeypatch.setattr(matched, "VROW_SEQUENCES", 1)  # one prompt: task.max_length sets its new tokens
+    model, tokenizer, _ = load_model("tiny-llama")
+    overrides = ["model=tiny-llama", "task=humaneval", "sparsifier=topk", "comp=vmc", "sparsifier.placement=post",
+                 "sparsifier.layer_k=null", "sparsifier.target_kept=0.5", "sparsifier.target_measure=vrows",
+                 "baseline=false", "task.allow_unsafe_code=true", f"results_dir={tmp_path}"]
+    (spec,) = pipeline.plan(cfg(*overrides))
+    chat = spec.model.chat_template
+    prompts = generation.humaneval_target_prompts({}, tokenizer, 1, 0, chat_template=chat)
+    longest = max(len(encode_prompt(tokenizer, p, chat_template=chat)) for p in prompts)
+    (spec,) = pipeline.plan(cfg(*overrides, f"task.max_length={longest + 20}"))  # ≤ 20 new tokens each
     assert (spec.target.task, spec.target.kind) == ("humaneval", "humaneval")
     entry, decoded = registry.task_kind("humaneval"), []
 
@@ -196,12 +216,12 @@ def test_a_matched_humaneval_run_decodes_its_target_rows_as_the_task_does(tmp_pa
         out = generation.humaneval_decode(task, model, tokenizer, prompts, chat_template=chat_template)
         decoded.append((prompts, [o["prompt_tokens"] for o in out], [len(tokenizer.encode(o["text"])) for o in out]))
     monkeypatch.setitem(registry._TASK_KINDS, "humaneval", dataclasses.replace(entry, target_decode=watched))
-    model, tokenizer, _ = load_model("tiny-llama")
     resolved, record = matched.resolve_target(spec, model, tokenizer)
-    chat = spec.model.chat_template
-    assert decoded and all(p == generation.humaneval_target_prompts({}, None, 2, 0, chat_template=chat)
-                           for p, _, _ in decoded)
+    assert decoded and all(p == prompts for p, _, _ in decoded)
     prompt_tokens, new_tokens = decoded[0][1], decoded[0][2]
-    assert max(prompt_tokens) < 110 and max(new_tokens) > matched.VROW_TOKENS  # past the 8 tokens of before
+    assert max(prompt_tokens) == longest and max(new_tokens) > matched.VROW_TOKENS  # past the 8 tokens of before
     assert record["decoded"] == "as the task" and record["target_measure"] == "vrows"
-    assert resolved.sparsifier.k == record["k"] >= 1 and record["calibration_sequences"] == 2
+    assert resolved.sparsifier.k == record["k"] >= 1 and record["calibration_sequences"] == 1, record
+    (short,) = pipeline.plan(cfg(*overrides, f"task.max_length={longest}"))  # no room for a token: said, with the fix
+    with pytest.raises(ValueError, match="raise task.max_length"):
+        matched.resolve_target(short, model, tokenizer)

@@ -107,6 +107,11 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
             else:  # shared prefixes (fixed exemplars, a question's choices) run once, counted once per sequence
                 run_shared(model, sequences[:MEASURE_SEQUENCES], stats.repeated)
         kept = stats.kept_vrow_fraction if vrows else stats.kept_attention_fraction
+        if kept is None:
+            raise ValueError(f"target_kept={target}: the {'decode steps' if vrows else 'rows'} after the "
+                             f"{rows.task} rows it is resolved on read nothing to measure"
+                             + (" (no token was decoded: raise task.max_length above their prompts' lengths, "
+                                f"the longest {max(map(len, sequences))} tokens)" if vrows else ""))
         log.info("target_kept=%g: %s=%g keeps %.4f of the %s on %d calibration rows", target, key, k, kept,
                  "V rows" if vrows else "attention elements",
                  min(len(sequences), VROW_SEQUENCES if vrows else MEASURE_SEQUENCES))

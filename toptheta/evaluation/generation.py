@@ -75,14 +75,29 @@ def humaneval_target_prompts(task: dict, tokenizer, count: int, draw: int, *, ch
     """``count`` prompts shaped as HumanEval's (a function's signature and docstring, in the same instruction) from
     python_code's train split, documented standard-library functions that are no HumanEval problem: the rows a
     matched HumanEval run resolves ``sparsifier.target_kept`` on, decoded to the end as the task decodes
-    (``humaneval_decode``). ``draw`` (calib.seed) picks other documents."""
-    import random
-
+    (``humaneval_decode``). A V-row fraction depends on the rows' lengths, so the prompts follow HumanEval's length
+    distribution: the i-th is the document whose prompt (as the model sees it) is nearest in tokens to the
+    (i + ½)/count quantile of the problems' prompts (their lengths only, never their text). ``draw`` (calib.seed)
+    shuffles the documents first, which decides between documents of equal length."""
     from .tasks.static.python_code_data import python_code_documents
+
+    def tokens(prompts: list[str]) -> list[int]:
+        return [len(encode_prompt(tokenizer, p, chat_template=chat_template)) for p in prompts]
 
     documents = python_code_documents("train")
     random.Random(TARGET_DRAW_SEED + draw).shuffle(documents)
-    return humaneval_prompts([d["prompt"] for d in documents[:count]], chat_template=chat_template)
+    candidates = humaneval_prompts([d["prompt"] for d in documents], chat_template=chat_template)
+    if count > len(candidates):
+        raise ValueError(f"HumanEval's target rows: {count} prompts asked, python_code's train split has "
+                         f"{len(candidates)}")
+    problems = sorted(tokens(humaneval_prompts([p.prompt for p in load_problems().values()],
+                                               chat_template=chat_template)))
+    lengths, chosen = tokens(candidates), []
+    for i in range(count):
+        want = problems[min(len(problems) - 1, int((i + 0.5) / count * len(problems)))]
+        free = [j for j in range(len(candidates)) if j not in chosen]
+        chosen.append(min(free, key=lambda j: abs(lengths[j] - want)))  # ties: the draw's order
+    return [candidates[j] for j in chosen]
 
 
 def _sandbox_limits(task: dict):
