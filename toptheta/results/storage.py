@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..store.threshold_copy import SAMPLED_KEY
+
 # name: (layers, query heads, context) from the models' configs.
 MODEL_SHAPES = {
     "smollm2-135m": (30, 9, 8192),
@@ -46,25 +48,29 @@ def computed_table(shapes: dict[str, tuple[int, int, int]] = MODEL_SHAPES) -> pd
     return pd.DataFrame(rows)
 
 
-def safetensors_shapes(path: str | Path) -> dict[str, tuple[list[int], str]]:
-    """{tensor name: (shape, dtype)} from a safetensors file's JSON header (nothing else is read)."""
+def safetensors_header(path: str | Path) -> dict:
+    """A safetensors file's JSON header: {tensor name: {shape, dtype, ...}, "__metadata__": {...}} (nothing else is read)."""
     with open(path, "rb") as fh:
         (length,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(length))
-    return {k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+        return json.loads(fh.read(length))
 
 
 def measured_table(results_dir: str | Path) -> pd.DataFrame:
-    """One row per distinct threshold file kept in the store's run directories."""
+    """One row per distinct threshold file kept in the store's run directories (a sampled copy, see
+    store/threshold_copy.py, as the full table it records)."""
     rows, seen = [], set()
     for path in sorted(Path(results_dir, "runs").glob("*/*.safetensors")):
         config_path = path.parent / "config.json"
         model = json.loads(config_path.read_text())["model"].get("name") if config_path.is_file() else ""
-        shapes = safetensors_shapes(path)
-        if "values" not in shapes:
+        header = safetensors_header(path)
+        if "values" not in header:
             continue
-        shape, dtype = shapes["values"]
-        key = (model, tuple(shape), path.stat().st_size)
+        shape, dtype, size = header["values"]["shape"], header["values"]["dtype"], path.stat().st_size
+        sampled = (header.get("__metadata__") or {}).get(SAMPLED_KEY)
+        if sampled:
+            record = json.loads(sampled)
+            shape, size = record["shape"], record["bytes"]
+        key = (model, tuple(shape), size)
         if key in seen:
             continue
         seen.add(key)
@@ -73,7 +79,7 @@ def measured_table(results_dir: str | Path) -> pd.DataFrame:
         rows.append({"model": model, "layers": layers, "heads": heads, "row_lengths": rows_n - 1 if rows_n > 1 else 1,
                      "assumption": f"calibrated file ({dtype} values), run {path.parent.name}",
                      "bytes_fp16": threshold_bytes(layers, heads, max(rows_n - 1, 1)), "MB": round(stored / 1e6, 6),
-                     "source": f"measured: {path.stat().st_size} bytes on disk"})
+                     "source": f"measured: {size} bytes on disk" + (" (the run keeps it sampled)" if sampled else "")})
     return pd.DataFrame(rows, columns=["model", "layers", "heads", "row_lengths", "assumption", "bytes_fp16", "MB",
                                        "source"])
 

@@ -1,6 +1,7 @@
 """Calibrated thresholds as figures (method.md §10, reference notebook 2 and plot_th_llama.py).
 
-Reads the safetensors threshold files a run keeps in its directory (`runs/<id>/*.safetensors`;
+Reads the safetensors threshold files a run keeps in its directory (`runs/<id>/*.safetensors`, every s-th
+row length of tables over 5 MB: store/threshold_copy.py;
 `values` is (layers, heads or 1, row lengths or 1), NaN where a row length was never calibrated, and
 `counts` the calibration samples behind each value). Two figures per file: the histogram of θ per
 layer (all heads and row lengths), and θ against the row length n for a few layers, one line per head.
@@ -18,6 +19,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from ..store.threshold_copy import SAMPLED_SUFFIX, read_sampled
+
 
 def threshold_files(results_dir: str | Path) -> list[Path]:
     """Threshold files kept in run directories, one per distinct content (every run names its copy
@@ -32,9 +35,13 @@ def threshold_files(results_dir: str | Path) -> list[Path]:
 
 
 def load_values(path: str | Path) -> tuple[np.ndarray, np.ndarray | None, dict]:
-    """(values, counts or None, header) of a threshold file, as numpy (no torch)."""
+    """(values, counts or None, header) of a threshold file, as numpy (no torch). A run's sampled copy
+    (store/threshold_copy.py) reads as its full table with NaN at the row lengths it left out."""
     from safetensors import safe_open  # safetensors: not loaded by importing this module, only to read a file
 
+    if str(path).endswith(SAMPLED_SUFFIX):
+        tensors, record = read_sampled(path)
+        return tensors["values"], tensors.get("counts"), {**record["header"], "sampled_stride": record["stride"]}
     with safe_open(str(path), framework="numpy") as fh:
         values = fh.get_tensor("values")
         counts = fh.get_tensor("counts") if "counts" in fh.keys() else None
@@ -71,7 +78,7 @@ def histogram_figure(path: str | Path, layers: list[int] | None = None, title: s
         ax.set_xlabel(f"θ ({header.get('placement', '')}-softmax)", fontsize=7)
     for ax in axes[len(layers):]:
         ax.set_visible(False)
-    fig.suptitle(f"Top-θ calibrated thresholds per layer {title}".strip(), fontsize=9)
+    fig.suptitle(f"Top-θ calibrated thresholds per layer {title}{_sampled(header)}".strip(), fontsize=9)
     return fig
 
 
@@ -92,8 +99,13 @@ def theta_vs_length_figure(path: str | Path, layers: list[int] | None = None, he
     for ax in axes[len(layers):]:
         ax.set_visible(False)
     axes[0].legend(fontsize=6)
-    fig.suptitle(f"Top-θ: θ against row length {title}".strip(), fontsize=9)
+    fig.suptitle(f"Top-θ: θ against row length {title}{_sampled(header)}".strip(), fontsize=9)
     return fig
+
+
+def _sampled(header: dict) -> str:
+    stride = header.get("sampled_stride")
+    return f" (every {stride}th row length and the last: the run's copy is sampled)" if stride else ""
 
 
 def _spread(num_layers: int) -> list[int]:

@@ -9,7 +9,9 @@ Layout under `results_dir`:
     runs/<run_id>/stats.json      sparsity statistics (kept fractions, ...)
     runs/<run_id>/meta.json       run_id, thresholds_ref, extra, git_commit, timestamp
     runs/<run_id>/invocation.json the command line, Hydra overrides and job (written by the pipeline)
-    runs/<run_id>/thresholds.safetensors  a copy of the thresholds the run used (Top-θ runs)
+    runs/<run_id>/thresholds.safetensors  a copy of the thresholds the run used (Top-θ runs); over 5 MB,
+                                  thresholds.sampled.safetensors instead (every s-th row length, see
+                                  threshold_copy.py)
     runs/<run_id>/DONE            written last: a run counts as complete only with it
     summary.csv                   one row per (run, task, metric); appended under a lock
 
@@ -42,6 +44,7 @@ from .claims import claim
 from .provenance import code_commit, now
 from .rows import SUMMARY_COLUMNS
 from .samples import SAMPLES_FILE, compress_json, dumps
+from .threshold_copy import keep_copy
 
 # Top-level or dotted config keys left out of the run id: where results go, logging, whether to
 # overwrite, Hydra's own bookkeeping. Everything else (model, sparsifier, tasks, data_dir,
@@ -152,7 +155,8 @@ class RunStore:
         """Store one run atomically and return its directory; an existing run is replaced.
 
         ``texts`` adds files by name and content (e.g. ``invocation.json``); ``copies`` copies files in
-        by name and source path (e.g. the thresholds the run used), so the run directory stands alone.
+        by name and source path (e.g. the thresholds the run used), so the run directory stands alone; a
+        thresholds file over 5 MB is kept sampled (``threshold_copy.keep_copy``).
 
         Files are written into a temporary directory next to the final one, DONE last, then
         the directory is renamed into place. Replacing an existing run moves the old directory
@@ -193,7 +197,7 @@ class RunStore:
                 else:
                     _write_text_atomic(staging / name, content)
             for name, source in (copies or {}).items():
-                shutil.copyfile(source, staging / name)
+                keep_copy(source, staging / name)  # sampled when over 5 MB: the store is tracked in git
             _write_text_atomic(staging / DONE_MARKER, now() + "\n")
             self._swap_into_place(staging, final)
         except BaseException:

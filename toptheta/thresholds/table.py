@@ -51,6 +51,10 @@ class DamagedThresholds(ValueError):
     """A thresholds file that cannot be read (truncated, not safetensors, no toptheta header): recalibrate."""
 
 
+class SampledCopy(ValueError):
+    """A run store's sampled copy of a large table (store/threshold_copy.py): a record, not thresholds to run with."""
+
+
 def model_dtype(model) -> str | None:
     """The dtype of a model's parameters as a plain name ("float32", "bfloat16"), None for a config."""
     try:
@@ -262,9 +266,15 @@ class Thresholds:
             raise FileNotFoundError(f"no thresholds file at {path}; calibrate first (toptheta.calibrate or run.py)")
         try:
             with safe_open(str(path), framework="pt") as f:
+                if "toptheta_sampled" in (f.metadata() or {}):  # store/threshold_copy.py's record of a large table
+                    raise SampledCopy(f"{path} is a run store's sampled record of a thresholds table (every s-th row "
+                                      "length), not thresholds to run with; rerun that run's command to recalibrate "
+                                      "the full table, or load the file its meta.json's thresholds_ref names")
                 header = json.loads((f.metadata() or {})["toptheta"])
                 # copies, not views of the mapped file: a file changed under a running job cannot crash it
                 tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
+        except SampledCopy:
+            raise
         except Exception as err:  # safetensors raises several error types for damaged files
             raise DamagedThresholds(f"{path} is not a readable toptheta thresholds file ({err}); delete it and "
                                     "calibrate again") from err
