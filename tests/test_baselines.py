@@ -17,8 +17,8 @@ from toptheta import pipeline
 from toptheta.attention import backends, fused
 from toptheta.attention.backends.call import AttentionCall
 from toptheta.calibration.target_kept import Unreachable
-from toptheta.calibration.target_param import fit_parameter
-from toptheta.registry import sparsifier_kind
+from toptheta.calibration.target_param import fit_parameter, log_slope
+from toptheta.registry import Parameter, sparsifier_kind
 from toptheta.sparsifiers.base import RowBlock
 
 # ---- float64 references, one row at a time ----------------------------------------------------------------------
@@ -320,6 +320,26 @@ def test_fit_parameter_interpolates_once_the_bracket_is_measured():
     target = steps(0.05)
     value, got, tried = fit_parameter(target, parameter, steps, tolerance=0.0)
     assert got == target and parameter.low <= value <= parameter.high
+
+
+def test_fit_parameter_from_a_start_steps_along_a_slope_instead_of_halving_the_range():
+    """Top-θ's k search (each k a calibration) starts at Top-k's k with Top-k's slope: on a kept fraction that is a
+    power of k, one step from the start lands where halving the range from it takes several; without a slope the
+    search is the plain bisection it always was."""
+    k_range = Parameter("k", 1, 8192, log=True, keeps_more_when_higher=True)
+    kept = lambda k: 0.002 * k ** 0.8  # noqa: E731
+    value, got, tried = fit_parameter(0.1, k_range, kept, start=40.0, slope=0.8)
+    assert tried[0][0] == 40.0 and len(tried) == 2 and got == pytest.approx(0.1, rel=1e-9)
+    # a slope that is off (0.5 for 0.8): the secant of the two values measured corrects it
+    value, got, tried = fit_parameter(0.1, k_range, kept, start=40.0, slope=0.5)
+    assert len(tried) <= 4 and abs(got / 0.1 - 1) <= 0.05
+    halving = fit_parameter(0.1, k_range, kept, start=40.0)[2]  # the start alone: the range's middle next
+    assert len(halving) > 2 and halving[1][0] == pytest.approx(math.sqrt(40.0 * 8192))
+    assert fit_parameter(0.1, k_range, kept)[2][0][0] == pytest.approx(math.sqrt(8192))
+    assert log_slope(k_range, [(10, kept(10)), (100, kept(100))]) == pytest.approx(0.8)
+    assert log_slope(k_range, [(10, 0.2), (100, 0.1)]) is None  # the wrong sign for k: no slope
+    with pytest.raises(ValueError, match="outside"):
+        fit_parameter(0.1, k_range, kept, start=9000.0)
 
 
 def test_fit_parameter_refuses_an_unreachable_target():

@@ -141,6 +141,34 @@ def test_a_v_row_target_is_met_in_decode_steps_and_names_its_measure(tmp_path):
                           f"results_dir={tmp_path}"))
 
 
+def test_top_theta_v_row_search_starts_where_top_k_lands(tmp_path, monkeypatch):
+    """Each k a Top-θ V-row search tries is a calibration (hours on long documents), so Top-k's fit (decodes only)
+    gives its first k and slope: the first calibration is at Top-k's k, and the record keeps Top-k's fit."""
+    from toptheta import matched, thresholds_cache
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    calibrated = []
+    obtain = thresholds_cache.obtain_thresholds
+
+    def counted(spec, model, tokenizer):
+        calibrated.append(spec.sparsifier.k)
+        return obtain(spec, model, tokenizer)
+    monkeypatch.setattr(matched, "obtain_thresholds", counted)
+    monkeypatch.setattr(matched, "VROW_SEQUENCES", 4)
+    overrides = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post",
+                 "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "sparsifier.target_measure=vrows",
+                 "calib.num_samples=12", "baseline=false", "log_samples=false", f"results_dir={tmp_path}")
+    (spec,) = pipeline.plan(cfg(*overrides))
+    from toptheta.models.loading import load_model
+    model, tokenizer, _ = load_model("tiny-llama")
+    resolved, record = matched.resolve_target(spec, model, tokenizer)
+    start = record["start"]
+    assert start["from"] == "topk" and start["k"] in [k for k, _ in start["tried"]] and start["slope"] > 0
+    assert calibrated[0] == start["k"] == record["tried"][0][0]  # Top-θ's first calibration: Top-k's k
+    assert calibrated == [k for k, _ in record["tried"]]  # no calibration for Top-k's tries
+    assert resolved.sparsifier.k == record["k"] and abs(record["calibration_kept"] / 0.4 - 1) <= 2 * target_kept.TOLERANCE
+
+
 def test_target_task_names_the_rows_a_target_is_resolved_on(tmp_path):
     """sparsifier.target_task: the rows target_kept is resolved on, apart from the thresholds' calibration task
     (HumanEval with ARC-calibrated Top-θ fitted on HumanEval-disjoint code); unset, the ids stay as they were."""

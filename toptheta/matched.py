@@ -6,23 +6,27 @@ calibration/target_param.py for the searches), and the kept fraction of the laye
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from . import sparsify
-from .calibration.target_kept import resolve_k
-from .calibration.target_param import fit_parameter
+from .calibration.target_kept import Unreachable, resolve_k
+from .calibration.target_param import fit_parameter, log_slope
 from .evaluation.greedy import encode_prompt
 from .evaluation.model_facts import has_sliding_window, layer_windows
 from .evaluation.prefix_cache import run_shared
 from .evaluation.prefix_sharing import generate_shared
+from .builders import needs_thresholds
 from .registry import Parameter, sparsifier_kind, task_kind
+from .spec import SparsifierSpec
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 if TYPE_CHECKING:
-    from .spec import RunSpec, SparsifierSpec
+    from .spec import RunSpec
 
 log = logging.getLogger("toptheta")
 
@@ -60,7 +64,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     attention elements on its calibration rows, the record of the choice); other runs: (``spec``, None).
 
     Top-k's fraction follows from the rows' lengths; Top-θ's is measured with the thresholds of each k tried
-    (calibrated and cached as any run's); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
+    (calibrated and cached as any run's), starting at the k Top-k needs (on the V-row measure, Top-k's own fit first:
+    ``topk_guide``); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
     fraction (calibration/target_param.py). Fails with the fix when the target is out of reach."""
     from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length  # lm-eval: heavy, matched runs only
 
@@ -84,15 +89,15 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     layer_k = spec.sparsifier.layer_k or {}
     num_layers = model.config.get_text_config().num_hidden_layers
 
-    def with_value(k, key: str = "k") -> RunSpec:  # the spec with sparsifier.<key> (k, p or lam) resolved
-        return spec.with_sparsifier(**{key: k})
+    def with_value(k, key: str = "k", base: RunSpec = spec) -> RunSpec:  # sparsifier.<key> (k, p or lam) resolved
+        return base.with_sparsifier(**{key: k})
 
     measured: dict = {}
 
-    def measure(k, key: str = "k") -> float:
-        if (key, k) in measured:
-            return measured[key, k]
-        candidate = with_value(k, key)
+    def measure(k, key: str = "k", base: RunSpec = spec) -> float:
+        if (base.sparsifier.name, key, k) in measured:
+            return measured[base.sparsifier.name, key, k]
+        candidate = with_value(k, key, base)
         thresholds = None
         if candidate.calib is not None:
             with thresholds_claim(candidate, model):
@@ -112,23 +117,29 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                              f"{rows.task} rows it is resolved on read nothing to measure"
                              + (" (no token was decoded: raise task.max_length above their prompts' lengths, "
                                 f"the longest {max(map(len, sequences))} tokens)" if vrows else ""))
-        log.info("target_kept=%g: %s=%g keeps %.4f of the %s on %d calibration rows", target, key, k, kept,
-                 "V rows" if vrows else "attention elements",
+        log.info("target_kept=%g: %s %s=%g keeps %.4f of the %s on %d calibration rows", target,
+                 sparsifier_kind(base.sparsifier.name).label, key, k, kept, "V rows" if vrows else "attention elements",
                  min(len(sequences), VROW_SEQUENCES if vrows else MEASURE_SEQUENCES))
-        measured[key, k] = kept
+        measured[base.sparsifier.name, key, k] = kept
         return kept
 
     parameter = sparsifier_kind(spec.sparsifier.name).parameter
     if vrows and parameter is None:  # k by bisection on the measured V-row fraction (no closed form: heads' union)
         k_range = Parameter("k", 1, max(len(s) for s in sequences), log=True, keeps_more_when_higher=True)
-        value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))))
+        guide = None
+        stand_in = topk_stand_in(spec)
+        if spec.calib is not None and stand_in is not None:  # each k Top-θ tries is a calibration: Top-k's fit,
+            guide = topk_guide(target, k_range, lambda v: measure(max(1, round(v)), base=stand_in))  # decodes alone
+        value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))),
+                                           **({"start": guide["k"], "slope": guide["slope"]} if guide else {}))
         k = max(1, round(value))
         log.info("target_kept=%g of the V rows: k=%d (kept %.4f in decode steps after the calibration rows of %s)",
                  target, k, kept, rows.task)
         return with_value(k), {"target_kept": target, "target_measure": "vrows", "k": k, "calibration_kept": kept,
                                "tried": [(max(1, round(v)), f) for v, f in tried],
                                "calibration_sequences": min(len(sequences), VROW_SEQUENCES),
-                               "decoded": "as the task" if decode_as_task else f"{VROW_TOKENS} tokens"}
+                               "decoded": "as the task" if decode_as_task else f"{VROW_TOKENS} tokens",
+                               **({"start": guide} if guide else {})}
     if parameter is not None:  # a rule with its own parameter (p, λ): that is bisected, k keeps only rows whole
         key = parameter.key
         value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key))
@@ -143,3 +154,28 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows.task)
     return with_value(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
                            "calibration_sequences": len(sequences)}
+
+
+def topk_stand_in(spec: RunSpec) -> RunSpec | None:
+    """Top-k with the run's placement, k, layer_k and compensation, calibrating nothing: what starts Top-θ's k search
+    on the V-row measure (``resolve_k`` starts the attention measure's at Top-k's k as well). None when that
+    compensation needs thresholds (calibrated SDC)."""
+    settings = {"name": "topk", **{key: spec.sparsifier.settings[key] for key in ("placement", "k", "layer_k")
+                                   if key in spec.sparsifier.settings}}
+    if needs_thresholds(settings, spec.comp.settings):
+        return None
+    return dataclasses.replace(spec, sparsifier=SparsifierSpec.from_settings(settings), calib=None,
+                               notes=list(spec.notes))
+
+
+def topk_guide(target: float, k_range: Parameter, measure) -> dict | None:
+    """Top-k's k for ``target`` (``measure``: its V-row fraction at a k) and the local slope of log(kept) against
+    log k there (of the two values tried closest to the target), as the start of Top-θ's search; None when Top-k
+    cannot reach the target (Top-θ's search then runs alone and says why it fails)."""
+    try:
+        value, kept, tried = fit_parameter(target, k_range, measure)
+    except Unreachable:
+        return None
+    nearest = sorted(tried, key=lambda t: abs(math.log(max(t[1], 1e-12) / target)))[:2]
+    return {"from": "topk", "k": max(1, round(value)), "kept": kept, "slope": log_slope(k_range, nearest),
+            "tried": [(max(1, round(v)), f) for v, f in tried]}
