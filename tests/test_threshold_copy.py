@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,3 +83,11 @@ def test_a_large_file_that_is_not_thresholds_is_refused(tmp_path):
     other.write_bytes(b"\0" * (LIMIT + 1))
     with pytest.raises(ValueError, match="not a toptheta thresholds file"):
         threshold_copy.keep_copy(other, tmp_path / "copy.bin", LIMIT)
+
+
+def test_no_file_in_the_committed_store_is_over_the_limit():
+    """The store is tracked in git: a run written by an older toptheta (a full copy of a large table) is sampled
+    with `python -m toptheta.store.threshold_copy results` before it is committed."""
+    runs = Path(__file__).resolve().parents[1] / "results" / "runs"
+    large = [f"{p} ({p.stat().st_size} bytes)" for p in runs.glob("*/*") if p.stat().st_size > threshold_copy.COPY_LIMIT_BYTES]
+    assert not large, "sample them: python -m toptheta.store.threshold_copy results\n" + "\n".join(large)
