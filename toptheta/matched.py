@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import sparsify
+from .builders import needs_thresholds
 from .calibration.target_kept import Unreachable, resolve_k
 from .calibration.target_param import fit_parameter, log_slope
 from .evaluation.greedy import encode_prompt
 from .evaluation.model_facts import has_sliding_window, layer_windows
 from .evaluation.prefix_cache import run_shared
 from .evaluation.prefix_sharing import generate_shared
-from .builders import needs_thresholds
 from .registry import Parameter, sparsifier_kind, task_kind
 from .spec import SparsifierSpec
 from .thresholds_cache import obtain_thresholds, thresholds_claim
