@@ -143,7 +143,8 @@ def test_a_v_row_target_is_met_in_decode_steps_and_names_its_measure(tmp_path):
 
 def test_top_theta_v_row_search_starts_where_top_k_lands(tmp_path, monkeypatch):
     """Each k a Top-θ V-row search tries is a calibration (hours on long documents), so Top-k's fit (decodes only)
-    gives its first k and slope: the first calibration is at Top-k's k, and the record keeps Top-k's fit."""
+    gives its first k and slope: the first calibration is at Top-k's k, and the record keeps Top-k's fit. Measures
+    are kept (matched.measure_file), so Top-k's tries are read back from the Top-k run's, never decoded twice."""
     from toptheta import matched, thresholds_cache
 
     monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
@@ -161,12 +162,23 @@ def test_top_theta_v_row_search_starts_where_top_k_lands(tmp_path, monkeypatch):
     (spec,) = pipeline.plan(cfg(*overrides))
     from toptheta.models.loading import load_model
     model, tokenizer, _ = load_model("tiny-llama")
+    decodes = []
+    decode_after = matched.decode_after
+    monkeypatch.setattr(matched, "decode_after", lambda *a, **kw: decodes.append(1) or decode_after(*a, **kw))
+    (topk,) = pipeline.plan(cfg(*overrides, "sparsifier=topk"))
+    _, topk_record = matched.resolve_target(topk, model, tokenizer)  # the Top-k run of the same setting
+    assert len(decodes) == len(topk_record["tried"]) and not calibrated
     resolved, record = matched.resolve_target(spec, model, tokenizer)
     start = record["start"]
     assert start["from"] == "topk" and start["k"] in [k for k, _ in start["tried"]] and start["slope"] > 0
+    assert start["tried"] == topk_record["tried"]  # read back, not decoded again: only Top-θ's tries decode
+    assert len(decodes) == len(topk_record["tried"]) + len(record["tried"])
     assert calibrated[0] == start["k"] == record["tried"][0][0]  # Top-θ's first calibration: Top-k's k
     assert calibrated == [k for k, _ in record["tried"]]  # no calibration for Top-k's tries
     assert resolved.sparsifier.k == record["k"] and abs(record["calibration_kept"] / 0.4 - 1) <= 2 * target_kept.TOLERANCE
+    # resolved again (a rerun, the clamp and fit runs of one setting): every measure is read back
+    assert matched.resolve_target(spec, model, tokenizer)[1] == record
+    assert len(decodes) == len(topk_record["tried"]) + len(record["tried"]) and len(calibrated) == len(record["tried"])
 
 
 def test_target_task_names_the_rows_a_target_is_resolved_on(tmp_path):

@@ -1,7 +1,8 @@
 """The project's cache directory: ``$TOPTHETA_CACHE`` (``~`` expanded), else ``~/.cache/toptheta``.
 
-Converted models (``models/``), calibrated thresholds (``thresholds/``), sweep plans (``plans/``) and the
-benchmarks' scratch files (``bench/``) live in subdirectories of it.
+Converted models (``models/``), calibrated thresholds (``thresholds/``), the kept fractions matched-sparsity searches
+measured (``target_measures/``), sweep plans (``plans/``) and the benchmarks' scratch files (``bench/``) live in
+subdirectories of it.
 """
 
 from __future__ import annotations

@@ -7,14 +7,19 @@ calibration/target_param.py for the searches), and the kept fraction of the laye
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from . import sparsify
+from .atomic import write_text_atomic
 from .builders import needs_thresholds
+from .cachedir import cache_dir
 from .calibration.target_kept import Unreachable, resolve_k
 from .calibration.target_param import fit_parameter, log_slope
 from .evaluation.greedy import encode_prompt
@@ -23,6 +28,7 @@ from .evaluation.prefix_cache import run_shared
 from .evaluation.prefix_sharing import generate_shared
 from .registry import Parameter, sparsifier_kind, task_kind
 from .spec import SparsifierSpec
+from .thresholds.table import model_fingerprint
 from .thresholds_cache import obtain_thresholds, thresholds_claim
 
 if TYPE_CHECKING:
@@ -98,6 +104,13 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         if (base.sparsifier.name, key, k) in measured:
             return measured[base.sparsifier.name, key, k]
         candidate = with_value(k, key, base)
+        stored = measure_file(candidate, model, decode_as_task)
+        if stored.is_file():  # measured before, by this run or another (Top-θ's start reuses Top-k's run's fit)
+            kept = json.loads(stored.read_text())["kept"]
+            log.info("target_kept=%g: %s %s=%g keeps %.4f (measured before: %s)", target,
+                     sparsifier_kind(base.sparsifier.name).label, key, k, kept, stored.name)
+            measured[base.sparsifier.name, key, k] = kept
+            return kept
         thresholds = None
         if candidate.calib is not None:
             with thresholds_claim(candidate, model):
@@ -121,6 +134,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                  sparsifier_kind(base.sparsifier.name).label, key, k, kept, "V rows" if vrows else "attention elements",
                  min(len(sequences), VROW_SEQUENCES if vrows else MEASURE_SEQUENCES))
         measured[base.sparsifier.name, key, k] = kept
+        write_text_atomic(stored, json.dumps({"kept": kept, "k": k, "key": key}) + "\n")
         return kept
 
     parameter = sparsifier_kind(spec.sparsifier.name).parameter
@@ -156,11 +170,15 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                            "calibration_sequences": len(sequences)}
 
 
+# the settings a Top-k run of the same setting has (so its measures are the stand-in's: measure_file)
+TOPK_SETTINGS = ("placement", "k", "layer_k", "target_kept", "target_measure", "target_task")
+
+
 def topk_stand_in(spec: RunSpec) -> RunSpec | None:
     """Top-k with the run's placement, k, layer_k and compensation, calibrating nothing: what starts Top-θ's k search
     on the V-row measure (``resolve_k`` starts the attention measure's at Top-k's k as well). None when that
     compensation needs thresholds (calibrated SDC)."""
-    settings = {"name": "topk", **{key: spec.sparsifier.settings[key] for key in ("placement", "k", "layer_k")
+    settings = {"name": "topk", **{key: spec.sparsifier.settings[key] for key in TOPK_SETTINGS
                                    if key in spec.sparsifier.settings}}
     if needs_thresholds(settings, spec.comp.settings):
         return None
@@ -179,3 +197,21 @@ def topk_guide(target: float, k_range: Parameter, measure) -> dict | None:
     nearest = sorted(tried, key=lambda t: abs(math.log(max(t[1], 1e-12) / target)))[:2]
     return {"from": "topk", "k": max(1, round(value)), "kept": kept, "slope": log_slope(k_range, nearest),
             "tried": [(max(1, round(v)), f) for v, f in tried]}
+
+
+MEASURE_VERSION = 1  # bump when what a measure counts changes: older stored measures are then not read
+
+
+def measure_file(candidate: RunSpec, model, decode_as_task: bool) -> Path:
+    """Where a kept fraction measured for ``candidate`` (a run's spec with k, p or λ set) is kept:
+    ``$TOPTHETA_CACHE/target_measures/<model>/<key>.json``, the key a hash of all it depends on (the spec's identity,
+    so its rows, sparsifier, compensation and calibration; the model's shape and device; how many rows the measure
+    reads and how it decodes). A measure is a pass over the calibration rows or a decode of the target prompts:
+    minutes on long rows, and Top-θ's V-row search repeats Top-k's (``topk_guide``), so each is done once."""
+    identity = {"spec": candidate.identity(), "fingerprint": model_fingerprint(model), "device": str(model.device),
+                "sequences": [MEASURE_SEQUENCES, VROW_SEQUENCES], "tokens": VROW_TOKENS, "as_task": decode_as_task,
+                "version": MEASURE_VERSION}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = cache_dir("target_measures", candidate.model.name or "model", f"{key}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
