@@ -98,18 +98,13 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     def with_value(k, key: str = "k", base: RunSpec = spec) -> RunSpec:  # sparsifier.<key> (k, p or lam) resolved
         return base.with_sparsifier(**{key: k})
 
-    measured: dict = {}
-
     def measure(k, key: str = "k", base: RunSpec = spec) -> float:
-        if (base.sparsifier.name, key, k) in measured:
-            return measured[base.sparsifier.name, key, k]
         candidate = with_value(k, key, base)
         stored = measure_file(candidate, model, decode_as_task)
         if stored.is_file():  # measured before, by this run or another (Top-θ's start reuses Top-k's run's fit)
             kept = json.loads(stored.read_text())["kept"]
             log.info("target_kept=%g: %s %s=%g keeps %.4f (measured before: %s)", target,
                      sparsifier_kind(base.sparsifier.name).label, key, k, kept, stored.name)
-            measured[base.sparsifier.name, key, k] = kept
             return kept
         thresholds = None
         if candidate.calib is not None:
@@ -133,7 +128,6 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         log.info("target_kept=%g: %s %s=%g keeps %.4f of the %s on %d calibration rows", target,
                  sparsifier_kind(base.sparsifier.name).label, key, k, kept, "V rows" if vrows else "attention elements",
                  min(len(sequences), VROW_SEQUENCES if vrows else MEASURE_SEQUENCES))
-        measured[base.sparsifier.name, key, k] = kept
         write_text_atomic(stored, json.dumps({"kept": kept, "k": k, "key": key}) + "\n")
         return kept
 
@@ -141,9 +135,9 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     if vrows and parameter is None:  # k by bisection on the measured V-row fraction (no closed form: heads' union)
         k_range = Parameter("k", 1, max(len(s) for s in sequences), log=True, keeps_more_when_higher=True)
         guide = None
-        stand_in = topk_stand_in(spec)
-        if spec.calib is not None and stand_in is not None:  # each k Top-θ tries is a calibration: Top-k's fit,
-            guide = topk_guide(target, k_range, lambda v: measure(max(1, round(v)), base=stand_in))  # decodes alone
+        if spec.calib is not None and (stand_in := topk_stand_in(spec)) is not None:  # each k Top-θ tries is a
+            # calibration: Top-k's fit, which only decodes, gives the start
+            guide = topk_guide(target, k_range, lambda v: measure(max(1, round(v)), base=stand_in))
         value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))),
                                            **({"start": guide["k"], "slope": guide["slope"]} if guide else {}))
         k = max(1, round(value))
@@ -212,6 +206,4 @@ def measure_file(candidate: RunSpec, model, decode_as_task: bool) -> Path:
                 "sequences": [MEASURE_SEQUENCES, VROW_SEQUENCES], "tokens": VROW_TOKENS, "as_task": decode_as_task,
                 "version": MEASURE_VERSION}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = cache_dir("target_measures", candidate.model.name or "model", f"{key}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+    return cache_dir("target_measures", candidate.model.name or "model", f"{key}.json")

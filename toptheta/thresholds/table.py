@@ -261,12 +261,14 @@ class Thresholds:
         """
         from safetensors import safe_open  # safetensors: not loaded by `import toptheta`, only to read a file
 
+        from ..store.threshold_copy import SAMPLED_KEY  # the run store's record of a large table: refused below
+
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no thresholds file at {path}; calibrate first (toptheta.calibrate or run.py)")
         try:
             with safe_open(str(path), framework="pt") as f:
-                if "toptheta_sampled" in (f.metadata() or {}):  # store/threshold_copy.py's record of a large table
+                if SAMPLED_KEY in (f.metadata() or {}):
                     raise SampledCopy(f"{path} is a run store's sampled record of a thresholds table (every s-th row "
                                       "length), not thresholds to run with; rerun that run's command to recalibrate "
                                       "the full table, or load the file its meta.json's thresholds_ref names")
