@@ -3,7 +3,8 @@ calibration on one of our tasks.
 
 A run's thresholds come from a model folder that carries them (``Thresholds.save_pretrained``), else from the cache
 (``$TOPTHETA_CACHE/thresholds/<model>/<key>.safetensors``), else from a calibration that is cached for the next run
-with the same key (a damaged cache file is moved aside and calibrated again).
+with the same key (a damaged cache file is moved aside and calibrated again). A calibration saves its progress beside
+it (``<key>.progress.pt``, every 5 minutes), so a job killed while calibrating goes on from there when rerun.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
         sigma_add=calib.sigma_add, granularity=calib.granularity, tac=calib.tac, sample_frac=calib.sample_frac,
         compensations=spec.comp.objects(), compensation=calib.compensation,
         generate_tokens=int(calib.decode_tokens or 0),
+        progress_file=path.with_name(f"{path.stem}.progress.pt"),  # a killed calibration goes on from there
         metadata={"model": spec.model.source, "revision": spec.model.revision,
                   "calibration_task": calib.task, "calibration_split": "train",
                   "calibration_documents": calib.num_samples, "num_fewshot": calib.num_fewshot,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
@@ -22,6 +23,7 @@ from ..compensation import SDC, VMC, is_compensation, lower
 from ..sparsifiers import Dense, TopK
 from ..sparsifiers.base import check_placement
 from .collector import PHASES, OrderStatCollector
+from .progress import Progress, inputs_digest, weights_digest
 from .target_k import TargetKCollector
 from ..thresholds.table import GRANULARITIES, LOOKUPS, Thresholds, model_dtype, model_fingerprint, model_identity, stamp
 
@@ -88,6 +90,8 @@ def calibrate(
     metadata: dict | None = None,
     progress: bool = True,
     share_prefixes: bool = True,
+    progress_file: str | Path | None = None,
+    progress_every: float | None = None,
 ) -> Thresholds:
     """Calibrate Top-θ thresholds for ``model`` on ``inputs``.
 
@@ -118,6 +122,10 @@ def calibrate(
             values (:func:`_run_shared`); only for batches of one unpadded sequence, all rows used
             (``sample_frac`` = 1), no generation, and a statistic that does not depend on the order rows come in
             (not pre-softmax target-k). The thresholds are the unshared run's up to float rounding.
+        progress_file: a file where the calibration saves its state every ``progress_every`` seconds (None: 300),
+            after a whole batch or prefix group, and from which a rerun of the same calibration goes on where it
+            stopped, with the thresholds of a run never stopped (:mod:`.progress`); removed on return. A file of another
+            calibration is refused before any forward runs.
 
     Returns:
         a :class:`Thresholds` with values (L, H|1, N|1), per-entry sample counts, the mean dropped
@@ -141,11 +149,22 @@ def calibrate(
     order_free = statistic == "order" or placement == "post"
     shareable = share_prefixes and order_free and not generate_tokens and sample_frac == 1.0
     inputs, shared = _shareable(inputs) if shareable else (inputs, None)
+    identity = {}
+    if progress_file is not None:  # what the sums depend on, so a saved state is only taken up by its own calibration
+        inputs = list(inputs)
+        identity = {"model": model_identity(model), "fingerprint": model_fingerprint(model),
+                    "dtype": model_dtype(model), "weights": weights_digest(model),
+                    "inputs": inputs_digest(as_batch(batch) for batch in inputs), "shared": shared is not None,
+                    "k_per_layer": k_per_layer, "placement": placement, "statistic": statistic,
+                    "sigma_add": sigma_add, "tac": tac, "compensation": compensation_labels(applied),
+                    "options": {**options, "phases": list(phases)}, "generate_tokens": generate_tokens}
+    done = Progress(progress_file, identity, progress_every)
+    done.resume(collector)
     if shared is not None:
-        sequences, tokens, tokens_run = _run_shared(model, shared, sparsifier, applied, collector, progress)
+        _run_shared(model, shared, sparsifier, applied, collector, done, progress)
     else:
-        sequences, tokens = _run(model, inputs, sparsifier, applied, collector, generate_tokens, progress)
-        tokens_run = tokens
+        _run(model, inputs, sparsifier, applied, collector, generate_tokens, done, progress)
+    sequences, tokens, tokens_run = (done.counts[name] for name in ("sequences", "tokens", "tokens_run"))
     if collector.rows_sampled.sum() == 0:
         raise ValueError(
             f"no calibration row was longer than k (k per layer {sorted(set(k_per_layer))}, longest row "
@@ -175,8 +194,10 @@ def calibrate(
                           per_octave=collector.per_octave)
     # The identity is read off the model itself, whatever ``metadata`` says: Thresholds.check_model compares it.
     provenance = stamp({**provenance, **(metadata or {}), "identity": model_identity(model)})
-    return Thresholds(values, k_per_layer, placement, provenance,
-                      counts=counts, sdc_mass=sdc_mass, lookup=lookup, smooth_sigma=smooth_sigma)
+    thresholds = Thresholds(values, k_per_layer, placement, provenance,
+                            counts=counts, sdc_mass=sdc_mass, lookup=lookup, smooth_sigma=smooth_sigma)
+    done.finish()
+    return thresholds
 
 
 NEGATIVE_THETA_LIMIT = 0.01  # post-softmax θ below 0 keep their rows whole: refused above this fraction
@@ -222,16 +243,20 @@ def _check_arguments(k, layer_k, num_layers, statistic, granularity, lookup, smo
         raise ValueError("phases=('decode',) needs decode rows: pass generate_tokens > 0")
 
 
-def _run(model, inputs, sparsifier, compensations, collector, generate_tokens: int, progress: bool) -> tuple[int, int]:
-    """Calibration forwards (or greedy generations) under no_grad; returns (sequences, tokens)."""
+def _run(model, inputs, sparsifier, compensations, collector, generate_tokens: int, done: Progress,
+         progress: bool) -> None:
+    """Calibration forwards (or greedy generations) under no_grad, batch by batch after the ``done.units`` first;
+    ``done`` counts sequences and tokens and saves the state after each batch when due."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    sequences = tokens = 0
+    skip = done.units
     skip_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
         with torch.no_grad(), sparsify(model, sparsifier, compensations, stats=False, observer=collector):
-            for batch in tqdm(inputs, desc="calibrating", unit="batch", disable=not progress):
+            for number, batch in enumerate(tqdm(inputs, desc="calibrating", unit="batch", disable=not progress), 1):
+                if number <= skip:  # a saved state holds it
+                    continue
                 input_ids, attention_mask = as_batch(batch)
                 input_ids = input_ids.to(device)
                 attention_mask = attention_mask.to(device) if attention_mask is not None else None
@@ -242,11 +267,13 @@ def _run(model, inputs, sparsifier, compensations, collector, generate_tokens: i
                                    cache=growing_cache(model))
                 else:  # only attention matters: skip the vocabulary projection where the model allows it
                     model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **skip_logits)
-                sequences += input_ids.shape[0]
-                tokens += int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
+                tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
+                done.counts["sequences"] += input_ids.shape[0]
+                done.counts["tokens"] += tokens
+                done.counts["tokens_run"] += tokens
+                done.unit_done(collector, number)
     finally:
         model.train(was_training)
-    return sequences, tokens
 
 
 def _shareable(inputs) -> tuple[Iterable, list[list[int]] | None]:
@@ -261,21 +288,34 @@ def _shareable(inputs) -> tuple[Iterable, list[list[int]] | None]:
     return inputs, sequences
 
 
-def _run_shared(model, sequences: list[list[int]], sparsifier, compensations, collector,
-                progress: bool) -> tuple[int, int, int]:
+def _run_shared(model, sequences: list[list[int]], sparsifier, compensations, collector, done: Progress,
+                progress: bool) -> None:
     """Calibration forwards that run tokens shared by several sequences once (``prefix_cache.run_shared``), the
-    collector counting each row once per sequence: (sequences, tokens, tokens run)."""
+    collector counting each row once per sequence, unit by unit after the ``done.units`` first (a unit: a group
+    sharing a prefix, or one sequence); ``done`` counts sequences and tokens and saves the state when due."""
     from ..evaluation.prefix_cache import run_shared  # evaluation: not at import
     was_training = model.training
     model.eval()
-    bar = tqdm(total=len(sequences), desc="calibrating", unit="seq", disable=not progress)
+    done.counts.update(sequences=len(sequences), tokens=sum(map(len, sequences)))
+    bar = tqdm(total=len(sequences), initial=done.counts.get("finished", 0), desc="calibrating", unit="seq",
+               disable=not progress)
+    tokens_before = done.counts["tokens_run"]
+
+    def finished() -> None:
+        done.counts["finished"] = done.counts.get("finished", 0) + 1
+        bar.update(1)
+
+    def unit_done(units: int, tokens_run: int) -> None:
+        done.counts["tokens_run"] = tokens_before + tokens_run
+        done.unit_done(collector, units)
+
     try:
         with sparsify(model, sparsifier, compensations, stats=False, observer=collector):
-            tokens_run = run_shared(model, sequences, collector.repeated, done=lambda: bar.update(1))
+            run_shared(model, sequences, collector.repeated, done=finished, skip_units=done.units,
+                       unit_done=unit_done)
     finally:
         bar.close()
         model.train(was_training)
-    return len(sequences), sum(map(len, sequences)), tokens_run
 
 
 def as_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -342,6 +342,28 @@ class Collector:
                 grown[:, :width] = self.sums[name][layer]
             self.sums[name][layer] = grown
 
+    # --- saved progress (calibrate(checkpoint=...)) ---------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything the rows seen so far added (sums, row counters, the sampling generator), on the CPU: a collector
+        of the same settings that loads it goes on as this one would."""
+        self._collect()
+        return {"collector": type(self).__name__,
+                "sums": {name: [None if t is None else t.cpu() for t in per_layer] for name, per_layer in self.sums.items()},
+                "devices": [None if t is None else str(t.device) for t in self.sums.get("count", [])],
+                "rows_eligible": self._rows_eligible.clone(), "rows_sampled": self._rows_sampled.clone(),
+                "max_n_seen": self._max_n_seen, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take up a ``state_dict`` of a collector with the same settings (the caller checks them); each layer's sums
+        go back to the device they were on."""
+        if state["collector"] != type(self).__name__:
+            raise ValueError(f"a {state['collector']} state cannot be loaded into a {type(self).__name__}")
+        self.sums = {name: [None if t is None else t.to(device) for t, device in zip(per_layer, state["devices"])]
+                     for name, per_layer in state["sums"].items()}
+        self._rows_eligible, self._rows_sampled = state["rows_eligible"].clone(), state["rows_sampled"].clone()
+        self._max_n_seen, self._on_device = int(state["max_n_seen"]), {}
+        self.generator.set_state(state["generator"])
+
     # --- results --------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes held by the running sums (what grows with row length, never with sample count)."""

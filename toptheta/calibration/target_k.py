@@ -67,6 +67,16 @@ class TargetKCollector(Collector):
         # (start, step) of each fitted grid as Python numbers: read once, not in every layer call
         self._grid = {l: (float(self.start[l]), float(self.step[l])) for l in range(L) if self.placement == "post"}
 
+    def state_dict(self) -> dict:
+        """The base state and each layer's grid (pre-softmax grids are fitted to the first rows a layer sees)."""
+        return {**super().state_dict(), "start": self.start.clone(), "step": self.step.clone(),
+                "grid": {layer: list(grid) for layer, grid in self._grid.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.start, self.step = state["start"].clone(), state["step"].clone()
+        self._grid = {int(layer): (float(grid[0]), float(grid[1])) for layer, grid in state["grid"].items()}
+
     def key_of(self, n: torch.Tensor) -> torch.Tensor:
         """Bucket of each row length: n below ``exact_n``, then ``per_octave`` per doubling."""
         octaves = torch.log2(n.double().clamp_min(self.exact_n) / self.exact_n)

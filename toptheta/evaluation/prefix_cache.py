@@ -127,7 +127,8 @@ def cached_forward(model, cache):
                                         position_ids=pos.to(device), use_cache=True, **{keyword: cache}, **trim)
 
 
-def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
+def run_shared(model, sequences: list[list[int]], repeated, done=None, *, skip_units: int = 0,
+               unit_done=None) -> int:
     """Forwards of ``model`` over ``sequences`` (token id lists, one at a time) that run shared tokens once; returns
     the tokens run. What the forwards record (calibration sums, sparsity statistics) must be counted once per
     sequence: ``repeated(uses)`` is a context manager (``Collector.repeated``, ``SparsityStats.repeated``) around
@@ -138,6 +139,11 @@ def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
     forward holds at least ``MIN_GEMM_ROWS`` rows, so the linear layers round each row as one forward of the
     whole sequence does; attention kernels that chunk rows per forward (the plain kernel) may still sum a row in
     another order, so a statistic equals the unshared one to float rounding (exactly, for counts).
+
+    The top level is a list of units, each independent of the others: a group of sequences that share a prefix, or
+    one sequence in no group. ``unit_done(units finished, tokens run so far)`` is called after each; a resumed run
+    (``calibrate(progress_file=...)``) passes ``skip_units`` to leave out the units a saved state already holds, and
+    runs the others exactly as the whole run would.
     """
     device = next(model.parameters()).device
     tokens_run = 0
@@ -151,21 +157,32 @@ def run_shared(model, sequences: list[list[int]], repeated, done=None) -> int:
             run_prefix(cached_forward(model, own), ids, start=start)
         return own
 
-    def run(members: list[int], start: int, cache) -> None:  # the members' first ``start`` tokens are in ``cache``
+    def units(members: list[int], start: int) -> list[tuple[list[int], int]]:
+        """(members, shared tokens) per unit: each group of ``members`` sharing a prefix past ``start``, then each
+        member in no group (shared = 0), in the order they run."""
         rest = [tuple(sequences[i][start:]) for i in members]
-        grouped: set[int] = set()
-        for shared, group in prefix_groups(rest, min_prefix=MIN_GEMM_ROWS, keep=MIN_GEMM_ROWS):
-            indices = [members[j] for j in group]
-            grouped.update(indices)
-            run(indices, start + shared, forward(sequences[indices[0]][:start + shared], start, cache, len(indices)))
-        for i in members:
-            if i not in grouped:
-                forward(sequences[i], start, cache, 1)
-                if done is not None:
-                    done()
+        groups = [([members[j] for j in group], shared)
+                  for shared, group in prefix_groups(rest, min_prefix=MIN_GEMM_ROWS, keep=MIN_GEMM_ROWS)]
+        grouped = {i for indices, _ in groups for i in indices}
+        return groups + [([i], 0) for i in members if i not in grouped]
+
+    def run(indices: list[int], shared: int, start: int, cache) -> None:  # the first ``start`` tokens are in ``cache``
+        if not shared:  # one sequence
+            forward(sequences[indices[0]], start, cache, 1)
+            if done is not None:
+                done()
+            return
+        cache = forward(sequences[indices[0]][:start + shared], start, cache, len(indices))
+        for members, more in units(indices, start + shared):
+            run(members, more, start + shared, cache)
 
     with torch.no_grad():
-        run(list(range(len(sequences))), 0, None)
+        for number, (indices, shared) in enumerate(units(list(range(len(sequences))), 0), 1):
+            if number <= skip_units:
+                continue
+            run(indices, shared, 0, None)
+            if unit_done is not None:
+                unit_done(number, tokens_run)
     return tokens_run
 
 
