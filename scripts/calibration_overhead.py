@@ -3,12 +3,15 @@
     python scripts/calibration_overhead.py                     # SmolLM2-135M, writes results/bench/calibration_overhead.json
     python scripts/calibration_overhead.py --model random      # SmolLM2's shapes with random weights
 
-Every round runs the same batch five ways, interleaved so that load from other processes hits all of
+Every round runs the same batch six ways, interleaved so that load from other processes hits all of
 them alike: transformers' own sdpa attention, our dense backend, our backend with exact top-k (the
 TAC forward alone), and the calibration forward (TAC top-k with the streaming collector as observer,
-i.e. what ``toptheta.calibrate`` runs per batch) for the "order" and the "target-k" statistics.
+i.e. what ``toptheta.calibrate`` runs per batch) for the "order" and the "target-k" statistics, and the
+"order" one reading τ in a second pass over the keep-mask (as before the TAC selection returned it).
 Reported: median times and their ratios; the collector's own cost is calibration over top-k, the
 whole cost of calibrating is calibration over dense. Tokens are random ids.
+
+    python scripts/calibration_overhead.py --seq-len 2048 --threads 1 --out results/bench/calibration_overhead_2k.json
 """
 
 from __future__ import annotations
@@ -67,7 +70,9 @@ def main() -> None:
     k_list = [args.k] * layers
     tac = toptheta.TopK(args.k, args.placement)
     collectors = {"order": OrderStatCollector(k_list, heads, args.placement, topk_keep=True),
-                  "target-k": TargetKCollector(k_list, heads, args.placement, topk_keep=True)}
+                  "target-k": TargetKCollector(k_list, heads, args.placement, topk_keep=True),
+                  "order-keep-mask": OrderStatCollector(k_list, heads, args.placement, topk_keep=True)}
+    collectors["order-keep-mask"].wants_next_index = False  # τ from a second pass over the row
 
     def sdpa(ids):
         model(input_ids=ids, use_cache=False)
@@ -87,7 +92,8 @@ def main() -> None:
         return run
 
     ways = {"sdpa": sdpa, "dense_backend": backend, "topk_backend": topk, "calibration_order": calibration("order"),
-            "calibration_target_k": calibration("target-k")}
+            "calibration_target_k": calibration("target-k"),
+            "calibration_order_keep_mask": calibration("order-keep-mask")}
     times: dict[str, list[float]] = {name: [] for name in ways}
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
@@ -108,8 +114,12 @@ def main() -> None:
         "ratio_target_k_over_topk_backend": median["calibration_target_k"] / median["topk_backend"],
         "ratio_target_k_over_dense_backend": median["calibration_target_k"] / median["dense_backend"],
         "ratio_order_over_sdpa": median["calibration_order"] / median["sdpa"],
+        "ratio_order_over_order_keep_mask": median["calibration_order"] / median["calibration_order_keep_mask"],
         "ratio_target_k_over_sdpa": median["calibration_target_k"] / median["sdpa"],
         "collector_bytes": {name: c.nbytes() for name, c in collectors.items()},
+        "order_sums_equal_keep_mask_sums": all(  # the same rows, τ found two ways: the same float64 sums
+            torch.equal(a, b) for name in collectors["order"].sums
+            for a, b in zip(collectors["order"].sums[name], collectors["order-keep-mask"].sums[name])),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -352,6 +352,29 @@ def test_thresholds_for_another_model_shape_are_refused():
 
 
 @pytest.mark.parametrize("k", [1, 8, 134, 600])
+def test_topk_asked_for_the_next_index_keeps_k_and_points_at_the_k_plus_1th_largest(k):
+    """Under an observer that reads τ (RowBlock.want_next), TopK.select finds each row's (k + 1)-th largest in the same
+    top-k call, and keeps the keys the plain call keeps, on rows with ties at the boundary too (many here); rows of
+    n ≤ k stay whole."""
+    from toptheta.sparsifiers.base import RowBlock
+
+    g = torch.Generator().manual_seed(k)
+    logits = (torch.randn(1, 3, 16, 1000, generator=g) * 4).round() / 4  # many ties at every k-th value
+    n = torch.full((1, 1, 16), 1000)
+    n[..., :2] = k  # two rows of n = k: kept whole
+    logits[..., :2, k:] = float("-inf")
+    rows = RowBlock(0, "prefill", logits, n, valid=torch.isfinite(logits[:, :1]))  # (B, 1, Q, K)
+    rows.want_next = True
+    keep = toptheta.TopK(k, "pre").select(rows)
+    assert rows.next_index is not None  # the path under test ran
+    plain = RowBlock(0, "prefill", logits, n, valid=torch.isfinite(logits[:, :1]))
+    assert torch.equal(keep, toptheta.TopK(k, "pre").select(plain))  # the keys the run's Top-k keeps, ties included
+    assert keep[..., 2:, :].sum(-1).eq(k).all() and keep[..., :2, :k].all() and not keep[..., :2, k:].any()
+    next_value = logits.gather(-1, rows.next_index)[..., 2:, 0]  # (1, 3, 14)
+    assert torch.equal(next_value, logits.sort(-1, descending=True).values[..., 2:, k])
+
+
+@pytest.mark.parametrize("k", [1, 8, 134, 600])
 def test_topk_keeps_the_set_of_a_sorted_topk_on_tied_rows(k):
     """TopK.select asks torch.topk for an unsorted set (cheaper); it must be the sorted call's set, ties included."""
     from toptheta.sparsifiers.base import RowBlock

@@ -66,26 +66,60 @@ def test_theta_from_one_row_keeps_exactly_k(model, placement):
     assert (tac_cal.counts[:, :, k + 1:] == 1).all() and (tac_cal.counts[:, :, :k + 1] == 0).all()
 
 
-@pytest.mark.parametrize("tac", [False, True])
+@pytest.mark.parametrize("tac", ["dense", "keep-mask", "selection"])
 def test_collector_tau_is_rowblock_kth_largest(model, tac):
-    """The collector's τ is exactly RowBlock.kth_largest(k + 1) (method.md §2.2), also when it reads
-    τ off the TAC keep-mask instead of sorting."""
+    """The collector's τ is exactly RowBlock.kth_largest(k + 1) (method.md §2.2): sorted again on dense rows, read off
+    the TAC keep-mask (an observer that does not ask for the index), or found by the TAC selection itself."""
     k, seen = 6, []
     for placement in ("pre", "post"):
-        collector = OrderStatCollector([k] * L, H, placement, topk_keep=tac)
-        sparsifier = toptheta.TopK(k, placement) if tac else toptheta.Dense()
+        collector = OrderStatCollector([k] * L, H, placement, topk_keep=tac != "dense")
+        sparsifier = toptheta.TopK(k, placement) if tac != "dense" else toptheta.Dense()
 
-        def observe(rows):
-            collector(rows)
-            expected = rows.kth_largest(k + 1, placement)  # (B, H, Q)
-            long = rows.n[:, 0] > k
-            seen.append((expected.permute(0, 2, 1)[long], rows.n[:, 0][long], rows.layer))
+        class Observe:
+            wants_next_index = tac == "selection"
 
-        with torch.no_grad(), toptheta.sparsify(model, sparsifier, [], observer=observe):
+            def __call__(self, rows):
+                assert (rows.next_index is not None) == (tac == "selection")  # which path ran
+                collector(rows)
+                expected = rows.kth_largest(k + 1, placement)  # (B, H, Q)
+                long = rows.n[:, 0] > k
+                seen.append((expected.permute(0, 2, 1)[long], rows.n[:, 0][long], rows.layer))
+
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, [], observer=Observe()):
             model(input_ids=sequences(1))
         for tau, n, layer in seen:
             torch.testing.assert_close(collector.sums["tau"][layer][:, n].T.float(), tau, rtol=0, atol=0)
         seen.clear()
+
+
+@pytest.mark.parametrize("placement, statistic, comps", [("pre", "order", "sdc"), ("post", "order", "vmc"),
+                                                         ("pre", "target-k", "")])  # post target-k reads no τ
+def test_tac_calibration_reads_tau_off_the_selection_with_the_thresholds_of_a_second_pass(model, monkeypatch,
+                                                                                          placement, statistic, comps):
+    """Calibration with TAC takes each row's τ from the top-k selection (one pass, k + 1 wide) and gets the thresholds
+    the keep-mask pass gives, bit for bit, in prefill and decode rows."""
+    from toptheta.calibration import collector as collector_module
+
+    comp = {"sdc": [toptheta.SDC("exact")], "vmc": [toptheta.VMC()], "": []}[comps]
+    options = dict(k=6, placement=placement, statistic=statistic, compensations=comp, generate_tokens=3,
+                   progress=False)
+    data = batches(4, size=2, length=24)
+    read = []
+    tau = collector_module.SampledRows.tau
+    monkeypatch.setattr(collector_module.SampledRows, "tau",
+                        lambda self, p: read.append(self.next is not None) or tau(self, p))
+    selection = calibrate(model, data, **options)
+    assert read and all(read)
+    read.clear()
+    monkeypatch.setattr(collector_module.Collector, "wants_next_index", property(lambda self: False,
+                                                                                 lambda self, value: None),
+                        raising=False)
+    second_pass = calibrate(model, data, **options)
+    assert read and not any(read)
+    assert torch.equal(selection.values.nan_to_num(-7.0), second_pass.values.nan_to_num(-7.0))
+    assert torch.equal(selection.counts, second_pass.counts)
+    if placement == "pre":
+        assert torch.equal(selection.sdc_mass.nan_to_num(-7.0), second_pass.sdc_mass.nan_to_num(-7.0))
 
 
 def test_granularities_pool_the_same_samples(model):

@@ -128,6 +128,7 @@ def attention(
             if bool(dead.any()):
                 p.masked_fill_(dead, 0.0)
         rows._probs = p
+    rows.want_next = getattr(observer, "wants_next_index", False)
     rows.keep = keep = sparsifier.select(rows)
     if observer is not None:
         observer(rows)

@@ -166,6 +166,7 @@ def plain_attention(call: AttentionCall, fuse: bool = False) -> torch.Tensor:
             rows.kept_counts = torch.where(rule.whole, n, counts)  # whole rows keep their n valid keys
             rows.keep = keep = None
         else:
+            rows.want_next = getattr(observer, "wants_next_index", False)
             rows.keep = keep = sparsifier.select(rows)
             if observer is not None:
                 observer(rows)

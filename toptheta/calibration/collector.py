@@ -53,7 +53,9 @@ class SampledRows:
     The usual prefill case (whole rows from the first long row to the last) is a slice, so the
     scores are not copied; scattered samples are gathered into R = 1 row block. With
     ``topk_keep`` the chunk's keep-mask is the exact top-k (TAC), so the order statistics come from
-    it in one pass instead of a second top-k.
+    it instead of a second top-k: τ's index straight from the selection (``RowBlock.next_index``, which
+    ``TopK.select`` finds in its one top-k call when the collector asks), else from one pass over the
+    keys outside the mask.
     """
 
     def __init__(self, rows: RowBlock, pick: torch.Tensor, n: torch.Tensor, k: int, topk_keep: bool = False):
@@ -69,6 +71,7 @@ class SampledRows:
         self.n = take(n[:, None])[:, 0]  # (R, Q') on the CPU
         self.logits = take(rows.logits)  # (R, H, Q', K)
         self.keep = take(rows.keep) if topk_keep and rows.keep is not None else None  # (R, H, Q', K)
+        self.next = take(rows.next_index) if self.keep is not None and rows.next_index is not None else None
         self._top: torch.Tensor | None = None
         self._chosen: torch.Tensor | None = None  # (R·Q', 1) bool: the rows that count (device path), None: all
 
@@ -80,6 +83,7 @@ class SampledRows:
         self.k, self._rows, self._take = k, rows, lambda t: t  # noqa: E731
         self.n, self.logits = n, rows.logits  # (B, Q), (B, H, Q, K)
         self.keep = rows.keep if topk_keep and rows.keep is not None else None
+        self.next = rows.next_index if self.keep is not None else None
         self._top = None
         self._chosen = pick.reshape(-1, 1)
         return self
@@ -131,7 +135,9 @@ class SampledRows:
 
     def tau(self, placement: str) -> torch.Tensor:
         """The (k + 1)-th largest score of each row (R, H, Q'): ``RowBlock.kth_largest(k + 1, placement)``."""
-        if self.keep is not None:  # the largest score outside the top-k (invalid keys hold −inf)
+        if self.next is not None:  # found by the TAC selection itself (TopK.select under want_next)
+            idx = self.next
+        elif self.keep is not None:  # the largest score outside the top-k (invalid keys hold −inf)
             idx = self.logits.masked_fill(self.keep, float("-inf")).argmax(-1, keepdim=True)
         else:
             idx = self.top_indices[..., -1:]
@@ -179,6 +185,8 @@ class Collector:
         self.topk_keep = bool(topk_keep)
         self.device_path = device_path
         self.generator = torch.Generator().manual_seed(int(seed))
+        # with TAC the selection finds each row's τ on the way (RowBlock.want_next): no second pass over the row
+        self.wants_next_index = self.topk_keep
         self.weight = 1  # rows observed count this many times (``repeated``)
         L = len(self.k)
         self._rows_eligible = torch.zeros(L, dtype=torch.float64)  # per layer, before sampling

@@ -42,6 +42,10 @@ class RowBlock:
         self.kept_counts: torch.Tensor | None = None  # (B, H, Q) kept keys per row, when the sparsifier knows
         self.vrow_counts: torch.Tensor | None = None  # (B, Hkv) decode: kept V rows (union over each group)
         self.kept_mass: torch.Tensor | None = None  # (B, H, Q, 1) dense probability mass kept, set by the kernel
+        # An observer that reads each row's (k + 1)-th largest score (calibration's τ) sets want_next (through the
+        # kernel, from its ``wants_next_index``); an exact top-k selection then finds it on the way: next_index.
+        self.want_next = False
+        self.next_index: torch.Tensor | None = None  # (B, H, Q, 1) index of each row's (k + 1)-th largest logit
         self._valid = valid
         self._probs, self._exp_scores, self._row_sum, self._row_max = probs, exp_scores, row_sum, row_max
         self._max_prob: torch.Tensor | None = None
