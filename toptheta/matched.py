@@ -121,10 +121,12 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                 run_shared(model, sequences[:MEASURE_SEQUENCES], stats.repeated)
         kept = stats.kept_vrow_fraction if vrows else stats.kept_attention_fraction
         if kept is None:
-            raise ValueError(f"target_kept={target}: the {'decode steps' if vrows else 'rows'} after the "
-                             f"{rows.task} rows it is resolved on read nothing to measure"
-                             + (" (no token was decoded: raise task.max_length above their prompts' lengths, "
-                                f"the longest {max(map(len, sequences))} tokens)" if vrows else ""))
+            if vrows:
+                raise ValueError(f"target_kept={target}: no token was decoded after the {rows.task} prompts it is "
+                                 "resolved on, so no V row was read: raise task.max_length above their lengths (the "
+                                 f"longest {max(map(len, sequences))} tokens)")
+            raise ValueError(f"target_kept={target}: the {rows.task} rows it is resolved on ran no prefill, so no "
+                             "attention element was counted: give the task calibration documents (calib.num_samples)")
         log.info("target_kept=%g: %s %s=%g keeps %.4f of the %s on %d calibration rows", target,
                  sparsifier_kind(base.sparsifier.name).label, key, k, kept, "V rows" if vrows else "attention elements",
                  min(len(sequences), VROW_SEQUENCES if vrows else MEASURE_SEQUENCES))
