@@ -265,3 +265,35 @@ def test_a_matched_humaneval_run_decodes_its_target_rows_as_the_task_does(tmp_pa
     (short,) = pipeline.plan(cfg(*overrides, f"task.max_length={longest}"))  # no room for a token: said, with the fix
     with pytest.raises(ValueError, match="raise task.max_length"):
         matched.resolve_target(short, model, tokenizer)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("sparsifier.target_tolerance=0.02",), "with sparsifier.target_kept"),
+    (("sparsifier.target_kept=0.3", "sparsifier.target_tolerance=0.5"), "a relative tolerance in (0, 0.5)"),
+    (("sparsifier.target_kept=0.3", "sparsifier.target_tolerance=0"), "a relative tolerance in (0, 0.5)")])
+def test_a_bad_target_tolerance_fails_before_anything_loads(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match="sparsifier.target_tolerance") as err:
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", "sparsifier=topk", *overrides))
+    assert message in str(err.value)
+
+
+def test_target_tolerance_is_how_close_the_fit_comes_and_enters_the_run_id_only_when_set(tmp_path, monkeypatch):
+    """sparsifier.target_tolerance: the search is given it (and records it), it changes the run id only when set, and
+    the kept fractions a search measures are shared with searches at another tolerance (matched.measure_file)."""
+    from toptheta import matched
+
+    base = ("model=tiny-llama", "task=smoke", "sparsifier=topk", "comp=vmc", "sparsifier.placement=post",
+            "sparsifier.layer_k=null", "sparsifier.target_kept=0.3", "task.fewshot_sampler=first_n",
+            f"results_dir={tmp_path}")
+    (default,), (tight,) = (pipeline.plan(cfg(*base, *extra))[-1:] for extra in ((), ("sparsifier.target_tolerance=0.03",)))
+    assert "target_tolerance" not in default.sparsifier.settings and tight.run_id != default.run_id
+    model = build_tiny_model()
+    assert matched.measure_file(tight.with_sparsifier(k=5), model, False) == \
+        matched.measure_file(default.with_sparsifier(k=5), model, False)
+    given = []
+    resolve_k = matched.resolve_k
+    monkeypatch.setattr(matched, "resolve_k", lambda *a, **kw: given.append(kw["tolerance"]) or resolve_k(*a, **kw))
+    rows = sparse_rows(tmp_path, *base[2:-1], "sparsifier.target_tolerance=0.03", "baseline=false")
+    record = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())["target"]
+    assert given == [0.03] and record["target_tolerance"] == 0.03
+    assert abs(record["calibration_kept"] / 0.3 - 1) <= 0.03

@@ -109,6 +109,11 @@ class SparsifierConfig:
     # python_code functions in its prompt shape), else the calibration task (calib.task / task.calib_task). Set it
     # to fit on another task's rows (sparsifier.target_task=python_code). Part of the run id when set.
     target_task: Optional[str] = None
+    # How close the fit must come to target_kept, relative (null: 0.05, calibration/target_kept.TOLERANCE). The
+    # evaluated rows may keep another fraction than the rows the fit runs on (HumanEval's answers decode more rows
+    # than its target prompts': −7 to −9 %): a tighter fit leaves the evaluation room inside the ±10 % a matched pair
+    # allows. Part of the run id when set.
+    target_tolerance: Optional[float] = None
     # The baselines' own parameters (null elsewhere, and then out of the run id): topp's probability mass p,
     # skipsoftmax's λ. With target_kept set, the parameter is fitted instead (calibration/target_param.py).
     p: Optional[float] = None
@@ -314,6 +319,11 @@ def sparsifier_problems(sparsifier: Any, comp: Any, fits_target: bool = True) ->
     rows = get(sparsifier, "target_task")
     need(rows is None or target is not None, "sparsifier.target_task", rows,
          "null without sparsifier.target_kept (it names the rows the target is resolved on)")
+    tolerance = get(sparsifier, "target_tolerance")
+    need(tolerance is None or (target is not None and isinstance(tolerance, (int, float))
+                               and not isinstance(tolerance, bool) and 0 < tolerance < 0.5),
+         "sparsifier.target_tolerance", tolerance,
+         "null (0.05), or a relative tolerance in (0, 0.5) with sparsifier.target_kept, e.g. 0.02")
     if kind.parameter is not None:
         _check_parameter(kind, sparsifier, comp, get, need, fits_target)
     elif kind.drops and target is None:

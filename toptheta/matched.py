@@ -20,7 +20,7 @@ from . import sparsify
 from .atomic import write_text_atomic
 from .builders import needs_thresholds
 from .cachedir import cache_dir
-from .calibration.target_kept import Unreachable, resolve_k
+from .calibration.target_kept import TOLERANCE, Unreachable, resolve_k
 from .calibration.target_param import fit_parameter, log_slope
 from .evaluation.greedy import encode_prompt
 from .evaluation.model_facts import has_sliding_window, layer_windows
@@ -80,6 +80,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         return spec, None
     rows = spec.target
     vrows = spec.sparsifier.target_measure == "vrows"
+    tolerance = spec.sparsifier.target_tolerance or TOLERANCE
+    tolerance_record = {"target_tolerance": tolerance} if spec.sparsifier.target_tolerance else {}
     chat = spec.model.chat_template
     entry = task_kind(rows.kind) if rows.kind is not None else None
     decode_as_task = vrows and entry is not None and entry.target_decode is not None
@@ -139,8 +141,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         guide = None
         if spec.calib is not None and (stand_in := topk_stand_in(spec)) is not None:  # each k Top-θ tries is a
             # calibration: Top-k's fit, which only decodes, gives the start
-            guide = topk_guide(target, k_range, lambda v: measure(max(1, round(v)), base=stand_in))
-        value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))),
+            guide = topk_guide(target, k_range, lambda v: measure(max(1, round(v)), base=stand_in), tolerance)
+        value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))), tolerance=tolerance,
                                            **({"start": guide["k"], "slope": guide["slope"]} if guide else {}))
         k = max(1, round(value))
         log.info("target_kept=%g of the V rows: k=%d (kept %.4f in decode steps after the calibration rows of %s)",
@@ -149,25 +151,26 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                                "tried": [(max(1, round(v)), f) for v, f in tried],
                                "calibration_sequences": min(len(sequences), VROW_SEQUENCES),
                                "decoded": "as the task" if decode_as_task else f"{VROW_TOKENS} tokens",
-                               **({"start": guide} if guide else {})}
+                               **({"start": guide} if guide else {}), **tolerance_record}
     if parameter is not None:  # a rule with its own parameter (p, λ): that is bisected, k keeps only rows whole
         key = parameter.key
-        value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key))
+        value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key), tolerance=tolerance)
         log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
                  rows.task)
         return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,
                                         "tried": tried, "calibration_sequences": len(sequences),
                                         **({"target_measure": "vrows", "decoded": "as the task" if decode_as_task
-                                            else f"{VROW_TOKENS} tokens"} if vrows else {})}
+                                            else f"{VROW_TOKENS} tokens"} if vrows else {}), **tolerance_record}
     k, kept, tried = resolve_k(target, [len(s) for s in sequences], layer_k, num_layers,
-                               measure if spec.calib is not None else None, windows=layer_windows(model))
+                               measure if spec.calib is not None else None, tolerance=tolerance,
+                               windows=layer_windows(model))
     log.info("target_kept=%g: k=%d (kept %.4f on the calibration rows of %s)", target, k, kept, rows.task)
     return with_value(k), {"target_kept": target, "k": k, "calibration_kept": kept, "tried": tried,
-                           "calibration_sequences": len(sequences)}
+                           "calibration_sequences": len(sequences), **tolerance_record}
 
 
 # the settings a Top-k run of the same setting has (so its measures are the stand-in's: measure_file)
-TOPK_SETTINGS = ("placement", "k", "layer_k", "target_kept", "target_measure", "target_task")
+TOPK_SETTINGS = ("placement", "k", "layer_k", "target_kept", "target_measure", "target_task", "target_tolerance")
 
 
 def topk_stand_in(spec: RunSpec) -> RunSpec | None:
@@ -182,12 +185,12 @@ def topk_stand_in(spec: RunSpec) -> RunSpec | None:
                                notes=list(spec.notes))
 
 
-def topk_guide(target: float, k_range: Parameter, measure) -> dict | None:
+def topk_guide(target: float, k_range: Parameter, measure, tolerance: float = TOLERANCE) -> dict | None:
     """Top-k's k for ``target`` (``measure``: its V-row fraction at a k) and the local slope of log(kept) against
     log k there (of the two values tried closest to the target), as the start of Top-θ's search; None when Top-k
     cannot reach the target (Top-θ's search then runs alone and says why it fails)."""
     try:
-        value, kept, tried = fit_parameter(target, k_range, measure)
+        value, kept, tried = fit_parameter(target, k_range, measure, tolerance=tolerance)
     except Unreachable:
         return None
     nearest = sorted(tried, key=lambda t: abs(math.log(max(t[1], 1e-12) / target)))[:2]
@@ -204,6 +207,10 @@ def measure_file(candidate: RunSpec, model, decode_as_task: bool) -> Path:
     so its rows, sparsifier, compensation and calibration; the model's shape and device; how many rows the measure
     reads and how it decodes). A measure is a pass over the calibration rows or a decode of the target prompts:
     minutes on long rows, and Top-θ's V-row search repeats Top-k's (``topk_guide``), so each is done once."""
+    settings = candidate.sparsifier.settings
+    if "target_tolerance" in settings:  # how close a search must come, not what a measure counts: shared measures
+        settings = {key: value for key, value in settings.items() if key != "target_tolerance"}
+        candidate = dataclasses.replace(candidate, sparsifier=SparsifierSpec.from_settings(settings))
     identity = {"spec": candidate.identity(), "fingerprint": model_fingerprint(model), "device": str(model.device),
                 "sequences": [MEASURE_SEQUENCES, VROW_SEQUENCES], "tokens": VROW_TOKENS, "as_task": decode_as_task,
                 "version": MEASURE_VERSION}

@@ -82,6 +82,7 @@ class SparsifierSpec(Section):
     target_kept: float | None = None
     target_measure: str | None = None
     target_task: str | None = None
+    target_tolerance: float | None = None
     settings: dict = field(default_factory=dict, repr=False, compare=False)
 
     def build(self, thresholds=None):
