@@ -7,25 +7,15 @@ import contextlib
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import toptheta
 from conftest import cfg
+from test_calibration import VOCAB, model  # noqa: F401  (model: the calibration tests' fixture)
 from toptheta import pipeline, thresholds_cache
 from toptheta.calibration import calibrate, progress
 
-L, H, VOCAB = 3, 4, 97
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model():
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=L,
-                         num_attention_heads=H, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.1)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 class Killed(Exception):
