@@ -350,7 +350,7 @@ class Collector:
                 grown[:, :width] = self.sums[name][layer]
             self.sums[name][layer] = grown
 
-    # --- saved progress (calibrate(checkpoint=...)) ---------------------------------------------------
+    # --- saved progress (calibrate(progress_file=...)) ------------------------------------------------
     def state_dict(self) -> dict:
         """Everything the rows seen so far added (sums, row counters, the sampling generator), on the CPU: a collector
         of the same settings that loads it goes on as this one would."""
