@@ -83,8 +83,13 @@ class Progress:
         collector.load_state_dict(state["collector"])
         self.units, self.counts = int(state["units"]), {name: int(v) for name, v in state["counts"].items()}
         log.info("calibration: resuming from %s (%d units, %d sequences done)", self.path, self.units,
-                 self.counts["sequences"])
+                 self.sequences_done)
         return self.units
+
+    @property
+    def sequences_done(self) -> int:
+        """Sequences finished (the prefix-sharing path counts them as ``finished``; batches count as they end)."""
+        return self.counts.get("finished", self.counts["sequences"])
 
     def unit_done(self, collector, units: int) -> None:
         """Note that ``units`` units are done; save when ``every`` seconds have passed since the last save."""
@@ -95,6 +100,8 @@ class Progress:
                  "collector": collector.state_dict()}
         atomic_write(self.path, lambda tmp: torch.save(state, tmp))
         self._saved_at = time.monotonic()
+        log.info("calibration: progress saved to %s (%d units, %d sequences done)", self.path, self.units,
+                 self.sequences_done)
 
     def finish(self) -> None:
         """The calibration returned: its progress file has served."""
