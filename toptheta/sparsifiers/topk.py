@@ -51,11 +51,10 @@ class TopK(Sparsifier):
             keep.scatter_(-1, rows.next_index, False)
             if rows.logits.device.type == "cpu":
                 _break_ties_as_topk_k(keep, rows, top.values, last, k)
-            rows.kept_counts = rows.n.clamp(max=k).expand(keep.shape[:-1])
-            return keep_whole_short_rows(keep, rows, k)
-        idx = torch.topk(rows.logits, k, dim=-1, sorted=False).indices  # (B, H, Q, k)
-        keep = torch.zeros_like(rows.logits, dtype=torch.bool).scatter_(-1, idx, True)
-        rows.kept_counts = rows.n.clamp(max=k).expand(idx.shape[:-1])
+        else:
+            idx = torch.topk(rows.logits, k, dim=-1, sorted=False).indices  # (B, H, Q, k)
+            keep = torch.zeros_like(rows.logits, dtype=torch.bool).scatter_(-1, idx, True)
+        rows.kept_counts = rows.n.clamp(max=k).expand(keep.shape[:-1])
         return keep_whole_short_rows(keep, rows, k)
 
     def fused_rule(self, rows: RowBlock) -> FusedRule | None:
