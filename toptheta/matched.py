@@ -7,7 +7,6 @@ calibration/target_param.py for the searches), and the kept fraction of the laye
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -19,7 +18,7 @@ import torch
 from . import sparsify
 from .atomic import write_text_atomic
 from .builders import needs_thresholds
-from .cachedir import cache_dir
+from .cachedir import cache_dir, identity_key
 from .calibration.target_kept import TOLERANCE, Unreachable, resolve_k
 from .calibration.target_param import fit_parameter, log_slope
 from .evaluation.greedy import encode_prompt
@@ -214,5 +213,5 @@ def measure_file(candidate: RunSpec, model, decode_as_task: bool) -> Path:
     identity = {"spec": candidate.identity(), "fingerprint": model_fingerprint(model), "device": str(model.device),
                 "sequences": [MEASURE_SEQUENCES, VROW_SEQUENCES], "tokens": VROW_TOKENS, "as_task": decode_as_task,
                 "version": MEASURE_VERSION}
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    key = identity_key(identity)
     return cache_dir("target_measures", candidate.model.name or "model", f"{key}.json")

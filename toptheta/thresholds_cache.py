@@ -9,8 +9,6 @@ it (``<key>.progress.pt``, every 5 minutes), so a job killed while calibrating g
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -18,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import calibration
-from .cachedir import cache_dir
+from .cachedir import cache_dir, identity_key
 from .calibration import Thresholds, calibration_compensation, compensation_labels, model_fingerprint
 from .thresholds.checkpoint import matching, run_settings
 from .thresholds.table import DamagedThresholds
@@ -44,7 +42,7 @@ def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
                 "placement": sparsifier.placement, "calib": calib.key_settings(),
                 "calibration_compensation": compensation_labels(applied),
                 "data": spec.data_dir, "max_length": spec.model.max_length}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return identity_key(identity)
 
 
 def thresholds_dir() -> Path:

@@ -16,7 +16,6 @@ calibration is refused, naming the fix, before any forward runs.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_write
+from ..cachedir import identity_key
 
 log = logging.getLogger("toptheta")
 
@@ -65,8 +65,7 @@ class Progress:
         if every < 0:
             raise ValueError(f"progress_every must be ≥ 0 seconds, got {every}")
         self.path = Path(path) if path is not None else None
-        self.digest = hashlib.sha256(json.dumps({"version": VERSION, **identity}, sort_keys=True,
-                                                default=str).encode()).hexdigest()
+        self.digest = identity_key({"version": VERSION, **identity})
         self.every = float(every)
         self.units = 0
         self.counts = {"sequences": 0, "tokens": 0, "tokens_run": 0}

@@ -16,7 +16,6 @@ a set with the settings of an existing entry replaces it. ``run.py model.source=
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import write_text_atomic
+from ..cachedir import identity_key
 from .table import Thresholds, model_fingerprint, model_identity
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def save_pretrained(thresholds: Thresholds, directory: str | os.PathLike) -> Pat
                          f"{expected or thresholds.num_layers} layers ({thresholds.metadata.get('model')}); save "
                          "them into the folder of the model they were calibrated on")
     settings = settings_of(thresholds)
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    key = identity_key(settings)
     index = _read_index(directory) or {"format": FORMAT_VERSION, "thresholds": []}
     index["model"] = {"identity": thresholds.metadata.get("identity") or {}, "folder": directory.resolve().name,
                       "fingerprint": actual}
