@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -297,3 +298,49 @@ def test_target_tolerance_is_how_close_the_fit_comes_and_enters_the_run_id_only_
     record = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())["target"]
     assert given == [0.03] and record["target_tolerance"] == 0.03
     assert abs(record["calibration_kept"] / 0.3 - 1) <= 0.03
+
+
+def test_top_theta_v_row_search_starts_at_a_calibrated_k_near_top_ks(tmp_path, monkeypatch):
+    """Thresholds already calibrated at a k within a factor 1.5 of Top-k's (another run's, a killed search's) start
+    Top-θ's search there: that try decodes without calibrating. A k farther off, or none, leaves Top-k's k first."""
+    from toptheta import matched, thresholds_cache
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(matched, "VROW_SEQUENCES", 4)
+    overrides = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post",
+                 "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "sparsifier.target_measure=vrows",
+                 "calib.num_samples=12", "baseline=false", "log_samples=false", f"results_dir={tmp_path}")
+    (spec,) = pipeline.plan(cfg(*overrides))
+    from toptheta.models.loading import load_model
+    model, tokenizer, _ = load_model("tiny-llama")
+    (topk,) = pipeline.plan(cfg(*overrides, "sparsifier=topk"))
+    k0 = matched.resolve_target(topk, model, tokenizer)[1]["k"]
+    assert k0 >= 2  # so that k0 + 1 is within the factor
+    near, far = k0 + 1, math.floor(k0 * matched.NEAR_START) + 1
+    for k in (near, far):  # another run calibrated these
+        thresholds_cache.obtain_thresholds(spec.with_sparsifier(k=k), model, tokenizer)
+    calibrated = []
+    calibrate = thresholds_cache.calibrate_on_task
+    monkeypatch.setattr(thresholds_cache, "calibrate_on_task",
+                        lambda *a, **kw: calibrated.append(kw["k"]) or calibrate(*a, **kw))
+    resolved, record = matched.resolve_target(spec, model, tokenizer)
+    assert record["start"]["k"] == k0 and record["start"]["calibrated"] == near == record["tried"][0][0]
+    assert near not in calibrated and far not in calibrated
+    assert len(calibrated) == len({k for k, _ in record["tried"]} - {near, far})
+    assert abs(record["calibration_kept"] / 0.4 - 1) <= 2 * target_kept.TOLERANCE
+
+
+def test_calibrated_start_takes_the_nearest_ready_k_within_the_factor(monkeypatch):
+    from types import SimpleNamespace
+
+    from toptheta import matched
+    from toptheta.registry import Parameter
+
+    for ready, expected in [((), 40), ((40, 44), 40), ((44, 37), 37), ((26, 61, 100), 40), ((55, 29), 55), ((52, 31), 31),
+                            ((36, 44), 44)]:
+        monkeypatch.setattr(matched, "measure_file", lambda spec, model, as_task: Path("/nonexistent/x.json"))
+        monkeypatch.setattr(matched, "thresholds_path",
+                            lambda spec, model, ready=ready: Path(__file__ if spec.k in ready else "/nonexistent/x"))
+        start = matched.calibrated_start(40, Parameter("k", 1, 500, log=True, keeps_more_when_higher=True),
+                                         lambda k: SimpleNamespace(k=k), None, False)
+        assert start == expected, (ready, start)

@@ -28,7 +28,7 @@ from .evaluation.prefix_sharing import generate_shared
 from .registry import Parameter, sparsifier_kind, task_kind
 from .spec import SparsifierSpec
 from .thresholds.table import model_fingerprint
-from .thresholds_cache import obtain_thresholds, thresholds_claim
+from .thresholds_cache import obtain_thresholds, thresholds_claim, thresholds_path
 
 if TYPE_CHECKING:
     from .spec import RunSpec
@@ -141,8 +141,15 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         if spec.calib is not None and (stand_in := topk_stand_in(spec)) is not None:  # each k Top-θ tries is a
             # calibration: Top-k's fit, which only decodes, gives the start
             guide = topk_guide(target, k_range, lambda v: measure(max(1, round(v)), base=stand_in), tolerance)
+        if guide is not None:  # a k near Top-k's whose thresholds exist already costs a decode, not a calibration
+            ready = calibrated_start(guide["k"], k_range, with_value, model, decode_as_task)
+            if ready != guide["k"]:
+                log.info("target_kept=%g: Top-θ's search starts at k=%d, calibrated already, instead of Top-k's "
+                         "k=%d", target, ready, guide["k"])
+                guide["calibrated"] = ready
         value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))), tolerance=tolerance,
-                                           **({"start": guide["k"], "slope": guide["slope"]} if guide else {}))
+                                           **({"start": guide.get("calibrated", guide["k"]), "slope": guide["slope"]}
+                                              if guide else {}))
         k = max(1, round(value))
         log.info("target_kept=%g of the V rows: k=%d (kept %.4f in decode steps after the calibration rows of %s)",
                  target, k, kept, rows.task)
@@ -195,6 +202,28 @@ def topk_guide(target: float, k_range: Parameter, measure, tolerance: float = TO
     nearest = sorted(tried, key=lambda t: abs(math.log(max(t[1], 1e-12) / target)))[:2]
     return {"from": "topk", "k": max(1, round(value)), "kept": kept, "slope": log_slope(k_range, nearest),
             "tried": [(max(1, round(v)), f) for v, f in tried]}
+
+
+NEAR_START = 1.5  # a calibrated k within this factor of Top-k's starts Top-θ's V-row search instead of Top-k's
+
+
+def calibrated_start(k: int, k_range: Parameter, candidate, model, decode_as_task: bool) -> int:
+    """The k a Top-θ V-row search starts at: Top-k's ``k`` unless Top-θ's thresholds at ``k`` are neither measured
+    nor cached and some k within a factor ``NEAR_START`` of it has them (the one nearest ``k`` on the log axis).
+    ``candidate(k)``: the run's spec at that k. Each k the search tries is a calibration
+    unless its thresholds exist (6,511 s on ruler's long documents), and its first step from any start follows Top-k's
+    slope, so a start a little off Top-k's k that is already calibrated saves a calibration. Thresholds a model
+    folder carries are not looked for (``checkpoint_thresholds``): they are found when the search reaches their k."""
+    def ready(value: int) -> bool:
+        spec = candidate(value)
+        return measure_file(spec, model, decode_as_task).is_file() or thresholds_path(spec, model).is_file()
+
+    if ready(k):
+        return k
+    low = max(math.ceil(k_range.low), math.ceil(k / NEAR_START))
+    high = min(math.floor(k_range.high), math.floor(k * NEAR_START))
+    near = [value for value in range(low, high + 1) if value != k and ready(value)]
+    return min(near, key=lambda value: (abs(math.log(value / k)), value), default=k)
 
 
 MEASURE_VERSION = 1  # bump when what a measure counts changes: older stored measures are then not read

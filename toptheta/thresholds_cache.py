@@ -49,6 +49,11 @@ def thresholds_dir() -> Path:
     return cache_dir("thresholds")
 
 
+def thresholds_path(spec: RunSpec, model) -> Path:
+    """Where the cache keeps this run's calibrated thresholds (the file exists once some run calibrated them)."""
+    return thresholds_dir() / spec.model.name / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
+
+
 def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
                       max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None,
                       cover_shots: int = 0, **options):
@@ -80,7 +85,7 @@ def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int
 def obtain_thresholds(spec: RunSpec, model, tokenizer):
     """Load cached thresholds for this calibration key, or calibrate and cache them."""
     calib, sparsifier = spec.calib, spec.sparsifier
-    path = thresholds_dir() / spec.model.name / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
+    path = thresholds_path(spec, model)
     options = {"lookup": calib.lookup, "smooth_sigma": calib.smooth_sigma}
     beyond = calib.beyond  # rows past the calibrated lengths (thresholds/beyond.py): at run time
     loading = {**options, "beyond": beyond}
@@ -134,5 +139,5 @@ def checkpoint_thresholds(spec: RunSpec, model, options: dict):
 
 def thresholds_claim(spec: RunSpec, model):
     """The claim on calibrating this thresholds key: parallel jobs calibrate it once, the others wait and reuse."""
-    key = thresholds_key(spec, model_fingerprint(model))
-    return claim(thresholds_dir() / spec.model.name / f"{key}.lock", f"thresholds {key}")
+    path = thresholds_path(spec, model)
+    return claim(path.with_suffix(".lock"), f"thresholds {path.stem}")
