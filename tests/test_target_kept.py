@@ -142,13 +142,30 @@ def test_a_v_row_target_is_met_in_decode_steps_and_names_its_measure(tmp_path):
                           f"results_dir={tmp_path}"))
 
 
+def _top_theta_v_row_search(tmp_path, monkeypatch):
+    """(Top-θ's spec, the Top-k spec of the same setting, tiny-llama, its tokenizer) for a V-row target of 0.4 on 4
+    decoded rows, with the thresholds and measures cached under tmp_path."""
+    from toptheta import matched
+    from toptheta.models.loading import load_model
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(matched, "VROW_SEQUENCES", 4)
+    overrides = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post",
+                 "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "sparsifier.target_measure=vrows",
+                 "calib.num_samples=12", "baseline=false", "log_samples=false", f"results_dir={tmp_path}")
+    (spec,) = pipeline.plan(cfg(*overrides))
+    (topk,) = pipeline.plan(cfg(*overrides, "sparsifier=topk"))
+    model, tokenizer, _ = load_model("tiny-llama")
+    return spec, topk, model, tokenizer
+
+
 def test_top_theta_v_row_search_starts_where_top_k_lands(tmp_path, monkeypatch):
     """Each k a Top-θ V-row search tries is a calibration (hours on long documents), so Top-k's fit (decodes only)
     gives its first k and slope: the first calibration is at Top-k's k, and the record keeps Top-k's fit. Measures
     are kept (matched.measure_file), so Top-k's tries are read back from the Top-k run's, never decoded twice."""
     from toptheta import matched, thresholds_cache
 
-    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    spec, topk, model, tokenizer = _top_theta_v_row_search(tmp_path, monkeypatch)
     calibrated = []
     obtain = thresholds_cache.obtain_thresholds
 
@@ -156,17 +173,9 @@ def test_top_theta_v_row_search_starts_where_top_k_lands(tmp_path, monkeypatch):
         calibrated.append(spec.sparsifier.k)
         return obtain(spec, model, tokenizer)
     monkeypatch.setattr(matched, "obtain_thresholds", counted)
-    monkeypatch.setattr(matched, "VROW_SEQUENCES", 4)
-    overrides = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post",
-                 "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "sparsifier.target_measure=vrows",
-                 "calib.num_samples=12", "baseline=false", "log_samples=false", f"results_dir={tmp_path}")
-    (spec,) = pipeline.plan(cfg(*overrides))
-    from toptheta.models.loading import load_model
-    model, tokenizer, _ = load_model("tiny-llama")
     decodes = []
     decode_after = matched.decode_after
     monkeypatch.setattr(matched, "decode_after", lambda *a, **kw: decodes.append(1) or decode_after(*a, **kw))
-    (topk,) = pipeline.plan(cfg(*overrides, "sparsifier=topk"))
     _, topk_record = matched.resolve_target(topk, model, tokenizer)  # the Top-k run of the same setting
     assert len(decodes) == len(topk_record["tried"]) and not calibrated
     resolved, record = matched.resolve_target(spec, model, tokenizer)
@@ -305,15 +314,7 @@ def test_top_theta_v_row_search_starts_at_a_calibrated_k_near_top_ks(tmp_path, m
     Top-θ's search there: that try decodes without calibrating. A k farther off, or none, leaves Top-k's k first."""
     from toptheta import matched, thresholds_cache
 
-    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(matched, "VROW_SEQUENCES", 4)
-    overrides = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post",
-                 "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "sparsifier.target_measure=vrows",
-                 "calib.num_samples=12", "baseline=false", "log_samples=false", f"results_dir={tmp_path}")
-    (spec,) = pipeline.plan(cfg(*overrides))
-    from toptheta.models.loading import load_model
-    model, tokenizer, _ = load_model("tiny-llama")
-    (topk,) = pipeline.plan(cfg(*overrides, "sparsifier=topk"))
+    spec, topk, model, tokenizer = _top_theta_v_row_search(tmp_path, monkeypatch)
     k0 = matched.resolve_target(topk, model, tokenizer)[1]["k"]
     assert k0 >= 2  # so that k0 + 1 is within the factor
     near, far = k0 + 1, math.floor(k0 * matched.NEAR_START) + 1
