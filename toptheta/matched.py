@@ -142,14 +142,13 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
             # calibration: Top-k's fit, which only decodes, gives the start
             guide = topk_guide(target, k_range, lambda v: measure(max(1, round(v)), base=stand_in), tolerance)
         if guide is not None:  # a k near Top-k's whose thresholds exist already costs a decode, not a calibration
-            ready = calibrated_start(guide["k"], k_range, with_value, model, decode_as_task)
-            if ready != guide["k"]:
+            start = calibrated_start(guide["k"], k_range, with_value, model, decode_as_task)
+            if start != guide["k"]:
                 log.info("target_kept=%g: Top-θ's search starts at k=%d, calibrated already, instead of Top-k's "
-                         "k=%d", target, ready, guide["k"])
-                guide["calibrated"] = ready
+                         "k=%d", target, start, guide["k"])
+                guide["calibrated"] = start
         value, kept, tried = fit_parameter(target, k_range, lambda v: measure(max(1, round(v))), tolerance=tolerance,
-                                           **({"start": guide.get("calibrated", guide["k"]), "slope": guide["slope"]}
-                                              if guide else {}))
+                                           **({"start": start, "slope": guide["slope"]} if guide else {}))
         k = max(1, round(value))
         log.info("target_kept=%g of the V rows: k=%d (kept %.4f in decode steps after the calibration rows of %s)",
                  target, k, kept, rows.task)
