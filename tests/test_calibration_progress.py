@@ -4,6 +4,7 @@ stopped, bit for bit; a file of another calibration is refused; the pipeline kee
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -144,3 +145,29 @@ def test_the_pipeline_keeps_progress_beside_its_thresholds_cache(tmp_path, monke
     same_thresholds(resumed, reference)
     assert path.endswith(".safetensors") and saved[0].name == path.split("/")[-1].replace(".safetensors", ".progress.pt")
     assert not saved[0].exists()
+
+
+def test_another_spelling_of_the_same_documents_reuses_their_calibration(tmp_path, monkeypatch, tokenizer):
+    """calib.max_length unset and set to the model's limit (tiny-llama: 512) give the same sequences under two
+    thresholds keys: the second run loads the first's calibration (filed under its sequences) without a forward,
+    and from then on finds it under its own key. Another count of documents calibrates anew."""
+    from toptheta.models import build_tiny_model
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    base = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", f"results_dir={tmp_path}", "sparsifier.k=4",
+            "sparsifier.layer_k=null", "task.num_fewshot=2")
+    unset, spelled, fewer = (pipeline.plan(cfg(*base, *extra))[-1] for extra in (
+        ("calib.num_samples=6",), ("calib.num_samples=6", "calib.max_length=512"), ("calib.num_samples=5",)))
+    model = build_tiny_model()
+    assert thresholds_cache.thresholds_path(unset, model) != thresholds_cache.thresholds_path(spelled, model)
+    with forwards(model) as first:
+        calibrated, _ = thresholds_cache.obtain_thresholds(unset, model, tokenizer)
+    assert first[0] >= 4
+    with forwards(model) as second:
+        reused, path = thresholds_cache.obtain_thresholds(spelled, model, tokenizer)
+    assert second[0] == 0 and path == str(thresholds_cache.thresholds_path(spelled, model))
+    same_thresholds(reused, calibrated)
+    assert os.path.samefile(path, thresholds_cache.thresholds_path(unset, model))  # one file, two names
+    with forwards(model) as third:
+        thresholds_cache.obtain_thresholds(fewer, model, tokenizer)
+    assert third[0] >= 4

@@ -3,19 +3,27 @@ calibration on one of our tasks.
 
 A run's thresholds come from a model folder that carries them (``Thresholds.save_pretrained``), else from the cache
 (``$TOPTHETA_CACHE/thresholds/<model>/<key>.safetensors``), else from a calibration that is cached for the next run
-with the same key (a damaged cache file is moved aside and calibrated again). A calibration saves its progress beside
+with the same key (a damaged cache file is moved aside and calibrated again). The key hashes the settings, and two
+spellings of the same documents (``calib.num_samples: null`` or the task's count, ``calib.max_length`` unset or the
+model's limit) hash differently; so every calibration is also filed under the sequences it ran
+(``thresholds/<model>/sequences/<key>.safetensors``, a hard link), and a key that misses finds a calibration of the
+same token sequences there before it calibrates (``sequences_key``). A calibration saves its progress beside
 it (``<key>.progress.pt``, every 5 minutes), so a job killed while calibrating goes on from there when rerun.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 import time
+from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import calibration
+from .atomic import atomic_write
 from .cachedir import cache_dir, identity_key
 from .calibration import Thresholds, calibration_compensation, compensation_labels, model_fingerprint
 from .thresholds.checkpoint import matching, run_settings
@@ -28,20 +36,44 @@ if TYPE_CHECKING:
 log = logging.getLogger("toptheta")
 
 
-def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
-    """Hash of every setting that changes the calibrated thresholds (run-time lookup options excluded).
+def thresholds_identity(spec: RunSpec, fingerprint: dict) -> dict:
+    """Every setting that changes the calibrated thresholds (run-time lookup options excluded), as ``thresholds_key``
+    hashes them.
 
     The compensation enters as what calibration applies (e.g. ["VMC"]), not as calib.compensation or the
     run's comp, so settings that calibrate alike share one file.
     """
     sparsifier, calib = spec.sparsifier, spec.calib
     applied = calibration_compensation(spec.comp.objects(), sparsifier.placement, calib.compensation, calib.tac)
-    identity = {"model": spec.model.source, "revision": spec.model.revision, "dtype": spec.model.dtype,
-                "fingerprint": fingerprint, "k": sparsifier.k,
-                "layer_k": sparsifier.settings.get("layer_k"),  # as given (absent: None), so keys stay as they were
-                "placement": sparsifier.placement, "calib": calib.key_settings(),
-                "calibration_compensation": compensation_labels(applied),
-                "data": spec.data_dir, "max_length": spec.model.max_length}
+    return {"model": spec.model.source, "revision": spec.model.revision, "dtype": spec.model.dtype,
+            "fingerprint": fingerprint, "k": sparsifier.k,
+            "layer_k": sparsifier.settings.get("layer_k"),  # as given (absent: None), so keys stay as they were
+            "placement": sparsifier.placement, "calib": calib.key_settings(),
+            "calibration_compensation": compensation_labels(applied),
+            "data": spec.data_dir, "max_length": spec.model.max_length}
+
+
+def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
+    """Hash of every setting that changes the calibrated thresholds (``thresholds_identity``)."""
+    return identity_key(thresholds_identity(spec, fingerprint))
+
+
+# calib settings that only choose and cut the calibration documents: the sequences they give stand for them in
+# sequences_key (seed stays: it also draws calib.sample_frac's rows)
+DOCUMENT_SETTINGS = ("task", "num_samples", "num_fewshot", "fewshot_sampler", "cover_shots", "max_length")
+
+
+def sequences_key(spec: RunSpec, fingerprint: dict, sequences: list[list[int]]) -> str:
+    """The thresholds key with the settings that choose the calibration documents (``DOCUMENT_SETTINGS``, the data
+    folder, model.max_length) replaced by the token sequences they give: equal for every spelling of the same
+    documents."""
+    identity = thresholds_identity(spec, fingerprint)
+    identity["calib"] = {k: v for k, v in identity["calib"].items() if k not in DOCUMENT_SETTINGS}
+    del identity["data"], identity["max_length"]
+    digest = hashlib.sha256()
+    for ids in sequences:
+        digest.update(len(ids).to_bytes(8, "little") + array("q", ids).tobytes())
+    identity["sequences"] = digest.hexdigest()
     return identity_key(identity)
 
 
@@ -56,11 +88,25 @@ def thresholds_path(spec: RunSpec, model) -> Path:
 
 def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
                       max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None,
-                      cover_shots: int = 0, **options):
-    """Thresholds calibrated on the first `num_samples` train documents of one of our tasks (None: all; the
+                      cover_shots: int = 0, sequences: list[list[int]] | None = None, **options):
+    """Thresholds calibrated on the first `num_samples` train documents of one of our tasks
+    (``calibration_sequences``; given as `sequences` where the caller built them already); `options` go to
+    toptheta.calibrate (k, placement, layer_k, statistic, ...)."""
+    if sequences is None:
+        sequences = calibration_sequences(model, tokenizer, task, data_dir=data_dir, num_fewshot=num_fewshot,
+                                          num_samples=num_samples, max_length=max_length, seed=seed,
+                                          fewshot_sampler=fewshot_sampler, cover_shots=cover_shots)
+    log.info("calibrating on %d sequences of %s (train split)", len(sequences), task)
+    return calibration.calibrate(model, [[r] for r in sequences], seed=seed, **options)  # tests replace calibrate
+
+
+def calibration_sequences(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None,
+                          num_samples: int | None, max_length: int | None = None, seed: int = 0,
+                          fewshot_sampler: str | None = None, cover_shots: int = 0) -> list[list[int]]:
+    """The token sequences of the first `num_samples` train documents of one of our tasks (None: all; the
     `seed`-th block of `num_samples` documents after them for seed > 0, so seeds are disjoint draws), each
-    scored as its lm-eval request is (`num_fewshot` shots drawn by `fewshot_sampler`, cut to `max_length`, the
-    model's limit by default); `options` go to toptheta.calibrate (k, placement, layer_k, statistic, ...).
+    as its lm-eval request is (`num_fewshot` shots drawn by `fewshot_sampler`, cut to `max_length`, the
+    model's limit by default).
 
     `cover_shots` > 0 calibrates the same documents a second time at `num_fewshot + cover_shots` shots, so the
     calibrated row lengths reach past the longest evaluated request (with fixed exemplars the longest test question
@@ -78,8 +124,7 @@ def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int
         log.info("calibrating also at %d shots (calib.cover_shots=%d): rows up to %d keys, against %d at %d shots",
                  shots + cover_shots, cover_shots, max(map(len, longer)), max(map(len, requests)), shots)
         requests += longer
-    log.info("calibrating on %d sequences of %s (train split)", len(requests), task)
-    return calibration.calibrate(model, [[r] for r in requests], seed=seed, **options)  # tests replace calibrate
+    return requests
 
 
 def obtain_thresholds(spec: RunSpec, model, tokenizer):
@@ -101,11 +146,25 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
             aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
             os.replace(path, aside)
             log.warning("thresholds: %s is damaged (%s); moved aside to %s, calibrating again", path, err, aside.name)
+    documents = dict(data_dir=spec.data_dir_path, num_fewshot=calib.num_fewshot, num_samples=calib.num_samples,
+                     max_length=calib.max_length or spec.model.max_length, seed=calib.seed,
+                     fewshot_sampler=calib.fewshot_sampler, cover_shots=int(calib.cover_shots or 0))
+    sequences = calibration_sequences(model, tokenizer, calib.task, **documents)  # seconds: tokenizing
+    filed = thresholds_dir() / spec.model.name / "sequences" / \
+        f"{sequences_key(spec, model_fingerprint(model), sequences)}.safetensors"
+    if filed.is_file():  # the same sequences calibrated under other settings (another spelling of the documents)
+        try:
+            thresholds = Thresholds.load(filed, model, **loading)
+        except DamagedThresholds as err:
+            log.warning("thresholds: %s is damaged (%s); calibrating", filed, err)
+        else:
+            link(filed, path)  # this key finds it directly from now on
+            log.info("thresholds: reusing %s, calibrated on the same %d sequences under other settings (%s)", path,
+                     len(sequences), filed.name)
+            return thresholds, str(path)
     t0 = time.time()
     thresholds = calibrate_on_task(
-        model, tokenizer, calib.task, data_dir=spec.data_dir_path, num_fewshot=calib.num_fewshot,
-        num_samples=calib.num_samples, max_length=calib.max_length or spec.model.max_length, seed=calib.seed,
-        fewshot_sampler=calib.fewshot_sampler, cover_shots=int(calib.cover_shots or 0), k=sparsifier.k,
+        model, tokenizer, calib.task, sequences=sequences, **documents, k=sparsifier.k,
         placement=sparsifier.placement, layer_k=sparsifier.settings.get("layer_k"), statistic=calib.statistic,
         sigma_add=calib.sigma_add, granularity=calib.granularity, tac=calib.tac, sample_frac=calib.sample_frac,
         compensations=spec.comp.objects(), compensation=calib.compensation,
@@ -120,9 +179,22 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     )
     thresholds.save(path)
     log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
+    link(path, filed)
     if beyond != "clamp":  # the file holds what was calibrated; the rule is how it is read
         thresholds = Thresholds.load(path, model, **loading)
     return thresholds, str(path)
+
+
+def link(source: Path, target: Path) -> None:
+    """``target`` becomes the file ``source`` is (a hard link; a copy where the file system has none), atomically."""
+    def write(tmp: str) -> None:
+        os.unlink(tmp)
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+
+    atomic_write(target, write)
 
 
 def checkpoint_thresholds(spec: RunSpec, model, options: dict):
