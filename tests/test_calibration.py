@@ -471,6 +471,39 @@ def test_reduce_pads_layers_of_different_widths():
     assert torch.isnan(values[2]).all() and counts[2].eq(0).all()
 
 
+
+@pytest.mark.parametrize("collector_cls", [OrderStatCollector, TargetKCollector])
+def test_tables_widened_chunk_by_chunk_grow_with_room_and_sum_as_exact_widening(monkeypatch, collector_cls):
+    """A causal prefill in chunks of 16 rows widens the key axis at every chunk: with room to spare (GROWTH, MIN_ROOM)
+    the tables are reallocated a few times, not once per chunk, and the sums, shapes and bytes in use are those of
+    exact widening (GROWTH = 1, MIN_ROOM = 0)."""
+    from toptheta.calibration import collector as collector_module
+    from toptheta.sparsifiers.base import RowBlock
+
+    length, step = 512, 16
+    logits = torch.randn(1, H, length, length, generator=torch.Generator().manual_seed(5))
+    logits = logits.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+
+    def collect(growth: float, room: int):
+        monkeypatch.setattr(collector_module, "GROWTH", growth)
+        monkeypatch.setattr(collector_module, "MIN_ROOM", room)
+        collector, table, tables = collector_cls([4] * L, H, "post"), None, 0
+        for q0 in range(0, length, step):  # the chunk's keys end at its last row, as the plain kernel's
+            rows = RowBlock(0, "prefill", logits[:, :, q0:q0 + step, :q0 + step].contiguous(),
+                            torch.arange(q0 + 1, q0 + step + 1).view(1, 1, step))
+            collector(rows)
+            now = collector.sums.get("count", [None])[0]
+            tables, table = tables + (now is not table), now  # a table allocated for this chunk
+        return collector, tables
+
+    room = collector_module.GROWTH, collector_module.MIN_ROOM
+    (exact, exact_tables), (grown, grown_tables) = collect(1.0, 0), collect(*room)
+    assert grown_tables <= 8 < 20 <= exact_tables  # nearly one per chunk (length // step of them) without room
+    assert grown.shapes() == exact.shapes() and grown.nbytes() == exact.nbytes()
+    a, b = exact.stacked(), grown.stacked()
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
 def few_shot_like(seed: int = 3) -> list[list[int]]:
     """Sequences as a fixed-exemplar task builds them: one long shared prefix, each question's context shared by
     its choices, choices of varied length, and one sequence that shares nothing."""

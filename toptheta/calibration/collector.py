@@ -45,6 +45,8 @@ from ..sparsifiers.base import RowBlock, check_placement
 from ..thresholds.table import GRANULARITIES
 
 PHASES = ("prefill", "decode")
+GROWTH = 1.25  # a table that must widen is reallocated this many times wider than asked (Collector._ensure) ...
+MIN_ROOM = 64  # ... and at least this many keys wider
 
 
 class SampledRows:
@@ -194,8 +196,10 @@ class Collector:
         self._max_n_seen = 0
         self._max_key: int | None = None  # key of max_n (_ensure)
         self._on_device: dict[int, torch.Tensor] = {}  # layer -> (eligible, sampled, max n) device sums (_collect)
-        # name -> one (H, keys, *extra) float64 tensor per layer, on that layer's device (None until it has rows)
+        # name -> one (H, capacity, *extra) float64 tensor per layer, on that layer's device (None until it has rows);
+        # keys [0, self._width[layer]) are in use (_ensure)
         self.sums: dict[str, list[torch.Tensor | None]] = {}
+        self._width = [0] * L
         self._extra: dict[str, tuple[int, ...]] = {"count": (), **({"sdc": ()} if self.placement == "pre" else {})}
 
     # --- what a subclass defines ----------------------------------------------------------------
@@ -333,22 +337,34 @@ class Collector:
         target.index_add_(0, flat, values if self.weight == 1 else values * self.weight)
 
     def _ensure(self, layer: int, num_keys: int, device) -> None:
-        """Allocate or widen a layer's key axis on ``device``; with ``max_n`` it is allocated once at full size."""
+        """Widen a layer's key axis to ``num_keys`` on ``device``; with ``max_n`` it is allocated once at full size.
+
+        A causal prefill widens it chunk by chunk (each chunk's rows are longer), so the tables are reallocated
+        GROWTH times (at least MIN_ROOM keys) wider than asked, not to the exact width: a 12.9k-key prefill in chunks of 16 rows would
+        otherwise copy every table ~800 times per layer (each a (heads, keys, grid) histogram for target-k). The
+        width in use (``_width``) is what ``shapes``, ``nbytes``, ``state_dict`` and the results see."""
         if self.max_n is not None:
             if self._max_key is None:  # once per collector
                 self._max_key = int(self.key_of(torch.tensor([self.max_n]))[0])
             num_keys = max(num_keys, self._max_key + 1)
         if not self.sums:
             self.sums = {name: [None] * len(self.k) for name in self._extra}
-        current = self.sums["count"][layer]
-        width = 0 if current is None else current.shape[1]
-        if num_keys <= width:
+        if num_keys <= self._width[layer]:
             return
-        for name, extra in self._extra.items():
-            grown = torch.zeros(self.num_heads, num_keys, *extra, dtype=torch.float64, device=device)
-            if width:
-                grown[:, :width] = self.sums[name][layer]
-            self.sums[name][layer] = grown
+        current = self.sums["count"][layer]
+        capacity = 0 if current is None else current.shape[1]
+        if num_keys > capacity:
+            room = num_keys if self.max_n is not None else max(int(num_keys * GROWTH), num_keys + MIN_ROOM)
+            for name, extra in self._extra.items():
+                grown = torch.zeros(self.num_heads, room, *extra, dtype=torch.float64, device=device)
+                if capacity:
+                    grown[:, :capacity] = self.sums[name][layer]
+                self.sums[name][layer] = grown
+        self._width[layer] = num_keys
+
+    def _in_use(self, t: torch.Tensor | None, layer: int) -> torch.Tensor | None:
+        """A layer's table cut to the keys in use (a view)."""
+        return None if t is None else t[:, :self._width[layer]]
 
     # --- saved progress (calibrate(progress_file=...)) ------------------------------------------------
     def state_dict(self) -> dict:
@@ -356,7 +372,8 @@ class Collector:
         of the same settings that loads it goes on as this one would."""
         self._collect()
         return {"collector": type(self).__name__,
-                "sums": {name: [None if t is None else t.cpu() for t in per_layer] for name, per_layer in self.sums.items()},
+                "sums": {name: [None if t is None else self._in_use(t, layer).cpu().clone()
+                                for layer, t in enumerate(per_layer)] for name, per_layer in self.sums.items()},
                 "devices": [None if t is None else str(t.device) for t in self.sums.get("count", [])],
                 "rows_eligible": self._rows_eligible.clone(), "rows_sampled": self._rows_sampled.clone(),
                 "max_n_seen": self._max_n_seen, "generator": self.generator.get_state()}
@@ -368,18 +385,21 @@ class Collector:
             raise ValueError(f"a {state['collector']} state cannot be loaded into a {type(self).__name__}")
         self.sums = {name: [None if t is None else t.to(device) for t, device in zip(per_layer, state["devices"])]
                      for name, per_layer in state["sums"].items()}
+        self._width = [0 if t is None else t.shape[1] for t in self.sums.get("count", [None] * len(self.k))]
         self._rows_eligible, self._rows_sampled = state["rows_eligible"].clone(), state["rows_sampled"].clone()
         self._max_n_seen, self._on_device = int(state["max_n_seen"]), {}
         self.generator.set_state(state["generator"])
 
     # --- results --------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes held by the running sums (what grows with row length, never with sample count)."""
-        return sum(t.numel() * t.element_size() for per_layer in self.sums.values() for t in per_layer if t is not None)
+        """Bytes of the running sums in use (what grows with row length, never with sample count; while a prefill
+        widens them the tables hold up to GROWTH times that)."""
+        return sum(t.numel() * t.element_size() for per_layer in self.sums.values()
+                   for t in map(self._in_use, per_layer, range(len(per_layer))) if t is not None)
 
     def shapes(self) -> dict[str, list[tuple[int, ...] | None]]:
         """Shape of each layer's sums (None for a layer without rows so far)."""
-        return {name: [None if t is None else tuple(t.shape) for t in per_layer]
+        return {name: [None if t is None else tuple(self._in_use(t, layer).shape) for layer, t in enumerate(per_layer)]
                 for name, per_layer in self.sums.items()}
 
     def stacked(self) -> dict[str, torch.Tensor]:
