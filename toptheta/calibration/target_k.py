@@ -126,12 +126,14 @@ class TargetKCollector(Collector):
         row_index = self.flat_index(layer, keys).view(R, Q, H).transpose(1, 2)  # (R, H, Q') position in (H, keys)
         flat = bins.add_(row_index[..., None] * slots)  # slot in the flattened (H, keys, slots)
         table = self.sums["hist"][layer].view(-1)
+        # one add per score, in the chunk's size: a bincount the table's size added to the table is a pass over every
+        # (head, key, slot) per chunk (gigabytes a layer on rows of 10k keys); counts are whole numbers in float64, so
+        # the order of the adds cannot change them
+        ones = torch.full((), float(self.weight), dtype=table.dtype, device=table.device).expand(flat.numel())
         chosen = rows.row_mask()
-        if chosen is None:
-            table += torch.bincount(flat.flatten(), minlength=table.numel()).to(table.dtype) * self.weight
-        else:  # rows that do not count go to one extra slot past the table, dropped
-            flat = torch.where(chosen[..., None], flat, table.numel()).flatten()
-            table += torch.bincount(flat, minlength=table.numel() + 1)[:table.numel()].to(table.dtype) * self.weight
+        if chosen is not None:  # rows that do not count add 0
+            ones = torch.where(chosen[..., None], ones.view(flat.shape), 0.0).flatten()
+        table.index_put_((flat.flatten(),), ones, accumulate=True)
 
     def finalise(self, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         # One layer at a time: the cumulative counts are as large as the histograms themselves.
