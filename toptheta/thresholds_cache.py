@@ -137,6 +137,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     found = checkpoint_thresholds(spec, model, loading)  # a model folder that carries its own (save_pretrained)
     if found is not None:
         return found
+    damaged = None  # this key's file moved aside: its twin under sequences/ is the same damaged file
     if path.is_file():
         try:
             thresholds = Thresholds.load(path, model, **loading)
@@ -145,6 +146,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
         except DamagedThresholds as err:  # e.g. a job killed mid-write by an older toptheta: recalibrate
             aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
             os.replace(path, aside)
+            damaged = aside
             log.warning("thresholds: %s is damaged (%s); moved aside to %s, calibrating again", path, err, aside.name)
     documents = dict(data_dir=spec.data_dir_path, num_fewshot=calib.num_fewshot, num_samples=calib.num_samples,
                      max_length=calib.max_length or spec.model.max_length, seed=calib.seed,
@@ -152,7 +154,8 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     sequences = calibration_sequences(model, tokenizer, calib.task, **documents)  # seconds: tokenizing
     filed = thresholds_dir() / spec.model.name / "sequences" / \
         f"{sequences_key(spec, model_fingerprint(model), sequences)}.safetensors"
-    if filed.is_file():  # the same sequences calibrated under other settings (another spelling of the documents)
+    if filed.is_file() and not (damaged is not None and os.path.samefile(filed, damaged)):  # the same sequences
+        # calibrated under other settings (another spelling of the documents)
         try:
             thresholds = Thresholds.load(filed, model, **loading)
         except DamagedThresholds as err:
