@@ -142,6 +142,11 @@ def test_a_v_row_target_is_met_in_decode_steps_and_names_its_measure(tmp_path):
                           f"results_dir={tmp_path}"))
 
 
+V_ROW_SEARCH = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post",
+                "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "sparsifier.target_measure=vrows",
+                "calib.num_samples=12", "baseline=false", "log_samples=false")
+
+
 def _top_theta_v_row_search(tmp_path, monkeypatch):
     """(Top-θ's spec, the Top-k spec of the same setting, tiny-llama, its tokenizer) for a V-row target of 0.4 on 4
     decoded rows, with the thresholds and measures cached under tmp_path."""
@@ -150,9 +155,7 @@ def _top_theta_v_row_search(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(matched, "VROW_SEQUENCES", 4)
-    overrides = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post",
-                 "sparsifier.layer_k=null", "sparsifier.target_kept=0.4", "sparsifier.target_measure=vrows",
-                 "calib.num_samples=12", "baseline=false", "log_samples=false", f"results_dir={tmp_path}")
+    overrides = (*V_ROW_SEARCH, f"results_dir={tmp_path}")
     (spec,) = pipeline.plan(cfg(*overrides))
     (topk,) = pipeline.plan(cfg(*overrides, "sparsifier=topk"))
     model, tokenizer, _ = load_model("tiny-llama")
@@ -331,6 +334,28 @@ def test_top_theta_v_row_search_starts_at_a_calibrated_k_near_top_ks(tmp_path, m
     assert abs(record["calibration_kept"] / 0.4 - 1) <= 2 * target_kept.TOLERANCE
 
 
+def test_top_theta_v_row_search_starts_at_a_k_calibrated_under_another_spelling(tmp_path, monkeypatch):
+    """Thresholds filed only under their sequences (a run with calib.max_length spelled out as tiny-llama's 512
+    calibrated them) count as calibrated for the start: the search begins there and loads them, no forward."""
+    from toptheta import matched, thresholds_cache
+
+    spec, topk, model, tokenizer = _top_theta_v_row_search(tmp_path, monkeypatch)
+    k0 = matched.resolve_target(topk, model, tokenizer)[1]["k"]
+    near = k0 + 1
+    (spelled,) = pipeline.plan(cfg(*V_ROW_SEARCH, "calib.max_length=512", f"results_dir={tmp_path}"))
+    spelled = spelled.with_sparsifier(k=near)
+    assert thresholds_cache.thresholds_path(spelled, model) != thresholds_cache.thresholds_path(
+        spec.with_sparsifier(k=near), model)
+    thresholds_cache.obtain_thresholds(spelled, model, tokenizer)
+    assert not thresholds_cache.thresholds_path(spec.with_sparsifier(k=near), model).is_file()
+    calibrated = []
+    calibrate = thresholds_cache.calibrate_on_task
+    monkeypatch.setattr(thresholds_cache, "calibrate_on_task",
+                        lambda *a, **kw: calibrated.append(kw["k"]) or calibrate(*a, **kw))
+    record = matched.resolve_target(spec, model, tokenizer)[1]
+    assert record["start"]["calibrated"] == near == record["tried"][0][0] and near not in calibrated
+
+
 def test_calibrated_start_takes_the_nearest_ready_k_within_the_factor(monkeypatch):
     from types import SimpleNamespace
 
@@ -340,8 +365,7 @@ def test_calibrated_start_takes_the_nearest_ready_k_within_the_factor(monkeypatc
     for ready, expected in [((), 40), ((40, 44), 40), ((44, 37), 37), ((26, 61, 100), 40), ((55, 29), 55), ((52, 31), 31),
                             ((36, 44), 44)]:
         monkeypatch.setattr(matched, "measure_file", lambda spec, model, as_task: Path("/nonexistent/x.json"))
-        monkeypatch.setattr(matched, "thresholds_path",
-                            lambda spec, model, ready=ready: Path(__file__ if spec.k in ready else "/nonexistent/x"))
         start = matched.calibrated_start(40, Parameter("k", 1, 500, log=True, keeps_more_when_higher=True),
-                                         lambda k: SimpleNamespace(k=k), None, False)
+                                         lambda k: SimpleNamespace(k=k), None, False,
+                                         lambda spec, ready=ready: spec.k in ready)
         assert start == expected, (ready, start)

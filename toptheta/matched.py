@@ -28,7 +28,7 @@ from .evaluation.prefix_sharing import generate_shared
 from .registry import Parameter, sparsifier_kind, task_kind
 from .spec import SparsifierSpec
 from .thresholds.table import model_fingerprint
-from .thresholds_cache import obtain_thresholds, thresholds_claim, thresholds_path
+from .thresholds_cache import obtain_thresholds, thresholds_claim, thresholds_filed
 
 if TYPE_CHECKING:
     from .spec import RunSpec
@@ -142,7 +142,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
             # calibration: Top-k's fit, which only decodes, gives the start
             guide = topk_guide(target, k_range, lambda v: measure(max(1, round(v)), base=stand_in), tolerance)
         if guide is not None:  # a k near Top-k's whose thresholds exist already costs a decode, not a calibration
-            start = calibrated_start(guide["k"], k_range, with_value, model, decode_as_task)
+            start = calibrated_start(guide["k"], k_range, with_value, model, decode_as_task,
+                                     thresholds_filed(model, tokenizer))
             if start != guide["k"]:
                 log.info("target_kept=%g: Top-θ's search starts at k=%d, calibrated already, instead of Top-k's "
                          "k=%d", target, start, guide["k"])
@@ -206,16 +207,17 @@ def topk_guide(target: float, k_range: Parameter, measure, tolerance: float = TO
 NEAR_START = 1.5  # a calibrated k within this factor of Top-k's starts Top-θ's V-row search instead of Top-k's
 
 
-def calibrated_start(k: int, k_range: Parameter, candidate, model, decode_as_task: bool) -> int:
+def calibrated_start(k: int, k_range: Parameter, candidate, model, decode_as_task: bool, filed) -> int:
     """The k a Top-θ V-row search starts at: Top-k's ``k`` unless Top-θ's thresholds at ``k`` are neither measured
     nor cached and some k within a factor ``NEAR_START`` of it has them (the one nearest ``k`` on the log axis).
-    ``candidate(k)``: the run's spec at that k. Each k the search tries is a calibration
+    ``candidate(k)``: the run's spec at that k; ``filed(spec)``: whether the cache holds its thresholds, under its key
+    or the sequences' (``thresholds_cache.thresholds_filed``). Each k the search tries is a calibration
     unless its thresholds exist (6,511 s on ruler's long documents), and its first step from any start follows Top-k's
     slope, so a start a little off Top-k's k that is already calibrated saves a calibration. Thresholds a model
     folder carries are not looked for (``checkpoint_thresholds``): they are found when the search reaches their k."""
     def ready(value: int) -> bool:
         spec = candidate(value)
-        return measure_file(spec, model, decode_as_task).is_file() or thresholds_path(spec, model).is_file()
+        return measure_file(spec, model, decode_as_task).is_file() or filed(spec)
 
     if ready(k):
         return k

@@ -86,6 +86,38 @@ def thresholds_path(spec: RunSpec, model) -> Path:
     return thresholds_dir() / spec.model.name / f"{thresholds_key(spec, model_fingerprint(model))}.safetensors"
 
 
+def sequences_path(spec: RunSpec, model, sequences: list[list[int]]) -> Path:
+    """Where a calibration of ``sequences`` with this run's other settings is filed (``sequences_key``)."""
+    return thresholds_dir() / spec.model.name / "sequences" / \
+        f"{sequences_key(spec, model_fingerprint(model), sequences)}.safetensors"
+
+
+def calibration_documents(spec: RunSpec) -> dict:
+    """The keyword arguments of ``calibration_sequences`` a run's calib settings give."""
+    calib = spec.calib
+    return dict(data_dir=spec.data_dir_path, num_fewshot=calib.num_fewshot, num_samples=calib.num_samples,
+                max_length=calib.max_length or spec.model.max_length, seed=calib.seed,
+                fewshot_sampler=calib.fewshot_sampler, cover_shots=int(calib.cover_shots or 0))
+
+
+def thresholds_filed(model, tokenizer):
+    """``filed(spec)``: whether the cache holds thresholds for ``spec`` (a run with calib settings), under its own key
+    or calibrated on the same token sequences under another spelling of its settings (``sequences_key``), which
+    ``obtain_thresholds`` then loads without calibrating. The sequences are built once for each set of documents."""
+    built: dict[str, list[list[int]]] = {}
+
+    def filed(spec: RunSpec) -> bool:
+        if thresholds_path(spec, model).is_file():
+            return True
+        documents = calibration_documents(spec)
+        name = repr((spec.calib.task, sorted(documents.items())))
+        if name not in built:
+            built[name] = calibration_sequences(model, tokenizer, spec.calib.task, **documents)
+        return sequences_path(spec, model, built[name]).is_file()
+
+    return filed
+
+
 def calibrate_on_task(model, tokenizer, task: str, *, data_dir, num_fewshot: int | None, num_samples: int | None,
                       max_length: int | None = None, seed: int = 0, fewshot_sampler: str | None = None,
                       cover_shots: int = 0, sequences: list[list[int]] | None = None, **options):
@@ -148,12 +180,9 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
             os.replace(path, aside)
             damaged = aside
             log.warning("thresholds: %s is damaged (%s); moved aside to %s, calibrating again", path, err, aside.name)
-    documents = dict(data_dir=spec.data_dir_path, num_fewshot=calib.num_fewshot, num_samples=calib.num_samples,
-                     max_length=calib.max_length or spec.model.max_length, seed=calib.seed,
-                     fewshot_sampler=calib.fewshot_sampler, cover_shots=int(calib.cover_shots or 0))
+    documents = calibration_documents(spec)
     sequences = calibration_sequences(model, tokenizer, calib.task, **documents)  # seconds: tokenizing
-    filed = thresholds_dir() / spec.model.name / "sequences" / \
-        f"{sequences_key(spec, model_fingerprint(model), sequences)}.safetensors"
+    filed = sequences_path(spec, model, sequences)
     if filed.is_file() and not (damaged is not None and os.path.samefile(filed, damaged)):  # the same sequences
         # calibrated under other settings (another spelling of the documents)
         try:

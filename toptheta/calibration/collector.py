@@ -340,9 +340,10 @@ class Collector:
         """Widen a layer's key axis to ``num_keys`` on ``device``; with ``max_n`` it is allocated once at full size.
 
         A causal prefill widens it chunk by chunk (each chunk's rows are longer), so the tables are reallocated
-        GROWTH times (at least MIN_ROOM keys) wider than asked, not to the exact width: a 12.9k-key prefill in chunks of 16 rows would
-        otherwise copy every table ~800 times per layer (each a (heads, keys, grid) histogram for target-k). The
-        width in use (``_width``) is what ``shapes``, ``nbytes``, ``state_dict`` and the results see."""
+        GROWTH times (at least MIN_ROOM keys) wider than asked, not to the exact width: a 12.9k-key prefill in chunks
+        of 16 rows would otherwise copy every table ~800 times per layer (each a (heads, keys, grid) histogram for
+        target-k; scripts/bench_collector_growth.py). The width in use (``_width``) is what ``shapes``, ``nbytes``,
+        ``state_dict`` and the results see."""
         if self.max_n is not None:
             if self._max_key is None:  # once per collector
                 self._max_key = int(self.key_of(torch.tensor([self.max_n]))[0])
