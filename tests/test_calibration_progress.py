@@ -171,3 +171,54 @@ def test_another_spelling_of_the_same_documents_reuses_their_calibration(tmp_pat
     with forwards(model) as third:
         thresholds_cache.obtain_thresholds(fewer, model, tokenizer)
     assert third[0] >= 4
+
+
+def test_two_spellings_calibrating_at_once_calibrate_once(tmp_path, monkeypatch, tokenizer):
+    """Two jobs with two spellings of the same documents (two thresholds keys, so two claims) start at once: the one
+    that comes second waits on the claim of the sequences while the first calibrates, then loads what it filed."""
+    import logging
+    import threading
+
+    from toptheta.models import build_tiny_model
+    from toptheta.store import claims
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(claims.LOCK_ENV, "flock")
+    base = ("model=tiny-llama", "task=smoke", "sparsifier=toptheta", f"results_dir={tmp_path}", "sparsifier.k=4",
+            "sparsifier.layer_k=null", "task.num_fewshot=2", "calib.num_samples=6")
+    unset, spelled = (pipeline.plan(cfg(*base, *extra))[-1] for extra in ((), ("calib.max_length=512",)))
+    waiting = threading.Event()  # the second job is blocked on the sequences' claim
+
+    class Waiting(logging.Handler):
+        def emit(self, record):
+            if "waiting" in record.getMessage() and "sequences" in record.getMessage():
+                waiting.set()
+    handler, logger = Waiting(), logging.getLogger(claims.__name__)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    calibrated = []
+    calibrate = thresholds_cache.calibrate_on_task
+
+    def first_waits(*args, **kwargs):
+        calibrated.append(kwargs["k"])
+        assert waiting.wait(60), "the second job never waited on the claim of the sequences"
+        return calibrate(*args, **kwargs)
+    monkeypatch.setattr(thresholds_cache, "calibrate_on_task", first_waits)
+    found = {}
+
+    def job(name, spec):
+        found[name] = thresholds_cache.obtain_thresholds(spec, build_tiny_model(), tokenizer)
+    first = threading.Thread(target=job, args=("unset", unset))
+    try:
+        first.start()
+        while not calibrated and first.is_alive():  # the first job holds the claim and calibrates
+            first.join(0.05)
+        job("spelled", spelled)
+        first.join(60)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert calibrated == [4] and set(found) == {"unset", "spelled"}
+    same_thresholds(found["spelled"][0], found["unset"][0])
+    assert os.path.samefile(found["spelled"][1], found["unset"][1])

@@ -7,7 +7,8 @@ with the same key (a damaged cache file is moved aside and calibrated again). Th
 spellings of the same documents (``calib.num_samples: null`` or the task's count, ``calib.max_length`` unset or the
 model's limit) hash differently; so every calibration is also filed under the sequences it ran
 (``thresholds/<model>/sequences/<key>.safetensors``, a hard link), and a key that misses finds a calibration of the
-same token sequences there before it calibrates (``sequences_key``). A calibration saves its progress beside
+same token sequences there before it calibrates (``sequences_key``); parallel jobs with two spellings hold one claim
+on the sequences, so they calibrate once. A calibration saves its progress beside
 it (``<key>.progress.pt``, every 5 minutes), so a job killed while calibrating goes on from there when rerun.
 """
 
@@ -183,35 +184,37 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
     documents = calibration_documents(spec)
     sequences = calibration_sequences(model, tokenizer, calib.task, **documents)  # seconds: tokenizing
     filed = sequences_path(spec, model, sequences)
-    if filed.is_file() and not (damaged is not None and os.path.samefile(filed, damaged)):  # the same sequences
-        # calibrated under other settings (another spelling of the documents)
-        try:
-            thresholds = Thresholds.load(filed, model, **loading)
-        except DamagedThresholds as err:
-            log.warning("thresholds: %s is damaged (%s); calibrating", filed, err)
-        else:
-            link(filed, path)  # this key finds it directly from now on
-            log.info("thresholds: reusing %s, calibrated on the same %d sequences under other settings (%s)", path,
-                     len(sequences), filed.name)
-            return thresholds, str(path)
-    t0 = time.time()
-    thresholds = calibrate_on_task(
-        model, tokenizer, calib.task, sequences=sequences, **documents, k=sparsifier.k,
-        placement=sparsifier.placement, layer_k=sparsifier.settings.get("layer_k"), statistic=calib.statistic,
-        sigma_add=calib.sigma_add, granularity=calib.granularity, tac=calib.tac, sample_frac=calib.sample_frac,
-        compensations=spec.comp.objects(), compensation=calib.compensation,
-        generate_tokens=int(calib.decode_tokens or 0),
-        progress_file=path.with_name(f"{path.stem}.progress.pt"),  # a killed calibration goes on from there
-        metadata={"model": spec.model.source, "revision": spec.model.revision,
-                  "calibration_task": calib.task, "calibration_split": "train",
-                  "calibration_documents": calib.num_samples, "num_fewshot": calib.num_fewshot,
-                  **({"cover_shots": calib.cover_shots} if calib.cover_shots else {}),
-                  **({"fewshot_sampler": calib.fewshot_sampler} if calib.fewshot_sampler else {})},
-        **options,
-    )
-    thresholds.save(path)
-    log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
-    link(path, filed)
+    # a job calibrating the same sequences under another key holds this claim: wait, then load what it filed
+    with claim(filed.with_suffix(".lock"), f"thresholds of the sequences {filed.stem}"):
+        if filed.is_file() and not (damaged is not None and os.path.samefile(filed, damaged)):  # the same
+            # sequences calibrated under other settings (another spelling of the documents)
+            try:
+                thresholds = Thresholds.load(filed, model, **loading)
+            except DamagedThresholds as err:
+                log.warning("thresholds: %s is damaged (%s); calibrating", filed, err)
+            else:
+                link(filed, path)  # this key finds it directly from now on
+                log.info("thresholds: reusing %s, calibrated on the same %d sequences under other settings (%s)",
+                         path, len(sequences), filed.name)
+                return thresholds, str(path)
+        t0 = time.time()
+        thresholds = calibrate_on_task(
+            model, tokenizer, calib.task, sequences=sequences, **documents, k=sparsifier.k,
+            placement=sparsifier.placement, layer_k=sparsifier.settings.get("layer_k"), statistic=calib.statistic,
+            sigma_add=calib.sigma_add, granularity=calib.granularity, tac=calib.tac, sample_frac=calib.sample_frac,
+            compensations=spec.comp.objects(), compensation=calib.compensation,
+            generate_tokens=int(calib.decode_tokens or 0),
+            progress_file=path.with_name(f"{path.stem}.progress.pt"),  # a killed calibration goes on from there
+            metadata={"model": spec.model.source, "revision": spec.model.revision,
+                      "calibration_task": calib.task, "calibration_split": "train",
+                      "calibration_documents": calib.num_samples, "num_fewshot": calib.num_fewshot,
+                      **({"cover_shots": calib.cover_shots} if calib.cover_shots else {}),
+                      **({"fewshot_sampler": calib.fewshot_sampler} if calib.fewshot_sampler else {})},
+            **options,
+        )
+        thresholds.save(path)
+        log.info("calibrated in %.0f s -> %s (%d bytes)", time.time() - t0, path, thresholds.nbytes())
+        link(path, filed)
     if beyond != "clamp":  # the file holds what was calibrated; the rule is how it is read
         thresholds = Thresholds.load(path, model, **loading)
     return thresholds, str(path)
