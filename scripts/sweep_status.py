@@ -7,10 +7,11 @@ and planned as run.py does (configuration checks included, no model loaded), and
 directory in the store holds DONE. Runs shared between experiments (a dense baseline, an ablation reusing the
 trade-off's runs) count in each. Default: every protocol but `paper` (GPU sweeps), in the store each experiment names
 (`results_dir`, `results/` for the committed ones); `--results` reads another store. `--jobs` lists the override
-lists of the jobs that still have a run to make (`python run.py <overrides>` runs one). A sweep with runs left and
-some finished gets an estimate of the time left: the runs left times the median wall time of its finished runs
-(`seconds` in their stats.json, as measured wherever they ran). Exit status 0 whether or not sweeps are complete; 2
-on a name that is not an experiment.
+lists of the jobs that still have a run to make (`python run.py <overrides>` runs one), each run left in one job: a
+job whose runs an earlier listed job makes too (Top-k under calib.beyond=fit, the same run as under clamp) is left
+out. A sweep with runs left and some finished gets an estimate of the time left: the runs left times the median wall
+time of its finished runs (`seconds` in their stats.json, as measured wherever they ran). Exit status 0 whether or
+not sweeps are complete; 2 on a name that is not an experiment.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ def status(name: str, results: str | None = None) -> dict:
     for job in planned:
         for run_id, label in job.runs:
             runs.setdefault(run_id, label)
-    jobs_left = [job.overrides for job in planned if any(not store.exists(run_id) for run_id, _ in job.runs)]
+    jobs_left, covered = [], set()  # each run left in one job: the first that makes it
+    for job in planned:
+        missing = {run_id for run_id, _ in job.runs if not store.exists(run_id)}
+        if missing - covered:
+            jobs_left.append(job.overrides)
+            covered |= missing
     left = [(label, run_id) for run_id, label in runs.items() if not store.exists(run_id)]
     return {"experiment": name, "results": store_dir, "runs": len(runs), "done": len(runs) - len(left),
             "left": left, "jobs_left": jobs_left,

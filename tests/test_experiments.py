@@ -283,3 +283,17 @@ def test_sweep_status_counts_the_runs_a_sweep_plans_and_finds_in_the_store(tmp_p
     out = capsys.readouterr().out
     assert "1/7" in out and "≈ 1.0 h left" in out and out.count("python run.py experiment=longbench/smol") == 6
     assert script.main(["no_such/smol"]) == 2
+
+
+def test_sweep_status_lists_each_run_left_in_one_job(tmp_path):
+    # ruler/smol sweeps calib.beyond over every method; only Top-θ's run depends on it, so the other methods' fit
+    # jobs repeat their clamp jobs' runs and are not listed again.
+    script, name = _sweep_status_script(), "ruler/smol"
+    _register_schema()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        s = script.status(name, str(tmp_path))
+    assert len(E.jobs(name)) == 8 and s["runs"] == 6 and len(s["left"]) == 6
+    assert len(s["jobs_left"]) == 5  # dense rides along with the first; Top-θ's clamp and fit are two runs
+    beyond = [next(o for o in job if o.startswith("calib.beyond=")) for job in s["jobs_left"]]
+    methods = [next(o for o in job if o.startswith("+experiment/method=")) for job in s["jobs_left"]]
+    assert beyond.count("calib.beyond=fit") == 1 and methods.count("+experiment/method=toptheta-post-vmc") == 2
