@@ -211,6 +211,10 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
                       "Top-θ against today's threshold baselines at equal sparsity",
                       " ".join(baselines.__doc__.split("\n\n")[1].split()) + " " + baselines.SCOPE_ALL + "\n\n")
         outputs.table("baseline_pairs", verdicts.pairs_table(found_baselines), "The run pairs behind each baseline verdict")
+    budget = baselines.layer_budget_pairs(summary, results)
+    if len(budget):
+        outputs.table("baseline_layer_budget", budget, "Runs at a baseline's per-layer budget against runs keeping as much",
+                      " ".join(baselines.layer_budget_pairs.__doc__.split()) + "\n\n")
     crossing = past_calibration.past_calibration_table(summary)
     if len(crossing):
         outputs.table("past_calibration", crossing, "Past the calibrated length: Top-θ against Top-k at the same k",

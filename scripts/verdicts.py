@@ -86,7 +86,16 @@ def baselines_section(summary, results: Path, level: str) -> list[str]:
     if not any(v.pairs for v in found):
         return lines + ["No baseline run at a matched target is stored yet (`python run.py -m "
                         "experiment=long_rows/baselines`).", ""]
-    return lines + [markdown(verdicts.verdict_table(found)).rstrip(), ""]
+    lines += [markdown(verdicts.verdict_table(found)).rstrip(), ""]
+    budget = baselines.layer_budget_pairs(summary, results)
+    if len(budget):
+        columns = ["series", "kept_attention_fraction", "value", "versus", "versus_kept", "versus_value", "diff",
+                   "ci_low", "ci_high", "run_id"]
+        lines += [f"{level}# At the baseline's per-layer budget", "",
+                  " ".join(baselines.layer_budget_pairs.__doc__.split()).replace("``", "`"), "",
+                  markdown(budget[(["group"] if budget["group"].nunique() > 1 else []) + columns]).rstrip(), "",
+                  "Every column: `figures/baseline_layer_budget.md`.", ""]
+    return lines
 
 
 def past_calibration_section(summary) -> list[str]:

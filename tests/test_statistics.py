@@ -414,6 +414,36 @@ def test_top_theta_against_each_baseline_is_decided_paired_at_equal_target(tmp_p
     assert not skip_pre.pairs and not skip_post.pairs and skip_pre.effect is None
 
 
+def test_a_run_at_a_baselines_per_layer_budget_is_compared_with_every_run_keeping_as_much(tmp_path):
+    """results/baselines.py layer_budget_pairs: a run whose layer_k lists layers past 0-1 is its own series
+    ('[per-layer k]', out of the paper's series and of the baseline verdicts) and is paired per question with each
+    sparse run of its setting whose kept fraction is within ±10 % of its own."""
+    from toptheta.results import baselines, labels
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(5)
+    dense = (rng.random(N) < 0.6).astype(float)
+    budget = {"0": 295, "1": 56, "2": 56, "3": 9}
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
+    _add(store, "arc_easy", "toptheta", "post", 14, "vmc", _flip(dense, 30, 0.0), 0.051, shots=25, layer_k=budget)
+    _add(store, "arc_easy", "toptheta", "post", 14, "vmc", _flip(dense, 50, 0.0), 0.052, shots=25, target=0.05,
+         layer_k={"0": 128, "1": 128})
+    _add(store, "arc_easy", "skipsoftmax", "post", None, "vmc", _flip(dense, 10, 0.0), 0.050, shots=25, target=0.05,
+         layer_k={"0": 128, "1": 128})
+    _add(store, "arc_easy", "topk", "post", 28, "vmc", _flip(dense, 90, 0.0), 0.1, shots=25)  # keeps twice as much
+    summary = load_summary(tmp_path)
+    table = baselines.layer_budget_pairs(summary, tmp_path)
+    assert list(table["series"].unique()) == [f"Top-θ post (+VMC) [{labels.PER_LAYER_K}]"]
+    assert not labels.main_series(table["series"].iloc[0])
+    got = dict(zip(table["versus"], table["diff"]))
+    assert got == {"Skip-softmax post (+VMC)": pytest.approx(-20 / N), "Top-θ post (+VMC)": pytest.approx(20 / N)}
+    assert (table["diff_method"].str.contains("paired")).all() and (table["ci_low"] < table["diff"]).all()
+    _, _, skip_post = baselines.baseline_verdicts(summary, tmp_path)
+    assert [p["a"] for p in skip_post.pairs] == ["Top-θ post (+VMC)"]  # the per-layer run pairs with no baseline there
+    assert not labels.per_layer_budget("0=512,1=512") and not labels.per_layer_budget("none")
+    assert labels.per_layer_budget("0=256,1=128") and labels.per_layer_budget("0=512,1=512,2=512")
+
+
 def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length():
     """results/past_calibration.py: a Top-θ view past its calibration beside Top-k's at the same k and length, with
     the ratios of kept fractions and the ×1.3 target; a run calibrated on long documents is in at every length; QA

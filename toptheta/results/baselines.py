@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import comparisons, informative
-from .comparisons import Verdict, as_text, find_pairs, self_calibrated
+from . import comparisons, informative, labels
+from .comparisons import MATCHED_SLACK, Verdict, as_text, find_pairs, self_calibrated
 from .verdicts import decided
 
 BASELINES = (("topp", "post", "vmc", "top-p post + VMC"),
@@ -56,3 +56,35 @@ def baseline_verdicts(summary: pd.DataFrame, results_dir: str | Path | None = No
                                 results_dir, sizes=sizes)
         found.append(decided(claim, "superiority", pairs, f"Top-θ − {label} at the same target_kept"))
     return found
+
+
+LAYER_BUDGET_COLUMNS = ["group", "series", "kept_attention_fraction", "value", "versus", "versus_kept", "versus_value",
+                        "diff", "ci_low", "ci_high", "diff_method", "run_id", "versus_run_id"]
+
+
+def layer_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
+    """Runs given a budget per layer (series tagged labels.PER_LAYER_K: ``experiments/long_rows/smol_layer_budget``,
+    k per layer from a baseline's per-layer kept fractions by ``scripts/layer_budget.py``) against every other sparse
+    run of their setting that kept as much of the attention (kept fractions within ±MATCHED_SLACK of each other):
+    diff = the per-layer run − the other, paired per question. Against the baseline whose budget it took, what is
+    left is which keys each layer keeps; against the same method with its usual budget, how the budget is spread
+    over the layers."""
+    results_dir = Path(results_dir) if results_dir is not None else None
+    rows = comparisons.store_rows(summary)
+    if rows.empty:
+        return pd.DataFrame(columns=LAYER_BUDGET_COLUMNS)
+    tagged = rows["series"].astype(str).str.contains(f"[{labels.PER_LAYER_K}]", regex=False)
+    out = []
+    for _, a in rows[tagged].iterrows():
+        others = rows[(rows["group"] == a["group"]) & ~tagged & (rows["series"] != "Baseline")]
+        for _, b in others.iterrows():
+            if abs(float(b["kept_attention_fraction"]) / float(a["kept_attention_fraction"]) - 1) > MATCHED_SLACK:
+                continue
+            d, _ = comparisons.compare_rows(a, b, results_dir)
+            out.append({"group": a["group"], "series": a["series"],
+                        "kept_attention_fraction": a["kept_attention_fraction"], "value": a["value"],
+                        "versus": b["series"], "versus_kept": b["kept_attention_fraction"], "versus_value": b["value"],
+                        "diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "diff_method": d.method,
+                        "run_id": a["run_id"], "versus_run_id": b["run_id"]})
+    table = pd.DataFrame(out, columns=LAYER_BUDGET_COLUMNS)
+    return table.sort_values(["group", "series", "diff"], kind="stable").reset_index(drop=True)

@@ -73,7 +73,8 @@ def series_label(row: Mapping[str, Any], *, granularity: bool = True) -> str:
 def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
     """Tags for settings that differ from the paper's protocol, so distinct configurations never merge:
     a cross-dataset calibration ('cal. arc_challenge', the paper's "Top-θ(cal.arcc)"), no larger k for
-    layers 0-1, another calibration statistic, σ_add, no TAC, the reference code's empty-row rule.
+    layers 0-1, a budget per layer (layer_k past layers 0-1), another calibration statistic, σ_add, no TAC, the
+    reference code's empty-row rule.
     The number of calibration documents is tagged by the tables that compare it (calib_documents column)."""
     if cell_text(row.get("sparsifier")) in ("", "dense"):
         return []
@@ -84,6 +85,8 @@ def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
         tags.append(f"cal. {calib_task}")
     if cell_text(row.get("layer_k")) == "none" and "layer_k" not in skip:
         tags.append("layers 0-1 at k")
+    elif per_layer_budget(row.get("layer_k")) and "layer_k" not in skip:
+        tags.append(PER_LAYER_K)
     statistic = cell_text(row.get("calib_statistic"))
     if statistic and statistic != "order" and "calib_statistic" not in skip:
         tags.append(statistic)
@@ -97,6 +100,20 @@ def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
     if regimes.broke_protocol(row):
         tags.append("rows past calibration")  # a long-row run that broke its protocol (regimes.py): never merged
     return tags
+
+
+PER_LAYER_K = "per-layer k"  # the tag of a run given a budget per layer (scripts/layer_budget.py)
+
+
+def per_layer_budget(layer_k: Any) -> bool:
+    """Whether layer_k (a summary cell '0=295,1=56,2=56,...' or the config's mapping) is more than the paper's
+    larger k for layers 0-1: a layer past the first two, or two different values."""
+    if isinstance(layer_k, Mapping):
+        entries = [(str(layer), str(k)) for layer, k in layer_k.items()]
+    else:
+        text = cell_text(layer_k)
+        entries = [] if text in ("", "none") else [tuple(entry.split("=", 1)) for entry in text.split(",")]
+    return any(layer.strip() not in ("0", "1") for layer, *_ in entries) or len({tuple(k) for _, *k in entries}) > 1
 
 
 def _float(value: Any) -> float | None:
