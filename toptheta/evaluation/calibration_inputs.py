@@ -100,6 +100,23 @@ def calibration_requests(
     return sequences
 
 
+def evaluated_requests(tokenizer: PreTrainedTokenizerBase, task: str, *, data_dir: str | os.PathLike[str] | None,
+                       num_fewshot: int | None, limit: int | None, seed: int = 1234,
+                       fewshot_sampler: str | None = None) -> list[tuple[int, int, list[int], list[int]]]:
+    """(doc_id, choice, context ids, continuation ids) of every loglikelihood request of `task`'s evaluated split,
+    its first `limit` documents, as an evaluation run builds them (the same prompts and exemplars; untruncated).
+    For analyses that replay what a run scored (scripts/kept_by_row.py)."""
+    check_run_args(num_fewshot, limit, 1, None)
+    check_sampler(fewshot_sampler)
+    resolved = resolve_data_dir(data_dir)
+    check_tasks([task], resolved, num_fewshot)
+    with task_include_paths([task], resolved) as include_paths:
+        lm_task = load_tasks(task_manager(include_paths), [task], resolved, fewshot_sampler)[task]
+        build_requests(lm_task, num_fewshot, limit, seed)
+    return [(instance.doc_id, instance.idx, *encode_request(tokenizer, *instance.args))
+            for instance in lm_task.instances if instance.request_type == "loglikelihood"]
+
+
 def build_requests(lm_task: Task, num_fewshot: int | None, limit: int | float | None, seed: int,
                     skip: int = 0) -> None:
     """Build `lm_task.instances` with the settings simple_evaluate would apply (and `skip` more documents, which

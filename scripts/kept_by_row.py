@@ -1,0 +1,163 @@
+"""Where stored runs spend their attention budget: per head, and in the rows the task's answer is scored on.
+
+    python scripts/kept_by_row.py RUN_ID [RUN_ID ...] [--questions 24] [--results results] [--out DIR]
+
+Two runs can keep the same fraction of a layer's attention elements and still keep different ones. This replays
+each run's sparsifier (its config.json, the parameter a matched run fitted from its stats.json; a Top-θ run's
+thresholds.safetensors) on the first ``--questions`` questions of its evaluation, each prompt its exemplars and the
+question with the correct answer appended (the first run's task requests rebuilt through lm-eval as the run built
+them, the correct choice from its samples.json.gz, fed as HFLM feeds them), and records per (layer, head):
+
+- the kept fraction of all the causal elements (what stats.json calls kept_attention_fraction);
+- the kept fraction and the kept probability mass of the **answer rows** (the rows of the continuation's tokens,
+  whose log-likelihoods decide the question) against those of all rows;
+- the spread over heads: per layer, the coefficient of variation of the heads' kept fractions (0: every head
+  keeps as much), averaged over the layers.
+
+Every run must be of one model. Writes ``kept_by_row.csv`` (run, layer, head, the fractions) and
+``kept_by_row.md`` (per run: the summary and the command) to ``--out`` (default ``results/analysis``); the
+replay runs the plain attention path with an observer (minutes on CPU for 24 questions of ~900 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from toptheta.attention.backend import sparsify
+from toptheta.builders import build_sparsifier, compensation_objects
+from toptheta.results.labels import series_label
+from toptheta.results.render import markdown, write_text
+from toptheta.results.run_figures import config_row
+from toptheta.thresholds.table import Thresholds
+
+
+class Recorder:
+    """The observer: per (layer, head) sums over the replayed rows, the answer rows apart."""
+
+    def __init__(self, layers: int, heads: int):
+        shape = (layers, heads)
+        self.kept, self.valid = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+        self.answer_kept, self.answer_valid = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+        self.answer_mass, self.answer_rows = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+        self.first_answer_row = 0  # rows at positions ≥ this one are the answer's
+
+    def __call__(self, rows) -> None:
+        n = rows.n[:, 0].double()  # (B, Q) valid keys per row: the row's position + 1 (causal)
+        B, H, Q, K = rows.logits.shape
+        if rows.keep is None:  # nothing dropped in this chunk
+            kept, mass = n.unsqueeze(1).expand(B, H, Q), torch.ones(B, H, Q, dtype=torch.float64)
+        else:
+            kept = rows.keep.sum(-1).double()  # (B, H, Q)
+            mass = (rows.probs * rows.keep).sum(-1).double()
+        answer = (n - 1 >= self.first_answer_row).unsqueeze(1).expand(B, H, Q)  # (B, H, Q)
+        layer = rows.layer
+        self.kept[layer] += kept.sum((0, 2))
+        self.valid[layer] += n.sum() * torch.ones(H, dtype=torch.float64)
+        self.answer_kept[layer] += (kept * answer).sum((0, 2))
+        self.answer_valid[layer] += (n.unsqueeze(1).expand(B, H, Q) * answer).sum((0, 2))
+        self.answer_mass[layer] += (mass * answer).sum((0, 2))
+        self.answer_rows[layer] += answer.sum((0, 2)).double()
+
+
+def prompts(run_dir: Path, config: dict, tokenizer, questions: int) -> list[tuple[list[int], list[int]]]:
+    """(context ids, correct continuation ids) of the first `questions` questions the run evaluated: its task's
+    requests rebuilt as the run built them (its shots and exemplars), the correct choice from its samples."""
+    from toptheta.evaluation.calibration_inputs import evaluated_requests  # lm-eval: heavy
+
+    task = config["task"]
+    data_dir = "auto" if config.get("data_dir", "local") == "local" else None  # the run id's record: local or hub
+    data = json.loads(gzip.open(run_dir / "samples.json.gz").read())
+    (samples,) = data.values()
+    gold = {s["doc_id"]: int(s["target"]) for s in samples}
+    requests = evaluated_requests(tokenizer, task.get("lm_eval_task") or task["name"], data_dir=data_dir,
+                                  num_fewshot=task.get("num_fewshot"), limit=questions,
+                                  seed=config.get("seed", 1234), fewshot_sampler=task.get("fewshot_sampler"))
+    return [(context, answer) for doc, choice, context, answer in requests if gold.get(doc) == choice]
+
+
+def replay(model, run_dir: Path, pairs: list[tuple[list[int], list[int]]], layers: int, heads: int) -> Recorder:
+    config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    thresholds = None
+    if (run_dir / "thresholds.safetensors").is_file():
+        thresholds = Thresholds.load(run_dir / "thresholds.safetensors", model)
+    settings = dict(config["sparsifier"])
+    target = json.loads((run_dir / "stats.json").read_text(encoding="utf-8")).get("target") or {}
+    for name in ("k", "p", "lam"):  # a matched run's parameter is the one its search found (stats.json)
+        if settings.get(name) is None and name in target:
+            settings[name] = target[name]
+    sparsifier = build_sparsifier(settings, thresholds)
+    recorder = Recorder(layers, heads)
+    with sparsify(model, sparsifier, compensation_objects(config["comp"], thresholds), observer=recorder), \
+            torch.inference_mode():
+        for context_ids, answer_ids in pairs:
+            recorder.first_answer_row = len(context_ids) - 1  # the row that predicts the answer's first token
+            model(torch.tensor([(context_ids + answer_ids)[:-1]]))  # as HFLM: the last token's logits are unused
+    return recorder
+
+
+def tables(run_id: str, series: str, rec: Recorder) -> tuple[pd.DataFrame, dict]:
+    L, H = rec.kept.shape
+    frac = (rec.kept / rec.valid)  # (L, H)
+    per_head = pd.DataFrame({
+        "run_id": run_id, "series": series, "layer": [l for l in range(L) for _ in range(H)],
+        "head": [h for _ in range(L) for h in range(H)], "kept_fraction": frac.flatten().tolist(),
+        "answer_kept_fraction": (rec.answer_kept / rec.answer_valid).flatten().tolist(),
+        "answer_kept_mass": (rec.answer_mass / rec.answer_rows).flatten().tolist()})
+    spread = (frac.std(1) / frac.mean(1)).mean().item()
+    summary = {"series": series, "run_id": run_id, "kept_fraction": (rec.kept.sum() / rec.valid.sum()).item(),
+               "answer_kept_fraction": (rec.answer_kept.sum() / rec.answer_valid.sum()).item(),
+               "answer_kept_mass": (rec.answer_mass.sum() / rec.answer_rows.sum()).item(),
+               "head_spread": spread}
+    summary["answer_to_all"] = summary["answer_kept_fraction"] / summary["kept_fraction"]
+    return per_head, summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN_ID")
+    parser.add_argument("--questions", type=int, default=24)
+    parser.add_argument("--results", default="results")
+    parser.add_argument("--out", default=None, help="where to write (default: <results>/analysis)")
+    args = parser.parse_args(argv)
+    runs = [Path(args.results) / "runs" / r for r in args.runs]
+    missing = [str(r) for r in runs if not (r / "samples.json.gz").is_file() or not (r / "config.json").is_file()]
+    if missing:
+        print(f"not a finished run with per-question samples: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    configs = [json.loads((r / "config.json").read_text(encoding="utf-8")) for r in runs]
+    models = {c["model"]["name"] for c in configs}
+    if len(models) != 1:
+        print(f"the runs are of several models ({', '.join(sorted(models))}); give runs of one", file=sys.stderr)
+        return 2
+    from toptheta.models import load_model  # heavy: transformers' model classes
+
+    model, tokenizer, info = load_model(configs[0]["model"]["source"], dtype="float32", device="cpu")
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    pairs = prompts(runs[0], configs[0], tokenizer, args.questions)
+    frames, rows = [], []
+    for run_dir, config in zip(runs, configs):
+        per_head, summary = tables(run_dir.name, series_label(config_row(config)),
+                                   replay(model, run_dir, pairs, layers, heads))
+        frames.append(per_head)
+        rows.append(summary)
+        print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, flush=True)
+    out = Path(args.out or Path(args.results) / "analysis")
+    command = "python scripts/kept_by_row.py " + " ".join(args.runs) + f" --questions {args.questions}"
+    write_text(out / "kept_by_row.csv", pd.concat(frames).to_csv(index=False, float_format="%.6g"))
+    write_text(out / "kept_by_row.md", f"# Where each run keeps its attention\n\nProduced by `{command}`; do not edit "
+               f"by hand. {len(pairs)} questions ({next(iter(models))}); per (layer, head): `kept_by_row.csv`. "
+               "answer_*: the rows of the correct answer's tokens; head_spread: the heads' coefficient of variation "
+               "of the kept fraction, averaged over the layers.\n\n" + markdown(pd.DataFrame(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
