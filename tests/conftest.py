@@ -56,6 +56,16 @@ def one_thread():
 
 # ---- configuration -------------------------------------------------------------------------------------------
 
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package), executed once per call."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cfg(*overrides: str):
     """The composed run configuration (conf/config.yaml) with Hydra command-line ``overrides``."""
     toptheta.config.register()

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 from hydra import compose, initialize_config_dir
 
 from toptheta import pipeline
@@ -256,12 +257,7 @@ def test_readme_lists_every_experiment():
 
 
 def _sweep_status_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sweep_status", ROOT / "scripts" / "sweep_status.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sweep_status")
 
 
 def test_sweep_status_counts_the_runs_a_sweep_plans_and_finds_in_the_store(tmp_path, capsys):

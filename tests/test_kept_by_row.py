@@ -1,7 +1,6 @@
 """scripts/kept_by_row.py: replaying stored runs' sparsifiers, the answer rows apart."""
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 import toptheta
-from conftest import cfg, tiny_model
+from conftest import cfg, load_script, tiny_model
 from toptheta import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,10 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("kept_by_row", ROOT / "scripts" / "kept_by_row.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kept_by_row")
 
 
 def test_the_recorder_counts_what_the_statistics_count_and_the_answer_rows_apart(script):

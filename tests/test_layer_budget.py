@@ -1,6 +1,5 @@
 """scripts/layer_budget.py: per-layer k from another run's per-layer kept fractions, by Top-k's kept fraction."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -8,15 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("layer_budget", ROOT / "scripts" / "layer_budget.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("layer_budget")
 
 
 def _run(root: Path, run_id: str, sparsifier: dict, per_layer: list[float], target: dict | None = None) -> None:

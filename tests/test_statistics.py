@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import load_script
 from toptheta.results import comparisons, informative, paired, pooled, precision, reduction, verdicts
 from toptheta.results.summary import load_summary
 from toptheta.store.rows import summary_rows
@@ -206,14 +207,7 @@ def load_summary_empty():
 
 
 def _make_figures():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "scripts" / "make_figures.py"
-    spec = importlib.util.spec_from_file_location("make_figures_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("make_figures")
 
 
 def test_two_builds_are_byte_identical(store, tmp_path, monkeypatch):
@@ -291,14 +285,9 @@ def test_a_failing_claim_6_setting_is_named_among_the_disagreements(store, monke
 
 
 def test_the_readme_section_states_the_rule_the_excluded_settings_and_the_reduction_table(store, monkeypatch):
-    import importlib.util
-    from pathlib import Path
-
     from toptheta.results import sweeps
 
-    spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("verdicts")
     monkeypatch.setattr(sweeps, "run_owners", lambda names=None, models=None: sweeps.Owners())
     text = script.section(store, "python scripts/verdicts.py")
     assert informative.RULE in text
@@ -339,9 +328,6 @@ def test_ablation_panels_save_the_same_bytes_twice(tmp_path):
 def test_the_readme_leads_with_the_long_row_verdicts_computed_apart(tmp_path, monkeypatch):
     """Long-row runs (>= 10 fixed exemplars) are verdicted on their own, first; a long-row run with rows past its
     calibrated length is left out and named; the zero-shot runs make a section of their own."""
-    import importlib.util
-    from pathlib import Path
-
     from toptheta.results import regimes, sweeps
 
     store = RunStore(tmp_path)
@@ -358,9 +344,7 @@ def test_the_readme_leads_with_the_long_row_verdicts_computed_apart(tmp_path, mo
     summary = load_summary(tmp_path)
     long_rows, broken, earlier = regimes.split(summary)
     assert len(set(long_rows["run_id"])) == 3 and len(set(broken["run_id"])) == 1 and len(set(earlier["run_id"])) == 3
-    spec = importlib.util.spec_from_file_location("verdicts_script", Path(__file__).parents[1] / "scripts" / "verdicts.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("verdicts")
     monkeypatch.setattr(sweeps, "run_owners", lambda names=None, models=None: sweeps.Owners())
     text = script.section(tmp_path, "python scripts/verdicts.py")
     first, second = text.index("### In the paper's regime"), text.index("### Earlier protocols")
