@@ -63,12 +63,12 @@ LAYER_BUDGET_COLUMNS = ["group", "series", "kept_attention_fraction", "value", "
 
 
 def layer_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
-    """Runs given a budget per layer (series tagged labels.PER_LAYER_K: ``experiments/long_rows/smol_layer_budget``,
-    k per layer from a baseline's per-layer kept fractions by ``scripts/layer_budget.py``) against every other sparse
-    run of their setting that kept as much of the attention (kept fractions within ±MATCHED_SLACK of each other):
-    diff = the per-layer run − the other, paired per question. Against the baseline whose budget it took, what is
-    left is which keys each layer keeps; against the same method with its usual budget, how the budget is spread
-    over the layers."""
+    """Runs given a budget per layer (series tagged '[per-layer k]', labels.PER_LAYER_K;
+    ``experiments/long_rows/smol_layer_budget``: every layer's k from a baseline's per-layer kept fractions,
+    ``scripts/layer_budget.py``) against every other sparse run of their setting that kept as much of the attention
+    (kept fractions within ±10 % of each other, MATCHED_SLACK): diff = the per-layer run − the other, paired per
+    question. Against the baseline whose budget it took, what is left is which keys each layer keeps; against the
+    same method with its usual budget, how the budget is spread over the layers."""
     results_dir = Path(results_dir) if results_dir is not None else None
     rows = comparisons.store_rows(summary)
     if rows.empty:
