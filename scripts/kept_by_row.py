@@ -32,10 +32,13 @@ import pandas as pd
 import torch
 
 from toptheta.attention.backend import sparsify
+from toptheta.attention.stats import per_head_columns
 from toptheta.builders import build_sparsifier, compensation_objects
 from toptheta.results.labels import series_label
 from toptheta.results.render import markdown, write_text
 from toptheta.results.run_figures import config_row
+from toptheta.spec import data_dir_setting
+from toptheta.store.rows import fitted_parameters
 from toptheta.thresholds.table import Thresholds
 
 
@@ -73,27 +76,22 @@ def prompts(run_dir: Path, config: dict, tokenizer, questions: int) -> list[tupl
     from toptheta.evaluation.calibration_inputs import evaluated_requests  # lm-eval: heavy
 
     task = config["task"]
-    data_dir = "auto" if config.get("data_dir", "local") == "local" else None  # the run id's record: local or hub
     data = json.loads(gzip.open(run_dir / "samples.json.gz").read())
     (samples,) = data.values()
     gold = {s["doc_id"]: int(s["target"]) for s in samples}
-    requests = evaluated_requests(tokenizer, task.get("lm_eval_task") or task["name"], data_dir=data_dir,
+    requests = evaluated_requests(tokenizer, task.get("lm_eval_task") or task["name"], data_dir=data_dir_setting(config.get("data_dir", "local")),
                                   num_fewshot=task.get("num_fewshot"), limit=questions,
                                   seed=config.get("seed", 1234), fewshot_sampler=task.get("fewshot_sampler"))
     return [(context, answer) for doc, choice, context, answer in requests if gold.get(doc) == choice]
 
 
-def replay(model, run_dir: Path, pairs: list[tuple[list[int], list[int]]], layers: int, heads: int) -> Recorder:
-    config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+def replay(model, run_dir: Path, config: dict, pairs: list[tuple[list[int], list[int]]], layers: int,
+           heads: int) -> Recorder:
     thresholds = None
     if (run_dir / "thresholds.safetensors").is_file():
         thresholds = Thresholds.load(run_dir / "thresholds.safetensors", model)
-    settings = dict(config["sparsifier"])
-    target = json.loads((run_dir / "stats.json").read_text(encoding="utf-8")).get("target") or {}
-    for name in ("k", "p", "lam"):  # a matched run's parameter is the one its search found (stats.json)
-        if settings.get(name) is None and name in target:
-            settings[name] = target[name]
-    sparsifier = build_sparsifier(settings, thresholds)
+    stats = json.loads((run_dir / "stats.json").read_text(encoding="utf-8"))
+    sparsifier = build_sparsifier(config["sparsifier"] | fitted_parameters(stats), thresholds)
     recorder = Recorder(layers, heads)
     with sparsify(model, sparsifier, compensation_objects(config["comp"], thresholds), observer=recorder), \
             torch.inference_mode():
@@ -104,13 +102,10 @@ def replay(model, run_dir: Path, pairs: list[tuple[list[int], list[int]]], layer
 
 
 def tables(run_id: str, series: str, rec: Recorder) -> tuple[pd.DataFrame, dict]:
-    L, H = rec.kept.shape
-    frac = (rec.kept / rec.valid)  # (L, H)
-    per_head = pd.DataFrame({
-        "run_id": run_id, "series": series, "layer": [l for l in range(L) for _ in range(H)],
-        "head": [h for _ in range(L) for h in range(H)], "kept_fraction": frac.flatten().tolist(),
-        "answer_kept_fraction": (rec.answer_kept / rec.answer_valid).flatten().tolist(),
-        "answer_kept_mass": (rec.answer_mass / rec.answer_rows).flatten().tolist()})
+    frac = rec.kept / rec.valid  # (layers, heads)
+    per_head = pd.DataFrame({"run_id": run_id, "series": series, **per_head_columns(
+        kept_fraction=frac, answer_kept_fraction=rec.answer_kept / rec.answer_valid,
+        answer_kept_mass=rec.answer_mass / rec.answer_rows)})
     spread = (frac.std(1) / frac.mean(1)).mean().item()
     summary = {"series": series, "run_id": run_id, "kept_fraction": (rec.kept.sum() / rec.valid.sum()).item(),
                "answer_kept_fraction": (rec.answer_kept.sum() / rec.answer_valid.sum()).item(),
@@ -145,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     frames, rows = [], []
     for run_dir, config in zip(runs, configs):
         per_head, summary = tables(run_dir.name, series_label(config_row(config)),
-                                   replay(model, run_dir, pairs, layers, heads))
+                                   replay(model, run_dir, config, pairs, layers, heads))
         frames.append(per_head)
         rows.append(summary)
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, flush=True)

@@ -28,6 +28,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from toptheta.store.rows import fitted_parameters
+
 
 def per_layer_kept(results: Path, run_id: str) -> list[float]:
     """A run's kept attention fraction per layer, in layer order; a clear error where the run has none."""
@@ -57,7 +59,7 @@ def fitted_length(results: Path, topk_run: str) -> tuple[float, int]:
     if config.get("name") != "topk":
         raise SystemExit(f"--topk {topk_run} is a {config.get('name')} run; give a Top-k run of the same setting")
     stats = json.loads((results / "runs" / topk_run / "stats.json").read_text(encoding="utf-8"))
-    k = int(config.get("k") or stats["target"]["k"])  # a matched run stores the k its search found
+    k = int(config.get("k") or fitted_parameters(stats)["k"])  # a matched run stores the k its search found
     own = {int(layer) for layer in (config.get("layer_k") or {})}
     kept = [f for layer, f in enumerate(per_layer_kept(results, topk_run)) if layer not in own]
     x = 1 - math.sqrt(1 - statistics.median(kept))

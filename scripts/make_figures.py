@@ -214,7 +214,7 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
     budget = baselines.layer_budget_pairs(summary, results)
     if len(budget):
         outputs.table("baseline_layer_budget", budget, "Runs at a baseline's per-layer budget against runs keeping as much",
-                      " ".join(baselines.layer_budget_pairs.__doc__.split()).replace("``", "`") + "\n\n")
+                      baselines.LAYER_BUDGET_NOTE + "\n\n")
     crossing = past_calibration.past_calibration_table(summary)
     if len(crossing):
         outputs.table("past_calibration", crossing, "Past the calibrated length: Top-θ against Top-k at the same k",

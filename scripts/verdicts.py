@@ -92,7 +92,7 @@ def baselines_section(summary, results: Path, level: str) -> list[str]:
         columns = ["series", "kept_attention_fraction", "value", "versus", "versus_kept", "versus_value", "diff",
                    "ci_low", "ci_high", "run_id"]
         lines += [f"{level}# At the baseline's per-layer budget", "",
-                  " ".join(baselines.layer_budget_pairs.__doc__.split()).replace("``", "`"), "",
+                  baselines.LAYER_BUDGET_NOTE, "",
                   markdown(budget[(["group"] if budget["group"].nunique() > 1 else []) + columns]).rstrip(), "",
                   "Every column: `figures/baseline_layer_budget.md`.", ""]
     return lines

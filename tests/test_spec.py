@@ -89,3 +89,16 @@ def test_toptheta_eval_and_run_py_read_the_same_settings_into_the_same_spec(tmp_
                                        data_dir_path=spec.data_dir_path)
         fingerprint = model_fingerprint(LlamaConfig())
         assert thresholds_key(alone, fingerprint) == thresholds_key(planned, fingerprint)
+
+
+def test_data_source_round_trips_to_a_data_dir_setting():
+    """A run id records local or hub; reading the run's data again maps local to this machine's copy."""
+    from toptheta.evaluation.tasks.catalog import SHIPPED_DATA_DIR, resolve_data_dir
+    from toptheta.spec import data_dir_setting, data_source
+
+    assert data_source("/data") == "local" and data_source(None) == "hub"
+    assert data_dir_setting("hub") == "hub" and resolve_data_dir(data_dir_setting("hub")) is None
+    assert data_dir_setting("local") == "auto"
+    import os
+    if not os.environ.get("TOPTHETA_DATA_DIR"):
+        assert resolve_data_dir(data_dir_setting("local")) == SHIPPED_DATA_DIR

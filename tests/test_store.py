@@ -320,3 +320,21 @@ def test_the_committed_summary_is_what_its_run_directories_rebuild():
     assert counts["kept"] == 0  # every row has its run directory
     assert text == (results / "summary.csv").read_text(encoding="utf-8"), (
         "results/summary.csv differs from its rebuild: run python -m toptheta.store.migrate and commit it")
+
+
+def test_fitted_parameters_takes_what_a_matched_search_chose():
+    from toptheta.store.rows import fitted_parameters
+
+    assert fitted_parameters({"target": {"target_kept": 0.05, "k": 14, "tried": []}}) == {"k": 14}
+    assert fitted_parameters({"target": {"target_kept": 0.05, "lam": 13.9, "calibration_kept": 0.05}}) == {"lam": 13.9}
+    assert fitted_parameters({"kept_attention_fraction": 0.3}) == {} == fitted_parameters({"target": None})
+
+
+def test_per_head_columns_lays_layer_major_rows():
+    import torch
+
+    from toptheta.attention.stats import per_head_columns
+
+    table = per_head_columns(a=torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), b=torch.zeros(2, 3))
+    assert table["layer"] == [0, 0, 0, 1, 1, 1] and table["head"] == [0, 1, 2, 0, 1, 2]
+    assert table["a"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and table["b"] == [0.0] * 6

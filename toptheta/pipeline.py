@@ -33,7 +33,7 @@ from .guards import warn_unintended
 from .matched import kept_in_sparsified_layers, resolve_target
 from .registry import LM_EVAL_KIND, active_compensations, sparsifier_kind, task_kind
 from .results.wandb_logger import make_logger
-from .spec import ModelSpec, RunSpec, TaskSpec
+from .spec import ModelSpec, RunSpec, TaskSpec, data_source
 from .store.migrate import restore_summary, run_rows
 from .store.provenance import code_commit
 from .store.runs import RunStore
@@ -82,7 +82,7 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     model = {key: c["model"].get(key) for key in ("name", "source", "dtype", "device", "device_map", "revision",
                                                   "max_length", "chat_template")}
     evaluation = {key: v for key, v in task.items()}
-    base = {"model": model, "task": evaluation, "data_dir": "local" if data_dir else "hub", "seed": c.get("seed")}
+    base = {"model": model, "task": evaluation, "data_dir": data_source(data_dir), "seed": c.get("seed")}
     store = RunStore(c["results_dir"])
     specs = []
     if c.get("baseline", True) and kind.drops:

@@ -38,6 +38,16 @@ class Section:
         return cls(**{key: settings[key] for key in names if key in settings}, settings=settings)
 
 
+def data_source(data_dir_path: str | None) -> str:
+    """Where a run's data came from, as its run id records it: "local" (a data dir) or "hub"."""
+    return "local" if data_dir_path else "hub"
+
+
+def data_dir_setting(source: str) -> str:
+    """The data_dir setting that reads a recorded `source` again on this machine: "auto" (the local copy) or "hub"."""
+    return "auto" if source == "local" else "hub"
+
+
 @dataclass(frozen=True)
 class ModelSpec(Section):
     name: str = ""
@@ -180,7 +190,7 @@ class RunSpec:
                        calib: Mapping[str, Any], data_dir_path: str | None) -> RunSpec:
         """A spec that only calibrates (no task): what ``thresholds_cache.obtain_thresholds`` needs."""
         return cls.from_identity({"model": model, "sparsifier": sparsifier, "comp": comp, "calib": calib,
-                                  "data_dir": "local" if data_dir_path else "hub"}, data_dir_path=data_dir_path)
+                                  "data_dir": data_source(data_dir_path)}, data_dir_path=data_dir_path)
 
     @classmethod
     def from_model_args(cls, pretrained: str, *, sparsifier: str = "toptheta", k: int | None = None,
@@ -200,7 +210,7 @@ class RunSpec:
                  "revision": revision}
         spec = cls.from_identity({"model": model, "sparsifier": sparse, "comp": comp_settings,
                                   "calib": calib if needs_thresholds(sparse, comp_settings) else None,
-                                  "data_dir": "local" if data_dir_path else "hub"}, data_dir_path=data_dir_path)
+                                  "data_dir": data_source(data_dir_path)}, data_dir_path=data_dir_path)
         return spec, rest
 
     def identity(self) -> dict:

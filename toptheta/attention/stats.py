@@ -232,13 +232,7 @@ class SparsityStats:
 
     def per_head(self) -> dict[str, list]:
         """Per (layer, head) prefill kept fraction, long format."""
-        L, H = self.prefill_kept.shape
-        frac = self.prefill_kept / self.prefill_valid
-        return {
-            "layer": [l for l in range(L) for _ in range(H)],
-            "head": [h for _ in range(L) for h in range(H)],
-            "kept_attention_fraction": frac.flatten().tolist(),
-        }
+        return per_head_columns(kept_attention_fraction=self.prefill_kept / self.prefill_valid)
 
     def summary(self) -> dict:
         """The scalar statistics, for logs and the results store."""
@@ -339,3 +333,10 @@ for _name in ("prefill_kept", "prefill_valid", "decode_kept", "decode_valid", "v
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float | None:
     total = float(den.sum())
     return None if total == 0 else float(num.sum()) / total
+
+
+def per_head_columns(**values: torch.Tensor) -> dict[str, list]:
+    """(layers, heads) tensors in long format: a `layer` and a `head` column, then one column per tensor."""
+    L, H = next(iter(values.values())).shape
+    return {"layer": [l for l in range(L) for _ in range(H)], "head": [h for _ in range(L) for h in range(H)],
+            **{name: v.flatten().tolist() for name, v in values.items()}}

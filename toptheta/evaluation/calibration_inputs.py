@@ -67,16 +67,11 @@ def calibration_requests(
             raise ValueError(f"calibration draw {draw} needs a whole number of calibration documents (calib.num_samples"
                              f"=64, say) and a draw >= 0; got num_samples={limit!r}")
         skip += draw * limit
-    resolved = resolve_data_dir(data_dir)
     calib = calibration_name(task) if isinstance(task, str) else task
-    check_tasks([calib], resolved, num_fewshot)
-
-    with task_include_paths([calib], resolved) as include_paths:
-        lm_task = load_tasks(task_manager(include_paths), [calib], resolved, fewshot_sampler)[calib]
-        build_requests(lm_task, num_fewshot, limit, seed, skip=skip)
-        if draw and len(lm_task.eval_docs) < skip + limit:
-            raise ValueError(f"calibration draw {draw} needs documents {skip} to {skip + limit - 1} of {calib!r}, which "
-                             f"has {len(lm_task.eval_docs)}: use a smaller calib.seed or calib.num_samples")
+    lm_task = built_task(calib, data_dir, num_fewshot, limit, seed, fewshot_sampler, skip=skip)
+    if draw and len(lm_task.eval_docs) < skip + limit:
+        raise ValueError(f"calibration draw {draw} needs documents {skip} to {skip + limit - 1} of {calib!r}, which "
+                         f"has {len(lm_task.eval_docs)}: use a smaller calib.seed or calib.num_samples")
 
     sequences: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
@@ -108,13 +103,20 @@ def evaluated_requests(tokenizer: PreTrainedTokenizerBase, task: str, *, data_di
     For analyses that replay what a run scored (scripts/kept_by_row.py)."""
     check_run_args(num_fewshot, limit, 1, None)
     check_sampler(fewshot_sampler)
+    lm_task = built_task(task, data_dir, num_fewshot, limit, seed, fewshot_sampler)
+    return [(instance.doc_id, instance.idx, *encode_request(tokenizer, *instance.args))
+            for instance in lm_task.instances if instance.request_type == "loglikelihood"]
+
+
+def built_task(task: str, data_dir: str | os.PathLike[str] | None, num_fewshot: int | None,
+               limit: int | float | None, seed: int, fewshot_sampler: str | None, skip: int = 0) -> Task:
+    """`task` loaded through lm-eval from `data_dir` (checked first) with its requests built (``build_requests``)."""
     resolved = resolve_data_dir(data_dir)
     check_tasks([task], resolved, num_fewshot)
     with task_include_paths([task], resolved) as include_paths:
         lm_task = load_tasks(task_manager(include_paths), [task], resolved, fewshot_sampler)[task]
-        build_requests(lm_task, num_fewshot, limit, seed)
-    return [(instance.doc_id, instance.idx, *encode_request(tokenizer, *instance.args))
-            for instance in lm_task.instances if instance.request_type == "loglikelihood"]
+        build_requests(lm_task, num_fewshot, limit, seed, skip=skip)
+    return lm_task
 
 
 def build_requests(lm_task: Task, num_fewshot: int | None, limit: int | float | None, seed: int,

@@ -62,13 +62,17 @@ LAYER_BUDGET_COLUMNS = ["group", "series", "kept_attention_fraction", "value", "
                         "diff", "ci_low", "ci_high", "diff_method", "run_id", "versus_run_id"]
 
 
+LAYER_BUDGET_NOTE = (
+    f"Runs given a budget per layer (series tagged '[{labels.PER_LAYER_K}]'; "
+    "`experiments/long_rows/smol_layer_budget`: every layer's k from a baseline's per-layer kept fractions, "
+    "`scripts/layer_budget.py`) against every other sparse run of their setting that kept as much of the attention "
+    f"(kept fractions within ±{MATCHED_SLACK * 100:.0f} % of each other): diff = the per-layer run − the other, paired per "
+    "question. Against the baseline whose budget it took, what is left is which keys each layer keeps; against the "
+    "same method with its usual budget, how the budget is spread over the layers.")
+
+
 def layer_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
-    """Runs given a budget per layer (series tagged '[per-layer k]', labels.PER_LAYER_K;
-    ``experiments/long_rows/smol_layer_budget``: every layer's k from a baseline's per-layer kept fractions,
-    ``scripts/layer_budget.py``) against every other sparse run of their setting that kept as much of the attention
-    (kept fractions within ±10 % of each other, MATCHED_SLACK): diff = the per-layer run − the other, paired per
-    question. Against the baseline whose budget it took, what is left is which keys each layer keeps; against the
-    same method with its usual budget, how the budget is spread over the layers."""
+    """The pairs LAYER_BUDGET_NOTE describes (labels.PER_LAYER_K tags the per-layer runs; MATCHED_SLACK)."""
     results_dir = Path(results_dir) if results_dir is not None else None
     rows = comparisons.store_rows(summary)
     if rows.empty:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .rows import STAT_COLUMNS, SUMMARY_COLUMNS, summary_rows
+from .rows import STAT_COLUMNS, SUMMARY_COLUMNS, fitted_parameters, summary_rows
 from ..atomic import write_text_atomic
 from .runs import DONE_MARKER, RunStore
 
@@ -63,9 +63,7 @@ def run_rows(run_dir: Path) -> list[dict] | None:
     stats = _read(run_dir / "stats.json")
     stats = {k: v for k, v in stats.items()  # per-layer lists and records are not row statistics
              if not isinstance(v, list) and k not in ("per_layer", "vrow_popularity")}
-    target = stats.get("target")  # matched sparsity: the k (p, lam) target_kept chose
-    overrides = {key: target[key] for key in ("k", "p", "lam") if key in target} if isinstance(target, dict) else None
-    new = summary_rows(run_dir.name, config, _read(run_dir / "lm_eval.json"), stats, overrides=overrides,
+    new = summary_rows(run_dir.name, config, _read(run_dir / "lm_eval.json"), stats, overrides=fitted_parameters(stats),
                        commit=meta.get("git_commit") or "", timestamp=meta.get("timestamp"))
     return _percent_to_fraction(config, new)
 

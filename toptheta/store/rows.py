@@ -225,6 +225,16 @@ def summary_rows(
     return rows
 
 
+FITTED_PARAMETERS = ("k", "p", "lam")  # what a matched-sparsity search chooses, by sparsifier setting name
+
+
+def fitted_parameters(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameter a matched-sparsity run's search chose (its stats.json ``target``: k, p or lam), by sparsifier
+    setting name; {} for a run without a target."""
+    target = stats.get("target")
+    return {key: target[key] for key in FITTED_PARAMETERS if key in target} if isinstance(target, dict) else {}
+
+
 def _passkey_prompts(config: Mapping[str, Any]) -> int | None:
     """How many prompts a passkey run (one per length and depth) or a ruler run (task.prompts_per_length per length)
     without a limit evaluates: its `limit` column, so runs over other lengths, depths or prompt counts form settings
