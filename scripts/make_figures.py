@@ -37,7 +37,7 @@ matplotlib.use("Agg")  # before anything imports pyplot: no display needed
 
 from toptheta.results import (ablations, baselines, figures, informative, past_calibration, reduction,  # noqa: E402
                                run_figures, selection, storage, threshold_plots, tradeoff_panels, verdicts)
-from toptheta.results.render import (FIGURE_FORMATS, RenderRecord, latex, markdown, save_figure,  # noqa: E402
+from toptheta.results.render import (FIGURE_FORMATS, RenderRecord, doc_text, latex, markdown, save_figure,  # noqa: E402
                                      write_text)
 from toptheta.results.summary import load_summary  # noqa: E402
 
@@ -203,13 +203,13 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
     settings = verdicts.settings_table(found)
     if len(settings):
         outputs.table("verdict_settings", settings, "Each claim in each setting",
-                      " ".join(verdicts.per_setting.__doc__.split("\n\n", 1)[1].split()) + " informative = False: a "
+                      doc_text(verdicts.per_setting.__doc__, 1) + " informative = False: a "
                       "setting the pooled verdicts exclude (`informative_settings.md`), decided on its own.\n\n")
     found_baselines = baselines.baseline_verdicts(summary, results)
     if any(v.pairs for v in found_baselines):
         outputs.table("baseline_verdicts", verdicts.verdict_table(found_baselines),
                       "Top-θ against today's threshold baselines at equal sparsity",
-                      " ".join(baselines.__doc__.split("\n\n")[1].split()) + " " + baselines.SCOPE_ALL + "\n\n")
+                      doc_text(baselines.__doc__, 1, 2) + " " + baselines.SCOPE_ALL + "\n\n")
         outputs.table("baseline_pairs", verdicts.pairs_table(found_baselines), "The run pairs behind each baseline verdict")
     budget = baselines.layer_budget_pairs(summary, results)
     if len(budget):
@@ -218,13 +218,13 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
     crossing = past_calibration.past_calibration_table(summary)
     if len(crossing):
         outputs.table("past_calibration", crossing, "Past the calibrated length: Top-θ against Top-k at the same k",
-                      " ".join(past_calibration.__doc__.split("\n\n")[1].split()) + "\n\n")
+                      doc_text(past_calibration.__doc__, 1, 2) + "\n\n")
     outputs.table("informative_settings", informative.settings_table(summary, results),
                   "Which settings the pooled verdicts use", f"Rule: {informative.RULE}.\n\n")
     if found[5].table is not None:
         outputs.table("claim6_reduction", found[5].table,
                       "Claim 6: the largest reduction at which each method is non-inferior to dense",
-                      " ".join(reduction.__doc__.split()) + "\n\n" + verdicts.STATISTICS_NOTE + "\n\n")
+                      doc_text(reduction.__doc__) + "\n\n" + verdicts.STATISTICS_NOTE + "\n\n")
 
 
 def write_thresholds(outputs: Outputs, results: Path) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from toptheta.results import (baselines, experiments, figures, informative, past_calibration, reduction, regimes,
                               sweeps, verdicts)
-from toptheta.results.render import markdown, write_text
+from toptheta.results.render import doc_text, markdown, write_text
 from toptheta.results.summary import load_summary
 
 START, END = "<!-- verdicts:start -->", "<!-- verdicts:end -->"
@@ -81,7 +81,7 @@ def section(results: Path, command: str) -> str:
 def baselines_section(summary, results: Path, level: str) -> list[str]:
     """Top-θ against today's threshold baselines at equal target (results/baselines.py), decided as the claims are."""
     lines = [f"{level} Top-θ against today's threshold baselines at equal sparsity", "",
-             " ".join(baselines.__doc__.split("\n\n")[1].split()) + " " + baselines.SCOPE_LONG_ROWS, ""]
+             doc_text(baselines.__doc__, 1, 2) + " " + baselines.SCOPE_LONG_ROWS, ""]
     found = baselines.baseline_verdicts(summary, results) if len(summary) else []
     if not any(v.pairs for v in found):
         return lines + ["No baseline run at a matched target is stored yet (`python run.py -m "
@@ -102,7 +102,7 @@ def past_calibration_section(summary) -> list[str]:
     """Top-θ's kept fractions against Top-k's at the same k on rows past the calibrated length (issue 30)."""
     table = past_calibration.past_calibration_table(summary)
     lines = ["", "### Past the calibrated length: Top-θ against Top-k at the same k", "",
-             " ".join(past_calibration.__doc__.split("\n\n")[1].split()), ""]
+             doc_text(past_calibration.__doc__, 1, 2), ""]
     if table.empty:
         return lines + ["No long-context Top-θ run meets rows past its calibration yet."]
     shown = table[["model", "task", "limit", "k", "calib_task", "calib_beyond", "clamped_rows", "attention_ratio",

@@ -40,6 +40,12 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
 
 
+
+def doc_text(doc: str, start: int = 0, stop: int | None = None) -> str:
+    """Paragraphs ``start:stop`` of a docstring (separated by blank lines) as one line of prose: the text a table
+    prints beside itself is its module's or function's own description."""
+    return " ".join(" ".join(doc.split("\n\n")[start:stop]).split())
+
 _LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
                   "θ": r"$\theta$", "σ": r"$\sigma$", "±": r"$\pm$", "≡": r"$\equiv$", "×": r"$\times$",
