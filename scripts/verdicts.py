@@ -87,14 +87,18 @@ def baselines_section(summary, results: Path, level: str) -> list[str]:
         return lines + ["No baseline run at a matched target is stored yet (`python run.py -m "
                         "experiment=long_rows/baselines`).", ""]
     lines += [markdown(verdicts.verdict_table(found)).rstrip(), ""]
-    budget = baselines.layer_budget_pairs(summary, results)
-    if len(budget):
-        columns = ["series", "kept_attention_fraction", "value", "versus", "versus_kept", "versus_value", "diff",
-                   "ci_low", "ci_high", "run_id"]
-        lines += [f"{level}# At the baseline's per-layer budget", "",
-                  baselines.LAYER_BUDGET_NOTE, "",
-                  markdown(budget[(["group"] if budget["group"].nunique() > 1 else []) + columns]).rstrip(), "",
-                  "Every column: `figures/baseline_layer_budget.md`.", ""]
+    columns = ["series", "kept_attention_fraction", "value", "versus", "versus_kept", "versus_value", "diff", "ci_low",
+               "ci_high", "run_id"]
+    for title, pairs, note, figure in (
+            ("At the baseline's per-layer budget", baselines.layer_budget_pairs, baselines.LAYER_BUDGET_NOTE,
+             "baseline_layer_budget"),
+            ("With a budget that grows with the row (Top-ρ)", baselines.allocation_pairs, baselines.ALLOCATION_NOTE,
+             "baseline_allocation")):
+        table = pairs(summary, results)
+        if len(table):
+            lines += [f"{level}# {title}", "", note, "",
+                      markdown(table[(["group"] if table["group"].nunique() > 1 else []) + columns]).rstrip(), "",
+                      f"Every column: `figures/{figure}.md`.", ""]
     return lines
 
 

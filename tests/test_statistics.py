@@ -428,6 +428,31 @@ def test_a_run_at_a_baselines_per_layer_budget_is_compared_with_every_run_keepin
     assert labels.per_layer_budget("0=256,1=128") and labels.per_layer_budget("0=512,1=512,2=512")
 
 
+
+def test_a_top_rho_run_is_compared_with_every_run_keeping_as_much(tmp_path):
+    """results/baselines.py allocation_pairs: each Top-ρ run against the sparse runs of its setting within ±10 % of
+    its kept fraction (Top-k: how the budget is spread over the rows; skip-softmax: which keys a row keeps)."""
+    from toptheta.results import baselines
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(6)
+    dense = (rng.random(N) < 0.6).astype(float)
+    small = {"0": 128, "1": 128}
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
+    _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 15, 0.0), 0.049, shots=25, target=0.05,
+         layer_k=small)
+    _add(store, "arc_easy", "topk", "post", 14, "vmc", _flip(dense, 40, 0.0), 0.051, shots=25, target=0.05,
+         layer_k=small)
+    _add(store, "arc_easy", "skipsoftmax", "post", None, "vmc", _flip(dense, 10, 0.0), 0.050, shots=25, target=0.05,
+         layer_k=small)
+    _add(store, "arc_easy", "topk", "post", 28, "vmc", _flip(dense, 5, 0.0), 0.1, shots=25)  # keeps twice as much
+    summary = load_summary(tmp_path)
+    table = baselines.allocation_pairs(summary, tmp_path)
+    assert list(table["series"].unique()) == ["Top-ρ post (+VMC)"]
+    assert dict(zip(table["versus"], table["diff"])) == {"Top-k post (+VMC)": pytest.approx(25 / N),
+                                                         "Skip-softmax post (+VMC)": pytest.approx(-5 / N)}
+    assert baselines.layer_budget_pairs(summary, tmp_path).empty  # no per-layer run here
+
 def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length():
     """results/past_calibration.py: a Top-θ view past its calibration beside Top-k's at the same k and length, with
     the ratios of kept fractions and the ×1.3 target; a run calibrated on long documents is in at every length; QA

@@ -16,7 +16,7 @@ put one name in lm-eval's model registry, ``toptheta``, as a lazy "module:class"
 from .attention import SparsityStats, decoding, sparse_attention, sparsify
 from .calibration import Thresholds, calibrate
 from .compensation import SDC, VMC
-from .sparsifiers import Dense, RowBlock, SkipSoftmax, Sparsifier, TopK, TopP, TopTheta
+from .sparsifiers import Dense, RowBlock, SkipSoftmax, Sparsifier, TopK, TopP, TopRho, TopTheta
 
 __version__ = "0.1.0"
 
@@ -42,5 +42,5 @@ _register_lm_eval_model()
 
 __all__ = [
     "SDC", "VMC", "Dense", "RowBlock", "SkipSoftmax", "Sparsifier", "SparsityStats", "Thresholds", "TopK", "TopP",
-    "TopTheta", "calibrate", "decoding", "sparse_attention", "sparsify",
+    "TopRho", "TopTheta", "calibrate", "decoding", "sparse_attention", "sparsify",
 ]

@@ -115,9 +115,11 @@ class SparsifierConfig:
     # allows. Part of the run id when set.
     target_tolerance: Optional[float] = None
     # The baselines' own parameters (null elsewhere, and then out of the run id): topp's probability mass p,
-    # skipsoftmax's λ. With target_kept set, the parameter is fitted instead (calibration/target_param.py).
+    # skipsoftmax's λ, toprho's share ρ of each row. With target_kept set, the parameter is fitted instead
+    # (calibration/target_param.py).
     p: Optional[float] = None
     lam: Optional[float] = None
+    rho: Optional[float] = None
 
 
 @dataclass

@@ -15,10 +15,11 @@ From Python, after ``import toptheta`` (which puts the name in lm-eval's model r
 ==================  =============================================================================================
 ``pretrained``      a packaged name (``smollm2-135m``), ``tiny-<arch>``, a local directory or a hub id (load_model)
 ``sparsifier``      a registered sparsifier (toptheta/registry.py): ``toptheta`` (default), ``topk``, ``dense``,
-                    ``topp`` (with ``p``, e.g. ``p=0.9``), ``skipsoftmax`` (with ``lam``, e.g. ``lam=1.0``)
+                    ``topp`` (with ``p``, e.g. ``p=0.9``), ``skipsoftmax`` (with ``lam``, e.g. ``lam=1.0``),
+                    ``toprho`` (with ``rho``, e.g. ``rho=0.1``)
 ``k``, ``layer_k``  k and per-layer exceptions as ``0:512+1:512`` (the default) or ``none``; k is the budget of
-                    Top-k and Top-θ (default 64); for top-p and skip-softmax rows with at most k keys are kept whole
-                    (default: none)
+                    Top-k and Top-θ (default 64); for top-p, skip-softmax and Top-ρ rows with at most k keys are kept
+                    whole (default: none)
 ``placement``       ``auto`` (pre-softmax with SDC, else post), ``pre``, ``post``
 ``comp``            ``none``, or registered compensations joined by ``+``: ``sdc``, ``vmc`` (default), ``sdc+vmc``;
                     ``sdc`` = ``exact`` (default) | ``exp-threshold`` | ``calibrated`` picks the SDC estimator,

@@ -70,14 +70,33 @@ LAYER_BUDGET_NOTE = (
     "question. Against the baseline whose budget it took, what is left is which keys each layer keeps; against the "
     "same method with its usual budget, how the budget is spread over the layers.")
 
+ALLOCATION_NOTE = (
+    "Top-ρ runs (sparsifiers/toprho.py; `experiments/long_rows/smol_proportional`: Top-k's exact ranking with "
+    "⌈ρ·n⌉ keys per row instead of k, so a row's budget grows with its length as skip-softmax's does) against every "
+    "other sparse run of their setting that kept as much of the attention (kept fractions within "
+    f"±{MATCHED_SLACK * 100:.0f} % of each other): diff = Top-ρ − the other, paired per question. Against Top-k, what "
+    "is left is how the budget is spread over the rows; against skip-softmax, which keys a row keeps.")
+
 
 def layer_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
     """The pairs LAYER_BUDGET_NOTE describes (labels.PER_LAYER_K tags the per-layer runs; MATCHED_SLACK)."""
+    return matched_pairs(summary, results_dir,
+                         lambda rows: rows["series"].astype(str).str.contains(f"[{labels.PER_LAYER_K}]", regex=False))
+
+
+def allocation_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
+    """The pairs ALLOCATION_NOTE describes: each Top-ρ run against the runs of its setting that kept as much."""
+    return matched_pairs(summary, results_dir, lambda rows: rows["sparsifier"].astype(str) == "toprho")
+
+
+def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen) -> pd.DataFrame:
+    """Each run ``chosen(rows)`` marks (a boolean Series over comparisons.store_rows) against every other sparse run of
+    its setting, not marked, whose kept attention fraction is within MATCHED_SLACK of its own; paired per question."""
     results_dir = Path(results_dir) if results_dir is not None else None
     rows = comparisons.store_rows(summary)
     if rows.empty:
         return pd.DataFrame(columns=LAYER_BUDGET_COLUMNS)
-    tagged = rows["series"].astype(str).str.contains(f"[{labels.PER_LAYER_K}]", regex=False)
+    tagged = chosen(rows)
     out = []
     for _, a in rows[tagged].iterrows():
         others = rows[(rows["group"] == a["group"]) & ~tagged & (rows["series"] != "Baseline")]

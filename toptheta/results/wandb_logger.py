@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..store.rows import STAT_COLUMNS
+from ..store.rows import FITTED_PARAMETERS, STAT_COLUMNS
 
 MODES = ("offline", "online", "disabled", "dryrun", "run")  # the last two: wandb's legacy names
 NOT_CONFIG = {"metric", "value", "stderr", "timestamp"}  # row columns that are results, not settings
@@ -77,7 +77,7 @@ def run_name(spec, rows: Sequence[Mapping[str, Any]]) -> str:
     """E.g. ``smollm2-135m toptheta-post k=64 vmc arc_easy [1a2b3c4d]``."""
     first = rows[0] if rows else {}
     parts = [first.get("model"), spec.label]
-    for key in ("k", "p", "lam"):  # the budget, or a baseline's parameter
+    for key in FITTED_PARAMETERS:  # the budget, or a baseline's parameter
         if first.get(key) not in (None, ""):
             parts.append(f"{key}={first[key]}")
     if first.get("calib_beyond") == "fit":

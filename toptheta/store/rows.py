@@ -55,6 +55,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "git_commit",
     "phase",
     "timestamp",
+    "rho",  # last: summaries written before it existed keep their columns where they were
 )
 
 # Where summary_rows finds each config-derived column: candidate dotted paths, the first one
@@ -82,13 +83,14 @@ SUMMARY_FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "calib_seed": ("calib.seed",),
     "p": ("sparsifier.p",),  # top-p's probability mass
     "lam": ("sparsifier.lam",),  # skip-softmax's λ
+    "rho": ("sparsifier.rho",),  # top-ρ's share of each row
     "calib_beyond": ("calib.beyond",),  # rows past the calibrated lengths: clamp (the default) or fit
     "limit": ("task.limit", "eval.limit", "limit"),
     "phase": ("phase",),
 }
 
 # Columns that describe sparsification: empty for a dense run, whatever its config holds.
-SPARSE_ONLY_COLUMNS: tuple[str, ...] = ("placement", "k", "layer_k", "empty_rows", "p", "lam", "calib_beyond")
+SPARSE_ONLY_COLUMNS: tuple[str, ...] = ("placement", "k", "layer_k", "empty_rows", "p", "lam", "rho", "calib_beyond")
 
 # Columns read from the run's statistics: column -> candidate keys of stats (the first present wins).
 STAT_SOURCES: dict[str, tuple[str, ...]] = {
@@ -225,7 +227,7 @@ def summary_rows(
     return rows
 
 
-FITTED_PARAMETERS = ("k", "p", "lam")  # what a matched-sparsity search chooses, by sparsifier setting name
+FITTED_PARAMETERS = ("k", "p", "lam", "rho")  # what a matched-sparsity search chooses, by sparsifier setting name
 
 
 def fitted_parameters(stats: Mapping[str, Any]) -> dict[str, Any]:
