@@ -1,4 +1,4 @@
-"""The baselines top-p and skip-softmax (issue 30): kept sets equal a float64 re-implementation row by row (ties,
+"""The baselines top-p and skip-softmax (issue 30), and Top-ρ where it shares their tests: kept sets equal a float64 re-implementation row by row (ties,
 masked keys, rows without a key), the kernel's output equals float64 attention over those sets with every
 compensation, the fast backends hand them to the plain and torch-decode paths, and a run through the pipeline
 stores them, with a fixed parameter or one fitted to sparsifier.target_kept."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -48,6 +49,17 @@ def ref_skip(scores: list[float], valid: list[bool], lam: float) -> tuple[list[b
     m = max(scores[j] for j in keys)
     cut = m + math.log(lam / len(keys))
     return [ok and s >= min(cut, m) for s, ok in zip(scores, valid)], cut > m
+
+
+def ref_toprho(scores: list[float], valid: list[bool], rho: float) -> list[bool]:
+    """The ⌈ρ·n⌉ (at least one) largest of the n valid scores, plus every key tied with the last of them; ρ·n is
+    taken as the exact fraction of ρ's decimal, so 0.07 · 100 is 7."""
+    keys = [j for j, ok in enumerate(valid) if ok]
+    if not keys:
+        return [False] * len(scores)
+    m = max(1, math.ceil(Fraction(str(rho)) * len(keys)))
+    boundary = sorted((scores[j] for j in keys), reverse=True)[m - 1]
+    return [ok and s >= boundary for s, ok in zip(scores, valid)]
 
 
 def random_rows(seed: int, B=2, H=3, Q=7, K=11, grid: float | None = 0.5):
@@ -172,7 +184,10 @@ def float64_attention(q, k, v, valid, scale, keep, placement, sdc: bool, vmc: bo
     return o.transpose(1, 2)
 
 
-SPARSIFIERS = [lambda placement: toptheta.TopP(0.8, placement), lambda placement: toptheta.SkipSoftmax(0.3, placement)]
+SPARSIFIERS = [lambda placement: toptheta.TopP(0.8, placement), lambda placement: toptheta.SkipSoftmax(0.3, placement),
+               lambda placement: toptheta.TopRho(0.4, placement)]
+REFERENCES = {toptheta.TopP: lambda s, m: ref_topp(s, m, 0.8), toptheta.SkipSoftmax: lambda s, m: ref_skip(s, m, 0.3)[0],
+              toptheta.TopRho: lambda s, m: ref_toprho(s, m, 0.4)}  # SPARSIFIERS' kept sets
 COMPENSATIONS = {"pre": [[], [toptheta.SDC("exact")], [toptheta.SDC("exact"), toptheta.VMC()]],
                  "post": [[], [toptheta.VMC()]]}
 
@@ -187,15 +202,13 @@ def test_kernel_output_equals_float64_attention_over_the_kept_sets(make, placeme
     stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
     out = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=sparsifier, compensations=comp,
                                     chunk_size=chunk, stats=stats, observer=seen.append)
-    assert stats.backend_calls == {"plain": 1}  # no fast path serves the baselines' prefill
+    assert stats.backend_calls == {"plain": 1}  # no fast path serves the baselines' (nor Top-ρ's) prefill
     K = k.shape[2]  # chunks see keys 0..(their last valid key): padded back to K (key 0 is valid in sequence 0)
     pad = lambda t, fill: torch.nn.functional.pad(t, (0, K - t.shape[-1]), value=fill)  # noqa: E731
     keep = torch.cat([pad(rows.keep, False) for rows in seen], 2)  # (B, H, Q, K) chunks along Q
     logits = torch.cat([pad(rows.logits, float("-inf")) for rows in seen], 2)
     rows = RowBlock(0, "prefill", logits, valid.sum(-1), valid=valid)
-    fn = (lambda s, m: ref_topp(s, m, 0.8)) if isinstance(sparsifier, toptheta.TopP) else \
-        (lambda s, m: ref_skip(s, m, 0.3)[0])
-    assert torch.equal(keep, reference_keep(rows, fn))
+    assert torch.equal(keep, reference_keep(rows, REFERENCES[type(sparsifier)]))
     assert 0 < float(keep.sum()) < float(valid.expand_as(keep).sum())  # something was dropped, something kept
     sdc, vmc = any(isinstance(c, toptheta.SDC) for c in comp), any(isinstance(c, toptheta.VMC) for c in comp)
     expected = float64_attention(q, k, v, valid, 0.5, keep, placement, sdc, vmc)
@@ -227,7 +240,7 @@ def test_fast_backends_refuse_the_baselines_before_the_softmax_with_a_reason(mak
     CPU (on a GPU, Triton serves skip-softmax: test_triton_kernels.py)."""
     q, k, v, valid = qkv()
     call = AttentionCall(q, k, v, None, 0.5, 0, make("pre"), (toptheta.SDC("exact"),), phase="prefill")
-    assert call.kind in ("topp", "skipsoftmax")  # its registered name
+    assert call.kind in ("topp", "skipsoftmax", "toprho")  # its registered name
     assert backends.choose(call).name == "plain"
     refusing = [b for b in backends.backends() if b.name not in ("plain", "torch-decode")]
     assert refusing and all(b.refuse(call) for b in refusing)
@@ -266,7 +279,8 @@ def test_fused_baselines_equal_the_plain_kernel(monkeypatch, sparsifier, chunk, 
 
 
 @pytest.mark.parametrize("make", [lambda placement: toptheta.TopP(0.6, placement),
-                                  lambda placement: toptheta.SkipSoftmax(12.0, placement)])  # a random model: flat rows
+                                  lambda placement: toptheta.SkipSoftmax(12.0, placement),  # a random model: flat rows
+                                  lambda placement: toptheta.TopRho(0.3, placement)])
 def test_cached_decode_equals_full_forward_and_generate_runs(make):
     model = tiny_4heads("llama")
     g = torch.Generator().manual_seed(1)
@@ -295,7 +309,7 @@ def test_checks_refuse_meaningless_compensations():
 
 # ---- matched sparsity: the parameter fitted to a target ---------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["topp", "skipsoftmax"])
+@pytest.mark.parametrize("name", ["topp", "skipsoftmax", "toprho"])
 def test_fit_parameter_finds_a_monotone_parameter(name):
     parameter = sparsifier_kind(name).parameter
     if parameter.keeps_more_when_higher:
@@ -351,7 +365,8 @@ def test_fit_parameter_refuses_an_unreachable_target():
 
 
 
-@pytest.mark.parametrize("sparsifier,key,value", [("topp", "p", "0.8"), ("skipsoftmax", "lam", "0.5")])
+@pytest.mark.parametrize("sparsifier,key,value", [("topp", "p", "0.8"), ("skipsoftmax", "lam", "0.5"),
+                                                  ("toprho", "rho", "0.4")])
 def test_a_pipeline_run_of_each_baseline_is_stored(tmp_path, sparsifier, key, value):
     rows = sparse_rows(tmp_path, f"sparsifier={sparsifier}", f"sparsifier.{key}={value}", "comp=vmc",
                 "sparsifier.placement=post", "sparsifier.layer_k=null")
@@ -359,11 +374,11 @@ def test_a_pipeline_run_of_each_baseline_is_stored(tmp_path, sparsifier, key, va
     assert all(0 < float(r["kept_attention_fraction"]) < 1 for r in rows)
     assert {r["k"] for r in rows} == {""} and {r["calib_beyond"] for r in rows} == {""}  # no k, no thresholds
     stats = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())
-    prefill = "cpu-select" if fused.enabled() else "plain"  # after the softmax: the fused kernel
+    prefill = "cpu-select" if fused.enabled() and sparsifier != "toprho" else "plain"  # post: the fused kernel
     assert set(stats["backend_calls"]) <= {prefill, "torch-decode"} and stats["backend_calls"].get(prefill)
 
 
-@pytest.mark.parametrize("sparsifier,key", [("topp", "p"), ("skipsoftmax", "lam")])
+@pytest.mark.parametrize("sparsifier,key", [("topp", "p"), ("skipsoftmax", "lam"), ("toprho", "rho")])
 def test_target_kept_fits_the_baselines_parameter(tmp_path, sparsifier, key):
     rows = sparse_rows(tmp_path, f"sparsifier={sparsifier}", "comp=vmc", "sparsifier.placement=post",
                 "sparsifier.target_kept=0.3", "sparsifier.layer_k=null", "task.fewshot_sampler=first_n")
@@ -380,6 +395,9 @@ def test_target_kept_fits_the_baselines_parameter(tmp_path, sparsifier, key):
     (["sparsifier=skipsoftmax", "sparsifier.placement=pre", "comp.sdc=calibrated"], "null or exact"),
     (["sparsifier=topk", "sparsifier.p=0.5"], "only sparsifier=topp reads it"),
     (["sparsifier=topp", "sparsifier.k=0"], "rows with at most k keys"),
+    (["sparsifier=toprho", "sparsifier.rho=0"], "sparsifier.rho=0"),
+    (["sparsifier=toprho", "sparsifier.rho=1.5"], "a share of each row's keys"),
+    (["sparsifier=topk", "sparsifier.rho=0.5"], "only sparsifier=toprho reads it"),
 ])
 def test_bad_baseline_configurations_fail_before_any_model_loads(tmp_path, overrides, message):
     with pytest.raises(ValueError, match="invalid configuration") as err:

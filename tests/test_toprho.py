@@ -1,37 +1,24 @@
 """Top-ρ (top-k with ⌈ρ·n⌉ keys per row): kept sets equal a float64 re-implementation row by row (ties, masked keys,
-rows without a key), the kernel's output equals float64 attention over those sets, decode steps and cached
-generation agree with the full forward, and a pipeline run stores ρ given or fitted to sparsifier.target_kept."""
+rows without a key), ⌈ρ·n⌉ is exact, short rows stay whole, and ρ reaches the config, run ids and toptheta-eval.
+The kernel's output against float64 attention, decode steps, cached generation, the fit of ρ to a target and the
+pipeline run are test_baselines.py's tests, which take Top-ρ with the baselines."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
-from conftest import cfg, qkv, sparse_rows, tiny_4heads
-from test_baselines import float64_attention, random_rows, reference_keep
+from conftest import cfg, qkv
+from test_baselines import random_rows, ref_toprho, reference_keep
 
 import toptheta
 from toptheta import pipeline
 from toptheta.attention import backends
 from toptheta.attention.backends.call import AttentionCall
-from toptheta.calibration.target_param import fit_parameter
 from toptheta.registry import sparsifier_kind
 from toptheta.sparsifiers.base import RowBlock
 from toptheta.sparsifiers.toprho import kept_count
-
-
-def ref_toprho(scores: list[float], valid: list[bool], rho: float) -> list[bool]:
-    """The ⌈ρ·n⌉ (at least one) largest of the n valid scores, plus every key tied with the last of them; ρ·n is
-    taken as the exact fraction of ρ's decimal, so 0.07 · 100 is 7."""
-    keys = [j for j, ok in enumerate(valid) if ok]
-    if not keys:
-        return [False] * len(scores)
-    from fractions import Fraction
-    m = max(1, math.ceil(Fraction(str(rho)) * len(keys)))
-    boundary = sorted((scores[j] for j in keys), reverse=True)[m - 1]
-    return [ok and s >= boundary for s, ok in zip(scores, valid)]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -81,97 +68,15 @@ def test_rows_with_at_most_k_keys_are_kept_whole_and_a_longer_row_keeps_more():
 def test_bad_arguments_name_the_fix(bad, message):
     with pytest.raises(ValueError, match=message):
         bad()
+    assert not sparsifier_kind("toprho").parameter.accepts(1.5)
 
 
-@pytest.mark.parametrize("placement,comp", [("pre", []), ("pre", [toptheta.SDC("exact"), toptheta.VMC()]),
-                                            ("post", []), ("post", [toptheta.VMC()])])
-@pytest.mark.parametrize("chunk", [None, 5])
-def test_kernel_output_equals_float64_attention_over_the_kept_sets(placement, comp, chunk):
-    q, k, v, valid = qkv()  # the second sequence is left-padded: its first rows have no valid key
-    seen = []
-    stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
-    out = toptheta.sparse_attention(q, k, v, valid, scaling=0.5, layer=0, sparsifier=toptheta.TopRho(0.4, placement),
-                                    compensations=comp, chunk_size=chunk, stats=stats, observer=seen.append)
-    assert stats.backend_calls == {"plain": 1}  # no fast path serves Top-ρ's prefill
-    K = k.shape[2]
-    pad = lambda t, fill: torch.nn.functional.pad(t, (0, K - t.shape[-1]), value=fill)  # noqa: E731
-    keep = torch.cat([pad(rows.keep, False) for rows in seen], 2)  # (B, H, Q, K) chunks along Q
-    logits = torch.cat([pad(rows.logits, float("-inf")) for rows in seen], 2)
-    rows = RowBlock(0, "prefill", logits, valid.sum(-1), valid=valid)
-    assert torch.equal(keep, reference_keep(rows, lambda s, m: ref_toprho(s, m, 0.4)))
-    assert 0 < float(keep.sum()) < float(valid.expand_as(keep).sum())
-    sdc, vmc = any(isinstance(c, toptheta.SDC) for c in comp), any(isinstance(c, toptheta.VMC) for c in comp)
-    expected = float64_attention(q, k, v, valid, 0.5, keep, placement, sdc, vmc)
-    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
-    assert float(stats.prefill_kept.sum()) == float(keep.sum())
-
-
-def test_backends_route_it_to_the_plain_and_torch_decode_paths(monkeypatch):
+def test_backends_route_it_to_the_plain_kernel():
+    """No fast path serves Top-ρ's prefill (decode steps: test_baselines' torch-decode test)."""
     q, k, v, valid = qkv()
-    call = AttentionCall(q, k, v, None, 0.5, 0, toptheta.TopRho(0.3, "post"), (toptheta.VMC(),), phase="prefill")
-    assert call.kind == "toprho" and backends.choose(call).name == "plain"
-    decode = dict(query=q[:, :, -1:], key=k, value=v, valid=valid[:, :, -1:])
-    outs = {}
-    for forced in ("auto", "plain"):
-        monkeypatch.setenv("TOPTHETA_BACKEND", forced)
-        stats = toptheta.SparsityStats(num_layers=1, num_heads=4, num_kv_heads=2)
-        outs[forced] = toptheta.sparse_attention(**decode, scaling=0.5, layer=0, sparsifier=toptheta.TopRho(0.3),
-                                                 compensations=[toptheta.VMC()], stats=stats, phase="decode")
-        assert stats.backend_calls == {"torch-decode" if forced == "auto" else "plain": 1}
-        assert 0 < stats.kept_vrow_fraction < 1
-    torch.testing.assert_close(outs["auto"], outs["plain"], atol=1e-6, rtol=1e-5)
-
-
-def test_cached_decode_equals_full_forward_and_generate_runs():
-    model = tiny_4heads("llama")
-    ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(1))
-    for sparsifier, comp in ((toptheta.TopRho(0.3, "post"), [toptheta.VMC()]),
-                             (toptheta.TopRho(0.3, "pre"), [toptheta.SDC("exact"), toptheta.VMC()])):
-        with torch.no_grad(), toptheta.sparsify(model, sparsifier, comp) as stats:
-            full = model(input_ids=ids).logits
-            out = model(input_ids=ids[:, :-4], use_cache=True)
-            cache, steps = out.cache, []
-            for t in range(12, 16):
-                out = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
-                cache = out.cache
-                steps.append(out.logits[:, -1])
-            torch.testing.assert_close(torch.stack(steps, 1), full[:, -4:], atol=5e-5, rtol=1e-4)
-            assert stats.kept_attention_fraction < 1.0
-            assert model.generate(ids[:, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
-
-
-def test_fit_parameter_finds_rho():
-    parameter = sparsifier_kind("toprho").parameter
-    assert parameter.key == "rho" and parameter.keeps_more_when_higher and not parameter.accepts(1.5)
-    kept = lambda rho: 0.01 + 0.99 * rho  # noqa: E731 (about linear: each row keeps its share)
-    for target in (0.05, 0.1, 1 / 3):
-        value, got, tried = fit_parameter(target, parameter, kept)
-        assert abs(got / target - 1) <= 0.05 and parameter.low <= value <= parameter.high
-
-
-def test_a_pipeline_run_stores_rho_given_or_fitted(tmp_path):
-    rows = sparse_rows(tmp_path, "sparsifier=toprho", "sparsifier.rho=0.4", "comp=vmc", "sparsifier.placement=post",
-                       "sparsifier.layer_k=null")
-    assert rows and {r["sparsifier"] for r in rows} == {"toprho"} and {r["rho"] for r in rows} == {"0.4"}
-    assert all(0 < float(r["kept_attention_fraction"]) < 1 for r in rows) and {r["k"] for r in rows} == {""}
-    stats = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())
-    assert set(stats["backend_calls"]) <= {"plain", "torch-decode"} and stats["backend_calls"].get("plain")
-    fitted = sparse_rows(tmp_path / "fit", "sparsifier=toprho", "comp=vmc", "sparsifier.placement=post",
-                         "sparsifier.target_kept=0.3", "sparsifier.layer_k=null", "task.fewshot_sampler=first_n")
-    assert fitted and all(abs(float(r["kept_attention_fraction"]) / 0.3 - 1) <= 0.1 for r in fitted)
-    stats = json.loads((tmp_path / "fit" / "runs" / fitted[0]["run_id"] / "stats.json").read_text())
-    assert stats["target"]["rho"] == pytest.approx(float(fitted[0]["rho"]))
-
-
-@pytest.mark.parametrize("overrides,message", [
-    (["sparsifier=toprho", "sparsifier.rho=0"], "sparsifier.rho=0"),
-    (["sparsifier=toprho", "sparsifier.rho=1.5"], "a share of each row's keys"),
-    (["sparsifier=topk", "sparsifier.rho=0.5"], "only sparsifier=toprho reads it"),
-])
-def test_bad_configurations_fail_before_any_model_loads(tmp_path, overrides, message):
-    with pytest.raises(ValueError, match="invalid configuration") as err:
-        pipeline.plan(cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", *overrides))
-    assert message in str(err.value)
+    for placement in ("pre", "post"):
+        call = AttentionCall(q, k, v, None, 0.5, 0, toptheta.TopRho(0.3, placement), (toptheta.VMC(),), phase="prefill")
+        assert call.kind == "toprho" and backends.choose(call).name == "plain"
 
 
 def test_rho_leaves_other_run_ids_alone(tmp_path):
