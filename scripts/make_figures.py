@@ -47,9 +47,14 @@ CSV_FLOAT = "%.10g"
 X_SHORT = {"kept_attention_fraction": "kept_attn", "kept_vrow_fraction": "kept_vrow"}
 
 
+SPELLED = {"θ": "theta", "ρ": "rho"}  # the method names' Greek letters, spelt out in file names
+
+
 def slug(*parts: object) -> str:
-    """A file-name-safe name: 'llama3-8b', 'acc_norm,none' -> 'llama3-8b-acc_norm'."""
+    """A file-name-safe name: 'llama3-8b', 'acc_norm,none' -> 'llama3-8b-acc_norm'; 'Top-θ' -> 'Top-theta'."""
     text = "-".join(str(p).split(",")[0] for p in parts if p not in (None, ""))
+    for letter, name in SPELLED.items():
+        text = text.replace(letter, name)
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
 
 
@@ -245,7 +250,7 @@ def write_thresholds(outputs: Outputs, results: Path) -> None:
 def write_per_layer(outputs: Outputs, results: Path) -> None:
     for group in run_figures.per_layer_groups(results):
         table = run_figures.per_layer_table(group["run_dirs"])
-        name = slug("per_layer", group["model"], group["task"], group["series"].replace("θ", "theta"))
+        name = slug("per_layer", group["model"], group["task"], group["series"])
         outputs.table(name, table, f"Per-layer statistics: {group['title']}")
         for stat in ("kept_attention_fraction", "kept_vrow_fraction"):
             if table[stat].notna().any():
@@ -269,7 +274,7 @@ def write_vrow_popularity(outputs: Outputs, results: Path) -> None:
         problem = f" · problem {item['problem']} (the run's first generation)" if item.get("problem") else ""
         title = (f"{item['model']} · {item['task']}{problem} · {item['label']} · layer {rec['layer']}, "
                  f"KV group {rec['group']}")
-        label = item["label"].replace("θ", "theta").replace(", ", " ")
+        label = item["label"].replace(", ", " ")
         name = slug("vrow_popularity", item["model"], label, f"layer{rec['layer']}", f"group{rec['group']}")
         outputs.figure(name, run_figures.vrow_popularity_figure(rec, title=title),
                        f"V-row popularity: {title}", f"Run: `{item['run_id']}`.\n")

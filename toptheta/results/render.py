@@ -48,7 +48,7 @@ def doc_text(doc: str, start: int = 0, stop: int | None = None) -> str:
 
 _LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-                  "θ": r"$\theta$", "σ": r"$\sigma$", "±": r"$\pm$", "≡": r"$\equiv$", "×": r"$\times$",
+                  "θ": r"$\theta$", "ρ": r"$\rho$", "σ": r"$\sigma$", "±": r"$\pm$", "≡": r"$\equiv$", "×": r"$\times$",
                   "≤": r"$\le$", "≥": r"$\ge$", "·": r"$\cdot$", "−": "-"}
 
 
