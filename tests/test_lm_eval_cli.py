@@ -32,7 +32,7 @@ def test_import_toptheta_registers_the_model_without_importing_it():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ({"sparsifier": "topq"}, "one of dense, skipsoftmax, topk, topp, toptheta"),
+        ({"sparsifier": "topq"}, "one of dense, skipsoftmax, topk, topp, toprho, toptheta"),
         ({"k": 0}, "positive integer"),
         ({"comp": "sdc+vmcc"}, "from sdc, vmc"),
         ({"layer_k": "0-512"}, "layer_k=0:512\\+1:512"),
