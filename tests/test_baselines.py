@@ -21,6 +21,7 @@ from toptheta.calibration.target_kept import Unreachable
 from toptheta.calibration.target_param import fit_parameter, log_slope
 from toptheta.registry import Parameter, sparsifier_kind
 from toptheta.sparsifiers.base import RowBlock
+from toptheta.sparsifiers.toprho import kept_count
 
 # ---- float64 references, one row at a time ----------------------------------------------------------------------
 
@@ -86,20 +87,41 @@ def reference_keep(rows: RowBlock, fn) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("p", [0.05, 0.3, 0.62, 0.9, 0.97, 1.0])
-@pytest.mark.parametrize("grid", [0.5, None])
-def test_topp_keeps_the_reference_set(seed, p, grid):
-    rows = random_rows(seed, grid=grid)
-    keep = toptheta.TopP(p).select(rows)
-    expected = reference_keep(rows, lambda s, v: ref_topp(s, v, p))
-    keep = rows.valid.expand_as(expected) if keep is None else keep
-    assert torch.equal(keep, expected)
+def topp_promise(rows: RowBlock, keep: torch.Tensor, p: float, grid) -> None:
+    """Each row with a key keeps at least a mass p; on a grid, ties at the boundary are kept."""
     kept_mass = (rows.probs.double() * keep).sum(-1)
     live = rows.n.expand_as(kept_mass) > 0
-    assert bool((kept_mass[live] >= p - 1e-6).all())  # what the rule promises
-    if grid:  # ties at the boundary are kept: a tied key is kept exactly when its twin is
+    assert bool((kept_mass[live] >= p - 1e-6).all())
+    if grid:  # a tied key is kept exactly when its twin is (the reference set says so): the rows have ties
         assert any(len(set(r)) < len(r) for r in rows.logits[live].tolist())
+
+
+def toprho_promise(rows: RowBlock, keep: torch.Tensor, rho: float, grid) -> None:
+    """At least ⌈ρ·n⌉ keys per row (more only where ties straddle the boundary); exactly that on distinct scores."""
+    counts = keep.sum(-1)  # (B, H, Q)
+    n = rows.n.expand_as(counts)
+    assert bool((counts >= torch.minimum(kept_count(n, rho), n)).all())
+    if grid is None:  # none where the row has no key
+        assert torch.equal(counts, torch.where(n > 0, kept_count(n, rho), 0))
+
+
+RANKED_RULES = {  # rules that keep a prefix of the row's ranking: (class, float64 reference, values, what it promises)
+    "topp": (toptheta.TopP, ref_topp, [0.05, 0.3, 0.62, 0.9, 0.97, 1.0], topp_promise),
+    "toprho": (toptheta.TopRho, ref_toprho, [0.01, 0.1, 0.3, 0.5, 0.75, 1.0], toprho_promise),
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("rule,value", [(rule, v) for rule, (_, _, values, _) in RANKED_RULES.items() for v in values])
+@pytest.mark.parametrize("grid", [0.5, None])
+def test_ranked_rules_keep_the_reference_set(seed, rule, value, grid):
+    cls, reference, _, promise = RANKED_RULES[rule]
+    rows = random_rows(seed, grid=grid)
+    keep = cls(value).select(rows)
+    expected = reference_keep(rows, lambda s, v: reference(s, v, value))
+    keep = rows.valid.expand_as(expected) if keep is None else keep
+    assert torch.equal(keep, expected)
+    promise(rows, keep, value, grid)
 
 
 def test_topp_drops_the_last_key_that_is_not_needed():
@@ -154,8 +176,12 @@ def test_rows_with_at_most_k_keys_are_kept_whole():
 
 
 @pytest.mark.parametrize("bad,message", [(lambda: toptheta.TopP(0.0), r"\(0, 1\]"),
-                                         (lambda: toptheta.TopP(1.5), "p in"),
-                                         (lambda: toptheta.SkipSoftmax(0.0), "λ > 0"),
+                                         (lambda: toptheta.TopP(1.5), "TopP needs p: a probability mass in"),
+                                         (lambda: toptheta.TopRho(0.0), r"\(0, 1\]"),
+                                         (lambda: toptheta.TopRho(1.5), "TopRho needs rho: a share of each row's keys"),
+                                         (lambda: toptheta.TopRho(True), "got True"),
+                                         (lambda: toptheta.TopRho(0.5, k=0), "integer ≥ 1"),
+                                         (lambda: toptheta.SkipSoftmax(0.0), "lam: a finite λ > 0"),
                                          (lambda: toptheta.SkipSoftmax(math.inf), "finite"),
                                          (lambda: toptheta.TopP(0.5, k=0), "integer ≥ 1"),
                                          (lambda: toptheta.SkipSoftmax(1.0, "mid"), "placement")])

@@ -90,6 +90,8 @@ def test_the_registry_knows_the_built_ins_and_what_they_need():
     with pytest.raises(ValueError, match="'recent' is registered already"):
         registry.register_sparsifier("recent", label="Again")(type("Again", (Recent,), {"from_config": classmethod(
             lambda cls, settings, thresholds=None: cls(1))}))
+    with pytest.raises(ValueError, match="'topp' is registered already"):  # an inherited from_config is no alibi
+        registry.register_sparsifier("topp", label="Again")(type("Again", (toptheta.TopP,), {}))
 
 
 def test_a_typo_fails_before_anything_loads_listing_the_known_names(tmp_path):

@@ -124,8 +124,9 @@ def register_compensation(name: str, *, label: str, keys: tuple[str, ...] = (), 
 
 def _add(table: dict, kind, cls) -> None:
     old = table.get(kind.name)
-    if old is not None and getattr(old.build, "__qualname__", None) != cls.from_config.__qualname__:
-        raise ValueError(f"{kind.name!r} is registered already ({old.build.__qualname__}); choose another name")
+    owner = getattr(old.build, "__self__", old.build) if old is not None else None  # the class of a bound from_config
+    if old is not None and getattr(owner, "__qualname__", None) != cls.__qualname__:
+        raise ValueError(f"{kind.name!r} is registered already ({owner.__qualname__}); choose another name")
     table[kind.name] = kind  # re-registering the same class (a module reloaded) replaces it
 
 

@@ -58,24 +58,32 @@ def baseline_verdicts(summary: pd.DataFrame, results_dir: str | Path | None = No
     return found
 
 
-LAYER_BUDGET_COLUMNS = ["group", "series", "kept_attention_fraction", "value", "versus", "versus_kept", "versus_value",
+MATCHED_PAIR_COLUMNS = ["group", "series", "kept_attention_fraction", "value", "versus", "versus_kept", "versus_value",
                         "diff", "ci_low", "ci_high", "diff_method", "run_id", "versus_run_id"]
 
 
-LAYER_BUDGET_NOTE = (
+def _matched_note(runs: str, subject: str, remainder: str) -> str:
+    """The text of a matched_pairs table: which ``runs`` it picks, the rule that pairs them (MATCHED_SLACK), the sign
+    of its diff (``subject`` − the other) and what the pairs leave to explain (``remainder``)."""
+    return (f"{runs} against every other sparse run of their setting that kept as much of the attention (kept fractions "
+            f"within ±{MATCHED_SLACK * 100:.0f} % of each other): diff = {subject} − the other, paired per question. "
+            f"{remainder}")
+
+
+LAYER_BUDGET_NOTE = _matched_note(
     f"Runs given a budget per layer (series tagged '[{labels.PER_LAYER_K}]'; "
     "`experiments/long_rows/smol_layer_budget`: every layer's k from a baseline's per-layer kept fractions, "
-    "`scripts/layer_budget.py`) against every other sparse run of their setting that kept as much of the attention "
-    f"(kept fractions within ±{MATCHED_SLACK * 100:.0f} % of each other): diff = the per-layer run − the other, paired per "
-    "question. Against the baseline whose budget it took, what is left is which keys each layer keeps; against the "
+    "`scripts/layer_budget.py`)",
+    "the per-layer run",
+    "Against the baseline whose budget it took, what is left is which keys each layer keeps; against the "
     "same method with its usual budget, how the budget is spread over the layers.")
 
-ALLOCATION_NOTE = (
+ALLOCATION_NOTE = _matched_note(
     "Top-ρ runs (sparsifiers/toprho.py; `experiments/long_rows/smol_proportional`: Top-k's exact ranking with "
-    "⌈ρ·n⌉ keys per row instead of k, so a row's budget grows with its length as skip-softmax's does) against every "
-    "other sparse run of their setting that kept as much of the attention (kept fractions within "
-    f"±{MATCHED_SLACK * 100:.0f} % of each other): diff = Top-ρ − the other, paired per question. Against Top-k, what "
-    "is left is how the budget is spread over the rows; against skip-softmax, which keys a row keeps.")
+    "⌈ρ·n⌉ keys per row instead of k, so a row's budget grows with its length as skip-softmax's does)",
+    "Top-ρ",
+    "Against Top-k, what is left is how the budget is spread over the rows; against skip-softmax, which keys a row "
+    "keeps.")
 
 
 def layer_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
@@ -95,7 +103,7 @@ def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen)
     results_dir = Path(results_dir) if results_dir is not None else None
     rows = comparisons.store_rows(summary)
     if rows.empty:
-        return pd.DataFrame(columns=LAYER_BUDGET_COLUMNS)
+        return pd.DataFrame(columns=MATCHED_PAIR_COLUMNS)
     tagged = chosen(rows)
     out = []
     for _, a in rows[tagged].iterrows():
@@ -109,5 +117,5 @@ def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen)
                         "versus": b["series"], "versus_kept": b["kept_attention_fraction"], "versus_value": b["value"],
                         "diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "diff_method": d.method,
                         "run_id": a["run_id"], "versus_run_id": b["run_id"]})
-    table = pd.DataFrame(out, columns=LAYER_BUDGET_COLUMNS)
+    table = pd.DataFrame(out, columns=MATCHED_PAIR_COLUMNS)
     return table.sort_values(["group", "series", "diff"], kind="stable").reset_index(drop=True)

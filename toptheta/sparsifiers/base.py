@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-PLACEMENTS = ("pre", "post")
+from ..registry import PLACEMENTS, Parameter, name_of
 
 
 class RowBlock:
@@ -176,6 +176,45 @@ class Sparsifier:
 
     def describe(self) -> dict:
         return {"name": type(self).__name__.lower(), "placement": self.placement}
+
+
+class ParameterRule(Sparsifier):
+    """A rule with one parameter of its own instead of a budget (top-p's p, skip-softmax's λ, Top-ρ's ρ).
+
+    Subclasses set ``parameter`` (the registry.Parameter they register with: its key names the attribute, the
+    config field and the keyword) and implement :meth:`select`. ``k`` and ``layer_k`` only keep short rows whole, as
+    Top-k's budget does (method.md §1), so ``layer_k={0: 512, 1: 512}`` leaves the same rows dense as the paper's runs.
+    """
+
+    parameter: Parameter
+
+    def __init__(self, value: float, placement: str, k: int | None = None, layer_k: dict[int, int] | None = None):
+        name, key = type(self).__name__, self.parameter.key
+        if not self.parameter.accepts(value):
+            raise ValueError(f"{name} needs {key}: {self.parameter.valid}; got {value!r}")
+        setattr(self, key, float(value))
+        self.placement = check_placement(placement)
+        self.k, self.layer_k = check_budgets(name, k, layer_k)
+
+    @classmethod
+    def from_config(cls, settings: dict, thresholds=None) -> "ParameterRule":
+        return cls(settings[cls.parameter.key], settings["placement"], settings.get("k"), settings.get("layer_k"))
+
+    @property
+    def value(self) -> float:
+        """The parameter's value (``self.p``, ``self.lam``, ``self.rho``)."""
+        return getattr(self, self.parameter.key)
+
+    def k_for(self, layer: int) -> int:
+        return self.layer_k.get(layer, self.k or 0)
+
+    def describe(self) -> dict:
+        return {"name": name_of(self), "placement": self.placement, self.parameter.key: self.value, "k": self.k,
+                "layer_k": dict(self.layer_k)}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.parameter.key}={self.value:.12g}, placement={self.placement!r}, k={self.k}, "
+                f"layer_k={self.layer_k})")
 
 
 def check_placement(placement: str) -> str:

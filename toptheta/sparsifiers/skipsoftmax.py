@@ -31,14 +31,14 @@ import math
 import torch
 
 from ..registry import Parameter, register_sparsifier
-from .base import FusedRule, RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
+from .base import FusedRule, ParameterRule, RowBlock, keep_whole_short_rows
 
 # sparsifier.target_kept bisects log λ over [1e-6, 1e4]: a larger λ keeps fewer keys.
 LAM = Parameter("lam", 1e-6, 1e4, log=True, keeps_more_when_higher=False, valid="a finite λ > 0, e.g. sparsifier.lam=1.0")
 
 
 @register_sparsifier("skipsoftmax", label="Skip-softmax", parameter=LAM)
-class SkipSoftmax(Sparsifier):
+class SkipSoftmax(ParameterRule):
     """Drop s < m + ln(λ/n), per row; see the module docstring.
 
     Args:
@@ -49,20 +49,12 @@ class SkipSoftmax(Sparsifier):
         layer_k: per-layer overrides of ``k``, e.g. ``{0: 512, 1: 512}``.
     """
 
+    parameter = LAM
+    lam: float
+
     def __init__(self, lam: float, placement: str = "pre", k: int | None = None,
                  layer_k: dict[int, int] | None = None):
-        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (0 < lam < math.inf):
-            raise ValueError(f"SkipSoftmax needs a finite λ > 0 (sparsifier.lam), got {lam!r}")
-        self.lam = float(lam)
-        self.placement = check_placement(placement)
-        self.k, self.layer_k = check_budgets("SkipSoftmax", k, layer_k)
-
-    @classmethod
-    def from_config(cls, settings: dict, thresholds=None) -> "SkipSoftmax":
-        return cls(settings["lam"], settings["placement"], settings.get("k"), settings.get("layer_k"))
-
-    def k_for(self, layer: int) -> int:
-        return self.layer_k.get(layer, self.k or 0)
+        super().__init__(lam, placement, k, layer_k)
 
     def cut(self, rows: RowBlock) -> torch.Tensor:
         """(B, H, Q, 1) float32 c such that s ≥ c exactly when s ≥ m + ln(λ/n) in float64, the maximum always kept.
@@ -104,10 +96,3 @@ class SkipSoftmax(Sparsifier):
         if whole is None:
             return None
         return FusedRule(whole=whole, cut=self.cut(rows)[..., 0], empty=self._empty(rows, self.k_for(rows.layer)))
-
-    def describe(self) -> dict:
-        return {"name": "skipsoftmax", "placement": self.placement, "lam": self.lam, "k": self.k,
-                "layer_k": dict(self.layer_k)}
-
-    def __repr__(self) -> str:
-        return f"SkipSoftmax(lam={self.lam:g}, placement={self.placement!r}, k={self.k}, layer_k={self.layer_k})"

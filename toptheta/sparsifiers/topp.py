@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Parameter, register_sparsifier
-from .base import FusedRule, RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
+from .base import FusedRule, ParameterRule, RowBlock, keep_whole_short_rows
 
 # sparsifier.target_kept bisects p over [1e-3, 1]: more mass keeps more keys.
 P = Parameter("p", 1e-3, 1.0, log=False, keeps_more_when_higher=True,
@@ -24,7 +24,7 @@ P = Parameter("p", 1e-3, 1.0, log=False, keeps_more_when_higher=True,
 
 
 @register_sparsifier("topp", label="Top-p", parameter=P)
-class TopP(Sparsifier):
+class TopP(ParameterRule):
     """Per-row, per-head nucleus selection.
 
     Args:
@@ -34,19 +34,11 @@ class TopP(Sparsifier):
         layer_k: per-layer overrides of ``k``, e.g. ``{0: 512, 1: 512}``.
     """
 
+    parameter = P
+    p: float
+
     def __init__(self, p: float, placement: str = "post", k: int | None = None, layer_k: dict[int, int] | None = None):
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"TopP needs a probability mass p in (0, 1], got {p!r}")
-        self.p = float(p)
-        self.placement = check_placement(placement)
-        self.k, self.layer_k = check_budgets("TopP", k, layer_k)
-
-    @classmethod
-    def from_config(cls, settings: dict, thresholds=None) -> "TopP":
-        return cls(settings["p"], settings["placement"], settings.get("k"), settings.get("layer_k"))
-
-    def k_for(self, layer: int) -> int:
-        return self.layer_k.get(layer, self.k or 0)
+        super().__init__(p, placement, k, layer_k)
 
     def select(self, rows: RowBlock) -> torch.Tensor | None:
         k = self.k_for(rows.layer)
@@ -61,12 +53,6 @@ class TopP(Sparsifier):
         (csrc/select.cpp, ``post_topp``); before it the weights are renormalised over the kept set (plain kernel)."""
         whole = self.fused_whole(rows)
         return None if whole is None or self.p >= 1.0 else FusedRule(whole=whole, p=self.p)
-
-    def describe(self) -> dict:
-        return {"name": "topp", "placement": self.placement, "p": self.p, "k": self.k, "layer_k": dict(self.layer_k)}
-
-    def __repr__(self) -> str:
-        return f"TopP(p={self.p}, placement={self.placement!r}, k={self.k}, layer_k={self.layer_k})"
 
 
 def nucleus_boundary(logits: torch.Tensor, row_max: torch.Tensor, p: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Parameter, register_sparsifier
-from .base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
+from .base import ParameterRule, RowBlock, keep_whole_short_rows
 
 # sparsifier.target_kept searches ρ over [1e-3, 1]: a larger share keeps more keys.
 RHO = Parameter("rho", 1e-3, 1.0, log=False, keeps_more_when_higher=True,
@@ -32,7 +32,7 @@ RHO = Parameter("rho", 1e-3, 1.0, log=False, keeps_more_when_higher=True,
 
 
 @register_sparsifier("toprho", label="Top-ρ", parameter=RHO)
-class TopRho(Sparsifier):
+class TopRho(ParameterRule):
     """Per-row, per-head top-⌈ρ·n⌉ selection.
 
     Args:
@@ -42,20 +42,12 @@ class TopRho(Sparsifier):
         layer_k: per-layer overrides of ``k``, e.g. ``{0: 512, 1: 512}``.
     """
 
+    parameter = RHO
+    rho: float
+
     def __init__(self, rho: float, placement: str = "post", k: int | None = None,
                  layer_k: dict[int, int] | None = None):
-        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 < rho <= 1:
-            raise ValueError(f"TopRho needs a share rho in (0, 1], got {rho!r}")
-        self.rho = float(rho)
-        self.placement = check_placement(placement)
-        self.k, self.layer_k = check_budgets("TopRho", k, layer_k)
-
-    @classmethod
-    def from_config(cls, settings: dict, thresholds=None) -> "TopRho":
-        return cls(settings["rho"], settings["placement"], settings.get("k"), settings.get("layer_k"))
-
-    def k_for(self, layer: int) -> int:
-        return self.layer_k.get(layer, self.k or 0)
+        super().__init__(rho, placement, k, layer_k)
 
     def select(self, rows: RowBlock) -> torch.Tensor | None:
         k = self.k_for(rows.layer)
@@ -64,13 +56,6 @@ class TopRho(Sparsifier):
         boundary = kept_boundary(rows.logits, rows.n, self.rho)  # (B, H, Q, 1)
         keep = (rows.logits >= boundary) & rows.valid  # ties with the m-th kept; rows without keys keep none
         return keep_whole_short_rows(keep, rows, k)
-
-    def describe(self) -> dict:
-        return {"name": "toprho", "placement": self.placement, "rho": self.rho, "k": self.k,
-                "layer_k": dict(self.layer_k)}
-
-    def __repr__(self) -> str:
-        return f"TopRho(rho={self.rho}, placement={self.placement!r}, k={self.k}, layer_k={self.layer_k})"
 
 
 def kept_count(n: torch.Tensor, rho: float) -> torch.Tensor:
