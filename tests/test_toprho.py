@@ -16,6 +16,9 @@ import toptheta
 from toptheta import pipeline
 from toptheta.attention import backends
 from toptheta.attention.backends.call import AttentionCall
+from toptheta.calibration.target_kept import TOLERANCE
+from toptheta.calibration.target_param import fit_parameter
+from toptheta.registry import sparsifier_kind
 from toptheta.sparsifiers.base import RowBlock
 from toptheta.sparsifiers.toprho import kept_count
 
@@ -66,3 +69,19 @@ def test_toptheta_eval_takes_rho_as_a_model_arg():
     assert spec.sparsifier.settings["rho"] == 0.2 and spec.sparsifier.k is None and rest == {"batch_size": 1}
     with pytest.raises(ValueError, match=r"rho=2: a share of each row's keys"):
         RunSpec.from_model_args("tiny-llama", sparsifier="toprho", rho=2)
+
+
+@pytest.mark.parametrize("target", [0.02, 0.05, 0.1, 1 / 3])
+def test_the_fit_of_rho_starts_at_the_target_and_takes_two_steps(target):
+    """A kept fraction a little above ρ (rows kept whole, the ceiling): the guess lands in two measures where
+    bracketing [1e-3, 1] took five or more."""
+    rho = sparsifier_kind("toprho").parameter
+    measure = lambda v: min(1.0, 1.06 * v + 0.003)  # noqa: E731
+    value, kept, tried = fit_parameter(target, rho, measure, **rho.guide(target))
+    assert tried[0][0] == target and len(tried) <= 2 and abs(kept / target - 1) <= TOLERANCE
+    assert len(fit_parameter(target, rho, measure)[2]) > 2  # without the guess
+
+
+def test_a_guess_outside_the_range_starts_at_its_end():
+    assert sparsifier_kind("toprho").parameter.guide(5.0)["start"] == 1.0
+    assert sparsifier_kind("topp").parameter.guide(0.1) == {}

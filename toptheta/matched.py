@@ -160,7 +160,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                                **({"start": guide} if guide else {}), **tolerance_record}
     if parameter is not None:  # a rule with its own parameter (p, λ): that is bisected, k keeps only rows whole
         key = parameter.key
-        value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key), tolerance=tolerance)
+        value, kept, tried = fit_parameter(target, parameter, lambda v: measure(v, key), tolerance=tolerance,
+                                           **parameter.guide(target))
         log.info("target_kept=%g: %s=%g (kept %.4f on the calibration rows of %s)", target, key, value, kept,
                  rows.task)
         return with_value(value, key), {"target_kept": target, key: value, "calibration_kept": kept,

@@ -38,6 +38,16 @@ class Parameter:
     log: bool  # bisect log(value)
     keeps_more_when_higher: bool
     valid: str = ""  # what a value must be, for messages: "a probability mass in (0, 1], e.g. sparsifier.p=0.9"
+    # target kept fraction -> (a first value to try, d log(kept) / d(search axis) there), where the rule says where it
+    # lands (Top-ρ keeps about ρ); None: the search brackets the whole range
+    guess: Callable[[float], tuple[float, float]] | None = None
+
+    def guide(self, target: float) -> dict:
+        """fit_parameter's ``start`` and ``slope`` for ``target`` from ``guess`` (the start kept in range); {} without."""
+        if self.guess is None:
+            return {}
+        start, slope = self.guess(target)
+        return {"start": min(self.high, max(self.low, start)), "slope": slope}
 
     def between(self, a: float, b: float) -> float:
         return math.sqrt(a * b) if self.log else (a + b) / 2

@@ -26,9 +26,11 @@ import torch
 from ..registry import Parameter, register_sparsifier
 from .base import ParameterRule, RowBlock, keep_whole_short_rows
 
-# sparsifier.target_kept searches ρ over [1e-3, 1]: a larger share keeps more keys.
+# sparsifier.target_kept searches ρ over [1e-3, 1]: a larger share keeps more keys. It starts at ρ = the target, as
+# the rows kept whole (n ≤ k) and the ceiling only add a little, with d log(kept)/dρ = 1/ρ: two steps, not six.
 RHO = Parameter("rho", 1e-3, 1.0, log=False, keeps_more_when_higher=True,
-                valid="a share of each row's keys in (0, 1], e.g. sparsifier.rho=0.1")
+                valid="a share of each row's keys in (0, 1], e.g. sparsifier.rho=0.1",
+                guess=lambda target: (target, 1 / target))
 
 
 @register_sparsifier("toprho", label="Top-ρ", parameter=RHO)
