@@ -216,14 +216,10 @@ def write_verdicts(outputs: Outputs, summary, results: Path) -> None:
                       "Top-θ against today's threshold baselines at equal sparsity",
                       doc_text(baselines.__doc__, 1, 2) + " " + baselines.SCOPE_ALL + "\n\n")
         outputs.table("baseline_pairs", verdicts.pairs_table(found_baselines), "The run pairs behind each baseline verdict")
-    for name, pairs, title, note in (
-            ("baseline_layer_budget", baselines.layer_budget_pairs,
-             "Runs at a baseline's per-layer budget against runs keeping as much", baselines.LAYER_BUDGET_NOTE),
-            ("baseline_allocation", baselines.allocation_pairs, "Top-ρ against runs keeping as much",
-             baselines.ALLOCATION_NOTE)):
-        table = pairs(summary, results)
+    for matched in baselines.MATCHED_TABLES:
+        table = matched.pairs(summary, results)
         if len(table):
-            outputs.table(name, table, title, note + "\n\n")
+            outputs.table(matched.name, table, matched.caption, matched.note + "\n\n")
     crossing = past_calibration.past_calibration_table(summary)
     if len(crossing):
         outputs.table("past_calibration", crossing, "Past the calibrated length: Top-θ against Top-k at the same k",

@@ -89,16 +89,12 @@ def baselines_section(summary, results: Path, level: str) -> list[str]:
     lines += [markdown(verdicts.verdict_table(found)).rstrip(), ""]
     columns = ["series", "kept_attention_fraction", "value", "versus", "versus_kept", "versus_value", "diff", "ci_low",
                "ci_high", "run_id"]
-    for title, pairs, note, figure in (
-            ("At the baseline's per-layer budget", baselines.layer_budget_pairs, baselines.LAYER_BUDGET_NOTE,
-             "baseline_layer_budget"),
-            ("With a budget that grows with the row (Top-ρ)", baselines.allocation_pairs, baselines.ALLOCATION_NOTE,
-             "baseline_allocation")):
-        table = pairs(summary, results)
+    for matched in baselines.MATCHED_TABLES:
+        table = matched.pairs(summary, results)
         if len(table):
-            lines += [f"{level}# {title}", "", note, "",
+            lines += [f"{level}# {matched.section}", "", matched.note, "",
                       markdown(table[(["group"] if table["group"].nunique() > 1 else []) + columns]).rstrip(), "",
-                      f"Every column: `figures/{figure}.md`.", ""]
+                      f"Every column: `figures/{matched.name}.md`.", ""]
     return lines
 
 

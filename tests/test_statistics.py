@@ -16,7 +16,7 @@ N = 400
 
 
 def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=None, choices=4, shots=0, target=None,
-         clamped=0, calib_task=None, layer_k=None):
+         clamped=0, calib_task=None, layer_k=None, head_weights=None):
     """One run of `task` on len(outcomes) questions with per-question samples (lm-eval's layout, `choices` answer
     options per question), as run.py stores it."""
     limit = len(outcomes)
@@ -27,7 +27,8 @@ def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=No
                                                   **({"num_fewshot": shots, "fewshot_sampler": "first_n"} if shots else {})},
               "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
                              "layer_k": (layer_k if layer_k is not None else {"0": 512}) if sparsifier != "dense" else {},
-                             **({"target_kept": target} if target is not None else {})},
+                             **({"target_kept": target} if target is not None else {}),
+                             **({"head_weights": head_weights} if head_weights is not None else {})},
               "comp": {"sdc": "exact" if "sdc" in comp else None, "sdc_scale": 1.0, "vmc": "vmc" in comp},
               "calib": calib}
     run_id = store.run_id_for(config)
@@ -452,6 +453,33 @@ def test_a_top_rho_run_is_compared_with_every_run_keeping_as_much(tmp_path):
     assert dict(zip(table["versus"], table["diff"])) == {"Top-k post (+VMC)": pytest.approx(25 / N),
                                                          "Skip-softmax post (+VMC)": pytest.approx(-5 / N)}
     assert baselines.layer_budget_pairs(summary, tmp_path).empty  # no per-layer run here
+    assert baselines.head_budget_pairs(summary, tmp_path).empty  # no per-head run here
+
+
+def test_a_top_rho_run_with_a_share_per_head_has_its_own_table(tmp_path):
+    """results/baselines.py head_budget_pairs: a Top-ρ run with head_weights ('[per-head ρ]') against every sparse run
+    of its setting keeping as much, Top-ρ with one share included; allocation_pairs leaves it out on both sides."""
+    from toptheta.results import baselines, labels
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(7)
+    dense = (rng.random(N) < 0.6).astype(float)
+    small = {"0": 128, "1": 128}
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
+    _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 15, 0.0), 0.049, shots=25, target=0.05,
+         layer_k=small)
+    _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 12, 0.0), 0.050, shots=25, target=0.05,
+         layer_k=small, head_weights=[[2.0, 0.5], [1.0, 1.0]])
+    _add(store, "arc_easy", "skipsoftmax", "post", None, "vmc", _flip(dense, 10, 0.0), 0.050, shots=25, target=0.05,
+         layer_k=small)
+    summary = load_summary(tmp_path)
+    table = baselines.head_budget_pairs(summary, tmp_path)
+    assert list(table["series"].unique()) == [f"Top-ρ post (+VMC) [{labels.PER_HEAD_RHO}]"]
+    assert dict(zip(table["versus"], table["diff"])) == {"Top-ρ post (+VMC)": pytest.approx(3 / N),
+                                                         "Skip-softmax post (+VMC)": pytest.approx(-2 / N)}
+    allocation = baselines.allocation_pairs(summary, tmp_path)
+    assert list(allocation["series"].unique()) == ["Top-ρ post (+VMC)"]
+    assert list(allocation["versus"]) == ["Skip-softmax post (+VMC)"]
 
 def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length():
     """results/past_calibration.py: a Top-θ view past its calibration beside Top-k's at the same k and length, with

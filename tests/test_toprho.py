@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-from conftest import cfg, qkv
-from test_baselines import random_rows
+from conftest import cfg, qkv, sparse_rows
+from test_baselines import random_rows, ref_toprho, reference_keep
 
 import toptheta
 from toptheta import pipeline
@@ -21,6 +21,7 @@ from toptheta.calibration.target_param import fit_parameter
 from toptheta.registry import sparsifier_kind
 from toptheta.sparsifiers.base import RowBlock
 from toptheta.sparsifiers.toprho import kept_count
+from toptheta.store.rows import weights_digest
 
 
 def test_kept_count_is_the_exact_ceiling():
@@ -85,3 +86,62 @@ def test_the_fit_of_rho_starts_at_the_target_and_takes_two_steps(target):
 def test_a_guess_outside_the_range_starts_at_its_end():
     assert sparsifier_kind("toprho").parameter.guide(5.0)["start"] == 1.0
     assert sparsifier_kind("topp").parameter.guide(0.1) == {}
+
+
+# ---- a share per head (sparsifier.head_weights, scripts/head_budget.py) ----------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("grid", [0.5, None])
+def test_head_weights_give_each_head_the_reference_set_at_its_own_share(seed, grid):
+    rows = random_rows(seed, grid=grid)  # 3 heads
+    weights = [[0.5, 2.0, 40.0]]  # head 2's share is capped at 1: it keeps every key
+    keep = toptheta.TopRho(0.2, head_weights=weights).select(rows)
+    for h, share in enumerate((0.1, 0.4, 1.0)):
+        expected = reference_keep(rows, lambda s, v: ref_toprho(s, v, share))[:, h]
+        assert torch.equal(keep[:, h], expected), h
+    assert not torch.equal(keep[:, 0], keep[:, 1])  # the weights reached the kernel
+    assert toptheta.TopRho(0.05, head_weights=[[20.0, 30.0, 25.0]]).select(rows) is None  # every share capped at 1
+
+
+@pytest.mark.parametrize("weights", [[], [[]], [[1.0, 0.0]], [[1.0, -2.0]], [[1.0, math.inf]], [[True]], "1,2",
+                                     [1.0, 2.0], [{"a": 1}]])
+def test_bad_head_weights_are_refused(weights):
+    with pytest.raises(ValueError, match="one list per layer of positive weights"):
+        toptheta.TopRho(0.1, head_weights=weights)
+
+
+def test_head_weights_must_fit_the_model_before_it_evaluates(tmp_path):
+    rows = random_rows(0)
+    with pytest.raises(ValueError, match="layer 0 2 weights, but its attention has 3 query heads"):
+        toptheta.TopRho(0.1, head_weights=[[1.0, 1.0]]).select(rows)
+    with pytest.raises(ValueError, match="has 1 layers; layer 1 has none"):
+        toptheta.TopRho(0.1, head_weights=[[1.0, 1.0, 1.0]]).select(RowBlock(1, "prefill", rows.logits, rows.n,
+                                                                                valid=rows.valid))
+    from toptheta.builders import check_sparsifies
+
+    settings = {"name": "toprho", "k": None, "layer_k": {}, "head_weights": [[1.0] * 4] * 3}
+    with pytest.raises(ValueError, match="3 layer\\(s\\) of \\[4\\] weights, but tiny has 2 layers of 4 query heads"):
+        check_sparsifies(settings, 2, 100, "tiny", 4)
+    check_sparsifies(dict(settings, head_weights=[[1.0] * 4] * 2), 2, 100, "tiny", 4)
+    with pytest.raises(ValueError, match="head_weights=.*null: only sparsifier=toprho reads it"):
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", "sparsifier=topk",
+                          "+sparsifier.head_weights=[[1.0,2.0]]"))
+    with pytest.raises(ValueError, match="one list per layer of positive weights"):
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", "sparsifier=toprho",
+                          "sparsifier.head_weights=[[1.0,-2.0]]"))
+
+
+def test_a_run_with_head_weights_is_stored_apart_and_tagged(tmp_path):
+    from toptheta.results.labels import PER_HEAD_RHO, series_label
+
+    table = [[1.0, 1.0, 1.0, 1.0], [4.0, 0.25, 1.0, 1.0]] * 3  # tiny-llama: 6 layers of 4 query heads
+    weights = str(table).replace(" ", "")
+    base = ("comp=vmc", "sparsifier.placement=post", "sparsifier.layer_k=null", "sparsifier=toprho",
+            "sparsifier.rho=0.4")
+    rows = sparse_rows(tmp_path / "weighted", *base, f"sparsifier.head_weights={weights}")
+    plain = sparse_rows(tmp_path / "plain", *base)
+    assert rows[0]["run_id"] != plain[0]["run_id"]
+    assert {r["head_weights"] for r in rows} == {weights_digest(table)} and \
+        {r["head_weights"] for r in plain} == {""}
+    assert series_label(rows[0]).endswith(f"[{PER_HEAD_RHO}]") and PER_HEAD_RHO not in series_label(plain[0])
+    assert rows[0]["kept_attention_fraction"] != plain[0]["kept_attention_fraction"]

@@ -120,6 +120,9 @@ class SparsifierConfig:
     p: Optional[float] = None
     lam: Optional[float] = None
     rho: Optional[float] = None
+    # toprho only: per layer, one weight per query head; head h of layer l keeps min(1, ρ·w[l][h]) of each row
+    # (scripts/head_budget.py takes the weights from the shares another run's heads kept). Null: every head keeps ρ.
+    head_weights: Optional[List[List[float]]] = None
 
 
 @dataclass
@@ -334,11 +337,17 @@ def sparsifier_problems(sparsifier: Any, comp: Any, fits_target: bool = True) ->
     if kind.drops:
         need(placement is not None and str(placement) in (*kind.placements, "auto"), "sparsifier.placement", placement,
              f"use {', '.join(kind.placements)} or auto")
-    for other in map(sparsifier_kind, sparsifier_names()):  # another rule's parameter would silently mean nothing
-        if other.parameter is not None and other.parameter != kind.parameter:
-            key = other.parameter.key
-            need(get(sparsifier, key) is None, f"sparsifier.{key}", get(sparsifier, key),
-                 f"null: only sparsifier={other.name} reads it")
+    for other in map(sparsifier_kind, sparsifier_names()):  # another rule's setting would silently mean nothing
+        for key in other.keys:
+            if key not in kind.keys:
+                need(get(sparsifier, key) is None, f"sparsifier.{key}", get(sparsifier, key),
+                     f"null: only sparsifier={other.name} reads it")
+    if get(sparsifier, "head_weights") is not None and "head_weights" in kind.keys:
+        try:
+            from .sparsifiers.toprho import check_head_weights
+            check_head_weights(get(sparsifier, "head_weights"))
+        except ValueError as err:
+            problems.append(str(err))
     layer_ks = get(sparsifier, "layer_k")
     need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
          "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")

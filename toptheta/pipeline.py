@@ -331,7 +331,7 @@ def run(cfg: DictConfig):
         model.eval()
         check_supported(model)  # sinks, or attention that bypasses the interface: refused before any evaluation
         longest_row = cfg.task.max_length or m.max_length or info.max_position_embeddings
-        check_sparsifies(specs[-1].sparsifier.settings, info.num_layers, longest_row, m.name)
+        check_sparsifies(specs[-1].sparsifier.settings, info.num_layers, longest_row, m.name, info.num_heads)
         if cfg.task.kind != "lm_eval":
             task = OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True)
             check_context(task, info.max_position_embeddings, m.name)

@@ -95,7 +95,7 @@ class TopThetaLM(SharedContextHFLM):
         super().__init__(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
         check_supported(model)  # sinks, or attention that bypasses the interface: refused before any request
         sparse, calib = self.spec.sparsifier, self.spec.calib or CalibSpec()
-        builders.check_sparsifies(sparse.settings, info.num_layers, self.max_length, info.name)
+        builders.check_sparsifies(sparse.settings, info.num_layers, self.max_length, info.name, info.num_heads)
         self.thresholds, self.thresholds_path = None, None
         if thresholds is not None:
             self.thresholds = Thresholds.load(thresholds, model, lookup=calib.lookup, beyond=calib.beyond)

@@ -12,6 +12,8 @@ settings as the paper's claims are (verdicts.py); the interval also answers non-
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -86,20 +88,65 @@ ALLOCATION_NOTE = _matched_note(
     "keeps.")
 
 
+HEAD_BUDGET_NOTE = _matched_note(
+    f"Top-ρ runs given a share per head (series tagged '[{labels.PER_HEAD_RHO}]'; "
+    "`experiments/long_rows/smol_head_budget`: head h of layer l keeps min(1, ρ·w[l][h]) of each row, w from the "
+    "shares a baseline's heads kept, `scripts/head_budget.py`)",
+    "the per-head run",
+    "Against the baseline whose shares it took, what is left is which rows of a head and which keys of a row it "
+    "keeps; against Top-ρ with one share for every head, how the budget is spread over the heads.")
+
+
+def _series_tagged(tag: str):
+    """chosen for matched_pairs: the runs whose series carries ``[tag]``."""
+    return lambda rows: rows["series"].astype(str).str.contains(f"[{tag}]", regex=False)
+
+
 def layer_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
     """The pairs LAYER_BUDGET_NOTE describes (labels.PER_LAYER_K tags the per-layer runs; MATCHED_SLACK)."""
-    return matched_pairs(summary, results_dir,
-                         lambda rows: rows["series"].astype(str).str.contains(f"[{labels.PER_LAYER_K}]", regex=False))
+    return matched_pairs(summary, results_dir, _series_tagged(labels.PER_LAYER_K))
 
 
 def allocation_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
-    """The pairs ALLOCATION_NOTE describes: each Top-ρ run against the runs of its setting that kept as much."""
-    return matched_pairs(summary, results_dir, lambda rows: rows["sparsifier"].astype(str) == "toprho")
+    """The pairs ALLOCATION_NOTE describes: each Top-ρ run with one share for every head against the runs of its
+    setting that kept as much (but the per-head ones: head_budget_pairs has them)."""
+    per_head = _series_tagged(labels.PER_HEAD_RHO)
+    return matched_pairs(summary, results_dir, lambda rows: (rows["sparsifier"].astype(str) == "toprho")
+                         & ~per_head(rows), versus=lambda rows: ~per_head(rows))
 
 
-def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen) -> pd.DataFrame:
+def head_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
+    """The pairs HEAD_BUDGET_NOTE describes (labels.PER_HEAD_RHO tags the per-head runs; MATCHED_SLACK)."""
+    return matched_pairs(summary, results_dir, _series_tagged(labels.PER_HEAD_RHO))
+
+
+@dataclass(frozen=True)
+class MatchedTable:
+    """A table of matched_pairs that the README's baselines section and the figures show."""
+
+    name: str  # results/figures/<name>.*
+    section: str  # its subsection title in results/README.md
+    caption: str  # its figure's title
+    pairs: Callable[[pd.DataFrame, str | Path | None], pd.DataFrame]
+    note: str
+
+
+MATCHED_TABLES = (
+    MatchedTable("baseline_layer_budget", "At the baseline's per-layer budget",
+                 "Runs at a baseline's per-layer budget against runs keeping as much", layer_budget_pairs,
+                 LAYER_BUDGET_NOTE),
+    MatchedTable("baseline_allocation", "With a budget that grows with the row (Top-ρ)",
+                 "Top-ρ against runs keeping as much", allocation_pairs, ALLOCATION_NOTE),
+    MatchedTable("baseline_head_budget", "With a share per head (Top-ρ at a baseline's per-head shares)",
+                 "Top-ρ at a baseline's per-head shares against runs keeping as much", head_budget_pairs,
+                 HEAD_BUDGET_NOTE),
+)
+
+
+def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen, versus=None) -> pd.DataFrame:
     """Each run ``chosen(rows)`` marks (a boolean Series over comparisons.store_rows) against every other sparse run of
-    its setting, not marked, whose kept attention fraction is within MATCHED_SLACK of its own; paired per question."""
+    its setting, not marked (and marked by ``versus`` where given), whose kept attention fraction is within
+    MATCHED_SLACK of its own; paired per question."""
     results_dir = Path(results_dir) if results_dir is not None else None
     rows = comparisons.store_rows(summary)
     if rows.empty:
@@ -107,7 +154,8 @@ def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen)
     tagged = chosen(rows)
     out = []
     for _, a in rows[tagged].iterrows():
-        others = rows[(rows["group"] == a["group"]) & ~tagged & (rows["series"] != "Baseline")]
+        others = rows[(rows["group"] == a["group"]) & ~tagged & (rows["series"] != "Baseline")
+                      & (versus(rows) if versus is not None else True)]
         for _, b in others.iterrows():
             if abs(float(b["kept_attention_fraction"]) / float(a["kept_attention_fraction"]) - 1) > MATCHED_SLACK:
                 continue

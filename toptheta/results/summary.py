@@ -14,7 +14,7 @@ from ..store.rows import SUMMARY_COLUMNS
 
 # Text columns pinned to str: a hex run id such as "1234e567..." would otherwise parse as a float.
 TEXT_COLUMNS = ("run_id", "model", "sparsifier", "placement", "comp", "granularity", "layer_k", "calib_task",
-                "calib_statistic", "tac", "calib_compensation", "empty_rows", "calib_beyond", "task",
+                "calib_statistic", "tac", "calib_compensation", "empty_rows", "calib_beyond", "head_weights", "task",
                 "fewshot_sampler", "metric", "stats_scope", "git_commit", "phase", "timestamp")
 
 

@@ -9,6 +9,8 @@ directories.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,7 +57,8 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "git_commit",
     "phase",
     "timestamp",
-    "rho",  # last: summaries written before it existed keep their columns where they were
+    "rho",  # last ones: summaries written before they existed keep their columns where they were
+    "head_weights",
 )
 
 # Where summary_rows finds each config-derived column: candidate dotted paths, the first one
@@ -84,13 +87,15 @@ SUMMARY_FIELD_PATHS: dict[str, tuple[str, ...]] = {
     "p": ("sparsifier.p",),  # top-p's probability mass
     "lam": ("sparsifier.lam",),  # skip-softmax's λ
     "rho": ("sparsifier.rho",),  # top-ρ's share of each row
+    "head_weights": ("sparsifier.head_weights",),  # top-ρ's weights per (layer, head), as a digest (weights_digest)
     "calib_beyond": ("calib.beyond",),  # rows past the calibrated lengths: clamp (the default) or fit
     "limit": ("task.limit", "eval.limit", "limit"),
     "phase": ("phase",),
 }
 
 # Columns that describe sparsification: empty for a dense run, whatever its config holds.
-SPARSE_ONLY_COLUMNS: tuple[str, ...] = ("placement", "k", "layer_k", "empty_rows", "p", "lam", "rho", "calib_beyond")
+SPARSE_ONLY_COLUMNS: tuple[str, ...] = ("placement", "k", "layer_k", "empty_rows", "p", "lam", "rho", "head_weights",
+                                        "calib_beyond")
 
 # Columns read from the run's statistics: column -> candidate keys of stats (the first present wins).
 STAT_SOURCES: dict[str, tuple[str, ...]] = {
@@ -202,6 +207,8 @@ def summary_rows(
         base["target_measure"] = "attention"  # the default measure (not in the run id when unset)
     if base.get("calib_beyond") is None and _lookup(config, "sparsifier.name") == "toptheta":
         base["calib_beyond"] = "clamp"  # the rule before calib.beyond existed, and its default (not in the run id)
+    if base.get("head_weights") is not None:
+        base["head_weights"] = weights_digest(_lookup(config, "sparsifier.head_weights"))
     if _lookup(config, "sparsifier.name") == "dense":
         base.update({column: None for column in SPARSE_ONLY_COLUMNS})
 
@@ -225,6 +232,13 @@ def summary_rows(
             row["stats_scope"] = scope
             rows.append(row | dict(overrides or {}))
     return rows
+
+
+def weights_digest(weights: Sequence[Sequence[float]]) -> str:
+    """A cell for a table of weights (Top-ρ's per (layer, head)): "w" and the first 8 hex digits of the SHA-256 of
+    its JSON, with the floats as Python writes them, so two runs share a cell exactly when they share the weights."""
+    text = json.dumps([[float(w) for w in row] for row in weights], separators=(",", ":"))
+    return "w" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:8]
 
 
 FITTED_PARAMETERS = ("k", "p", "lam", "rho")  # what a matched-sparsity search chooses, by sparsifier setting name

@@ -1,0 +1,46 @@
+"""scripts/head_budget.py: Top-ρ's per-head weights from another run's per-head kept shares (kept_by_row.csv)."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("head_budget")
+
+
+def _table(path: Path, run_id: str, shares: list[list[float]]) -> Path:
+    rows = [{"run_id": run_id, "series": "x", "layer": layer, "head": head, "kept_fraction": f}
+            for layer, row in enumerate(shares) for head, f in enumerate(row)]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+def test_weights_are_the_shares_over_their_mean(tmp_path, script):
+    csv = _table(tmp_path / "t.csv", "0123", [[0.1, 0.3], [0.2, 0.2]])  # mean 0.2
+    assert script.head_weights(csv, "0123") == [[0.5, 1.5], [1.0, 1.0]]
+    assert yaml.safe_load(script.as_yaml([[0.5, 1.5], [1.0, 1.0]])) == {"head_weights": [[0.5, 1.5], [1.0, 1.0]]}
+
+
+def test_a_missing_run_or_head_names_the_fix(tmp_path, script):
+    csv = _table(tmp_path / "t.csv", "0123", [[0.1, 0.3], [0.2, 0.2]])
+    with pytest.raises(SystemExit, match="no run 4567: replay it first"):
+        script.head_weights(csv, "4567")
+    table = pd.read_csv(csv, dtype={"run_id": str}).iloc[:-1]
+    table.to_csv(csv, index=False)
+    with pytest.raises(SystemExit, match="lacks some"):
+        script.head_weights(csv, "0123")
+
+
+def test_the_experiment_holds_what_the_script_prints_from_the_stored_replay(script):
+    """experiments/long_rows/smol_head_budget's weights are still those of skip-softmax's replayed shares."""
+    experiment = yaml.safe_load((ROOT / "experiments/long_rows/smol_head_budget.yaml").read_text(encoding="utf-8"))
+    assert experiment["sparsifier"]["head_weights"] == script.head_weights(
+        ROOT / "results/analysis/kept_by_row.csv", "60b98a8accdd4bc9")
