@@ -197,12 +197,6 @@ def tradeoff_figure(summary: pd.DataFrame, *, model: str, task: str, metric: str
     return fig
 
 
-def setting_of(table: pd.DataFrame) -> tuple[Any, Any]:
-    if table.empty:
-        return None, None
-    return table["num_fewshot"].iloc[0], table["limit"].iloc[0]
-
-
 # ---------------------------------------------------------------- threshold granularity ablation
 
 

@@ -80,7 +80,7 @@ def tradeoff_panels_figure(summary: pd.DataFrame, *, model: str, task: str, metr
     axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).ravel()
     dense = table[table["series"] == "Baseline"] if len(table) else table
     lowest = float(sparse[x].min()) if len(sparse) else 0.1
-    label = _full(metric).split(",")[0]
+    label = selection.full_metric(metric).split(",")[0]
     for ax, members in zip(axes, panels):
         if len(dense):
             value = float(dense["value"].iloc[0])
@@ -108,13 +108,9 @@ def tradeoff_panels_figure(summary: pd.DataFrame, *, model: str, task: str, metr
         _label_points(ax, sparse[sparse["series"].isin(members)], x, colors)
     fig.supxlabel(figures.X_LABELS[x] + " (log scale)", fontsize=9)
     fig.supylabel(f"{label} (bars: paired 95 % interval of the difference to dense)", fontsize=8)
-    title = "Top-θ and Top-k (SDC, VMC): " + selection.group_title(model, task, _full(metric), *selection.setting_of(table))
+    title = "Top-θ and Top-k (SDC, VMC): " + selection.group_title(model, task, selection.full_metric(metric), *selection.setting_of(table))
     fig.suptitle("\n".join(textwrap.wrap(title, width=int(30 * ncols + 20))), fontsize=9)
     return fig
-
-
-def _full(metric: str) -> str:
-    return metric if "," in metric else f"{metric},none"
 
 
 def _label_points(ax, rows: pd.DataFrame, x: str, colors: dict[str, str]) -> None:
