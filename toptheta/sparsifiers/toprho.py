@@ -105,6 +105,12 @@ class TopRho(ParameterRule):
     def describe(self) -> dict:
         return {**super().describe(), **({"head_weights": self.head_weights} if self.head_weights else {})}
 
+    def __repr__(self) -> str:
+        if self.head_weights is None:
+            return super().__repr__()
+        shape = f"{len(self.head_weights)}×{len(self.head_weights[0])}"
+        return super().__repr__()[:-1] + f", head_weights=<{shape} weights>)"
+
 
 def check_head_weights(head_weights) -> list[list[float]] | None:
     """None, or one non-empty list per layer of positive finite weights (floats); a clear error otherwise."""
