@@ -432,8 +432,10 @@ def test_a_run_at_a_baselines_per_layer_budget_is_compared_with_every_run_keepin
 
 def test_a_top_rho_run_is_compared_with_every_run_keeping_as_much(tmp_path):
     """results/baselines.py allocation_pairs: each Top-ρ run against the sparse runs of its setting within ±10 % of
-    its kept fraction (Top-k: how the budget is spread over the rows; skip-softmax: which keys a row keeps)."""
-    from toptheta.results import baselines
+    its kept fraction (Top-k: how the budget is spread over the rows; skip-softmax: which keys a row keeps). A Top-ρ
+    run with head_weights ('[per-head ρ]') has its own table, head_budget_pairs, with Top-ρ of one share among its
+    pairs; allocation_pairs leaves it out on both sides."""
+    from toptheta.results import baselines, labels
 
     store = RunStore(tmp_path)
     rng = np.random.default_rng(6)
@@ -447,39 +449,20 @@ def test_a_top_rho_run_is_compared_with_every_run_keeping_as_much(tmp_path):
     _add(store, "arc_easy", "skipsoftmax", "post", None, "vmc", _flip(dense, 10, 0.0), 0.050, shots=25, target=0.05,
          layer_k=small)
     _add(store, "arc_easy", "topk", "post", 28, "vmc", _flip(dense, 5, 0.0), 0.1, shots=25)  # keeps twice as much
+    _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 12, 0.0), 0.050, shots=25, target=0.05,
+         layer_k=small, head_weights=[[2.0, 0.5], [1.0, 1.0]])
     summary = load_summary(tmp_path)
     table = baselines.allocation_pairs(summary, tmp_path)
     assert list(table["series"].unique()) == ["Top-ρ post (+VMC)"]
     assert dict(zip(table["versus"], table["diff"])) == {"Top-k post (+VMC)": pytest.approx(25 / N),
                                                          "Skip-softmax post (+VMC)": pytest.approx(-5 / N)}
     assert baselines.layer_budget_pairs(summary, tmp_path).empty  # no per-layer run here
-    assert baselines.head_budget_pairs(summary, tmp_path).empty  # no per-head run here
+    per_head = baselines.head_budget_pairs(summary, tmp_path)
+    assert list(per_head["series"].unique()) == [f"Top-ρ post (+VMC) [{labels.PER_HEAD_RHO}]"]
+    assert dict(zip(per_head["versus"], per_head["diff"])) == {
+        "Top-ρ post (+VMC)": pytest.approx(3 / N), "Top-k post (+VMC)": pytest.approx(28 / N),
+        "Skip-softmax post (+VMC)": pytest.approx(-2 / N)}
 
-
-def test_a_top_rho_run_with_a_share_per_head_has_its_own_table(tmp_path):
-    """results/baselines.py head_budget_pairs: a Top-ρ run with head_weights ('[per-head ρ]') against every sparse run
-    of its setting keeping as much, Top-ρ with one share included; allocation_pairs leaves it out on both sides."""
-    from toptheta.results import baselines, labels
-
-    store = RunStore(tmp_path)
-    rng = np.random.default_rng(7)
-    dense = (rng.random(N) < 0.6).astype(float)
-    small = {"0": 128, "1": 128}
-    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
-    _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 15, 0.0), 0.049, shots=25, target=0.05,
-         layer_k=small)
-    _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 12, 0.0), 0.050, shots=25, target=0.05,
-         layer_k=small, head_weights=[[2.0, 0.5], [1.0, 1.0]])
-    _add(store, "arc_easy", "skipsoftmax", "post", None, "vmc", _flip(dense, 10, 0.0), 0.050, shots=25, target=0.05,
-         layer_k=small)
-    summary = load_summary(tmp_path)
-    table = baselines.head_budget_pairs(summary, tmp_path)
-    assert list(table["series"].unique()) == [f"Top-ρ post (+VMC) [{labels.PER_HEAD_RHO}]"]
-    assert dict(zip(table["versus"], table["diff"])) == {"Top-ρ post (+VMC)": pytest.approx(3 / N),
-                                                         "Skip-softmax post (+VMC)": pytest.approx(-2 / N)}
-    allocation = baselines.allocation_pairs(summary, tmp_path)
-    assert list(allocation["series"].unique()) == ["Top-ρ post (+VMC)"]
-    assert list(allocation["versus"]) == ["Skip-softmax post (+VMC)"]
 
 def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length():
     """results/past_calibration.py: a Top-θ view past its calibration beside Top-k's at the same k and length, with
