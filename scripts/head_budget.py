@@ -1,6 +1,6 @@
 """Per-head weights of Top-ρ's share that spend a budget over the heads as another run did (``sparsifier.head_weights``).
 
-    python scripts/head_budget.py --like RUN_ID [--csv results/analysis/kept_by_row.csv]
+    python scripts/head_budget.py --like RUN_ID [--csv results/analysis/kept_by_row.csv] [--permute SEED]
 
 Skip-softmax's heads keep very different shares of their rows (SmolLM2 ARC-Easy 25-shot at 1/20: a coefficient of
 variation of 0.55 across the heads of a layer, against 0 for Top-k, Top-θ and Top-ρ; ``results/analysis/
@@ -13,11 +13,16 @@ The shares are ``kept_by_row.csv``'s ``kept_fraction`` (``scripts/kept_by_row.py
 elements of a head, on the replayed questions). The weights are those shares over their mean, so ρ is about the
 kept fraction, rounded to 4 significant digits. Prints the ``head_weights`` YAML (one flow list per layer) for an
 experiment file.
+
+``--permute SEED`` shuffles each layer's weights over its heads (a seeded permutation per layer): the control that
+keeps how unequal a layer's heads are and each layer's total, and loses which heads the run gave more to. If the
+gain of the per-head shares comes from skip-softmax's choice of heads, the shuffled weights lose it.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +49,18 @@ def head_weights(csv: Path, run_id: str) -> list[list[float]]:
     return [[float(f"{share / mean:.4g}") for share in layer] for layer in shares.to_numpy()]
 
 
+def permuted(weights: list[list[float]], seed: int) -> list[list[float]]:
+    """Each layer's weights in a seeded random order over its heads (random.Random(seed), one shuffle per layer in
+    layer order)."""
+    rng = random.Random(seed)
+    out = []
+    for row in weights:
+        row = list(row)
+        rng.shuffle(row)
+        out.append(row)
+    return out
+
+
 def as_yaml(weights: list[list[float]], indent: str = "    ") -> str:
     """``head_weights:`` with one flow list per layer, as an experiment file's ``sparsifier`` section holds it."""
     return "\n".join([f"{indent[:-2]}head_weights:"] + [f"{indent}- [{', '.join(f'{w:g}' for w in row)}]"
@@ -54,10 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--like", required=True, help="the run whose heads' kept shares to follow")
     parser.add_argument("--csv", default="results/analysis/kept_by_row.csv", help="scripts/kept_by_row.py's table")
+    parser.add_argument("--permute", type=int, default=None, metavar="SEED",
+                        help="shuffle each layer's weights over its heads (the control for which heads get more)")
     args = parser.parse_args(argv)
     weights = head_weights(Path(args.csv), args.like)
+    if args.permute is not None:
+        weights = permuted(weights, args.permute)
     spread = [max(row) / min(row) for row in weights]
-    print(f"# {len(weights)} layers × {len(weights[0])} heads from {args.like}; weights "
+    print(f"# {len(weights)} layers × {len(weights[0])} heads from {args.like}"
+          + (f", each layer's shuffled (seed {args.permute})" if args.permute is not None else "") + "; weights "
           f"{min(map(min, weights)):g}..{max(map(max, weights)):g} (largest / smallest in a layer: median "
           f"{sorted(spread)[len(spread) // 2]:.1f})")
     print(as_yaml(weights))

@@ -39,8 +39,17 @@ def test_a_missing_run_or_head_names_the_fix(tmp_path, script):
         script.head_weights(csv, "0123")
 
 
-def test_the_experiment_holds_what_the_script_prints_from_the_stored_replay(script):
-    """experiments/long_rows/smol_head_budget's weights are still those of skip-softmax's replayed shares."""
-    experiment = yaml.safe_load((ROOT / "experiments/long_rows/smol_head_budget.yaml").read_text(encoding="utf-8"))
-    assert experiment["sparsifier"]["head_weights"] == script.head_weights(
-        ROOT / "results/analysis/kept_by_row.csv", "60b98a8accdd4bc9")
+def test_permuting_shuffles_each_layer_alone_and_is_seeded(script):
+    weights = [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]
+    shuffled = script.permuted(weights, 0)
+    assert [sorted(row) for row in shuffled] == weights and shuffled == script.permuted(weights, 0)
+    assert shuffled != weights and script.permuted(weights, 1) != shuffled
+
+
+@pytest.mark.parametrize("name,permute", [("smol_head_budget", None), ("smol_head_budget_shuffled", 0)])
+def test_the_experiments_hold_what_the_script_prints_from_the_stored_replay(script, name, permute):
+    """experiments/long_rows/smol_head_budget*'s weights are still those of skip-softmax's replayed shares (shuffled
+    over each layer's heads with --permute 0 for the control)."""
+    experiment = yaml.safe_load((ROOT / f"experiments/long_rows/{name}.yaml").read_text(encoding="utf-8"))
+    weights = script.head_weights(ROOT / "results/analysis/kept_by_row.csv", "60b98a8accdd4bc9")
+    assert experiment["sparsifier"]["head_weights"] == (weights if permute is None else script.permuted(weights, permute))

@@ -9,7 +9,7 @@ import pytest
 from conftest import load_script
 from toptheta.results import comparisons, informative, paired, pooled, precision, reduction, verdicts
 from toptheta.results.summary import load_summary
-from toptheta.store.rows import summary_rows
+from toptheta.store.rows import summary_rows, weights_digest
 from toptheta.store.runs import RunStore
 
 N = 400
@@ -451,6 +451,8 @@ def test_a_top_rho_run_is_compared_with_every_run_keeping_as_much(tmp_path):
     _add(store, "arc_easy", "topk", "post", 28, "vmc", _flip(dense, 5, 0.0), 0.1, shots=25)  # keeps twice as much
     _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 12, 0.0), 0.050, shots=25, target=0.05,
          layer_k=small, head_weights=[[2.0, 0.5], [1.0, 1.0]])
+    _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 14, 0.0), 0.051, shots=25, target=0.05,
+         layer_k=small, head_weights=[[0.5, 2.0], [1.0, 1.0]])  # the same weights, shuffled over the heads
     summary = load_summary(tmp_path)
     table = baselines.allocation_pairs(summary, tmp_path)
     assert list(table["series"].unique()) == ["Top-ρ post (+VMC)"]
@@ -458,10 +460,16 @@ def test_a_top_rho_run_is_compared_with_every_run_keeping_as_much(tmp_path):
                                                          "Skip-softmax post (+VMC)": pytest.approx(-5 / N)}
     assert baselines.layer_budget_pairs(summary, tmp_path).empty  # no per-layer run here
     per_head = baselines.head_budget_pairs(summary, tmp_path)
-    assert list(per_head["series"].unique()) == [f"Top-ρ post (+VMC) [{labels.PER_HEAD_RHO}]"]
-    assert dict(zip(per_head["versus"], per_head["diff"])) == {
+    weighted = f"Top-ρ post (+VMC) [{labels.PER_HEAD_RHO} {weights_digest([[2.0, 0.5], [1.0, 1.0]])}]"
+    shuffled = f"Top-ρ post (+VMC) [{labels.PER_HEAD_RHO} {weights_digest([[0.5, 2.0], [1.0, 1.0]])}]"
+    first = per_head[(per_head["series"] == weighted) & (per_head["versus"] != shuffled)]
+    assert dict(zip(first["versus"], first["diff"])) == {
         "Top-ρ post (+VMC)": pytest.approx(3 / N), "Top-k post (+VMC)": pytest.approx(28 / N),
         "Skip-softmax post (+VMC)": pytest.approx(-2 / N)}
+    between = per_head[per_head["series"].isin([weighted, shuffled]) & per_head["versus"].isin([weighted, shuffled])]
+    assert len(between) == 1  # the two per-head runs, paired once
+    assert float(between["diff"].iloc[0]) == pytest.approx(2 / N if between["series"].iloc[0] == weighted else -2 / N)
+    assert len(per_head) == 7  # each per-head run against the 3 others, and the pair between them
 
 
 def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length():

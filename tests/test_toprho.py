@@ -143,5 +143,6 @@ def test_a_run_with_head_weights_is_stored_apart_and_tagged(tmp_path):
     assert rows[0]["run_id"] != plain[0]["run_id"]
     assert {r["head_weights"] for r in rows} == {weights_digest(table)} and \
         {r["head_weights"] for r in plain} == {""}
-    assert series_label(rows[0]).endswith(f"[{PER_HEAD_RHO}]") and PER_HEAD_RHO not in series_label(plain[0])
+    assert series_label(rows[0]).endswith(f"[{PER_HEAD_RHO} {weights_digest(table)}]")
+    assert PER_HEAD_RHO not in series_label(plain[0])
     assert rows[0]["kept_attention_fraction"] != plain[0]["kept_attention_fraction"]

@@ -89,17 +89,21 @@ ALLOCATION_NOTE = _matched_note(
 
 
 HEAD_BUDGET_NOTE = _matched_note(
-    f"Top-ρ runs given a share per head (series tagged '[{labels.PER_HEAD_RHO}]'; "
+    f"Top-ρ runs given a share per head (series tagged '[{labels.PER_HEAD_RHO} <digest of the weights>]'; "
     "`experiments/long_rows/smol_head_budget`: head h of layer l keeps min(1, ρ·w[l][h]) of each row, w from the "
     "shares a baseline's heads kept, `scripts/head_budget.py`)",
     "the per-head run",
     "Against the baseline whose shares it took, what is left is which rows of a head and which keys of a row it "
-    "keeps; against Top-ρ with one share for every head, how the budget is spread over the heads.")
+    "keeps; against Top-ρ with one share for every head, how the budget is spread over the heads; against a run "
+    "with the same weights shuffled over each layer's heads (`experiments/long_rows/smol_head_budget_shuffled`), "
+    "which heads get more.")
 
 
 def _series_tagged(tag: str):
-    """chosen for matched_pairs: the runs whose series carries ``[tag]``."""
-    return lambda rows: rows["series"].astype(str).str.contains(f"[{tag}]", regex=False)
+    """chosen for matched_pairs: the runs whose series carries ``[tag]`` (or ``[tag …]``: the per-head tag carries
+    its weights' digest)."""
+    return lambda rows: rows["series"].astype(str).str.contains(f"[{tag}]", regex=False) \
+        | rows["series"].astype(str).str.contains(f"[{tag} ", regex=False)
 
 
 def layer_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
@@ -116,8 +120,9 @@ def allocation_pairs(summary: pd.DataFrame, results_dir: str | Path | None = Non
 
 
 def head_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
-    """The pairs HEAD_BUDGET_NOTE describes (labels.PER_HEAD_RHO tags the per-head runs; MATCHED_SLACK)."""
-    return matched_pairs(summary, results_dir, _series_tagged(labels.PER_HEAD_RHO))
+    """The pairs HEAD_BUDGET_NOTE describes (labels.PER_HEAD_RHO tags the per-head runs; MATCHED_SLACK); two
+    per-head runs with other weights are paired once too."""
+    return matched_pairs(summary, results_dir, _series_tagged(labels.PER_HEAD_RHO), within=True)
 
 
 @dataclass(frozen=True)
@@ -143,10 +148,12 @@ MATCHED_TABLES = (
 )
 
 
-def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen, versus=None) -> pd.DataFrame:
+def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen, versus=None,
+                  within: bool = False) -> pd.DataFrame:
     """Each run ``chosen(rows)`` marks (a boolean Series over comparisons.store_rows) against every other sparse run of
     its setting, not marked (and marked by ``versus`` where given), whose kept attention fraction is within
-    MATCHED_SLACK of its own; paired per question."""
+    MATCHED_SLACK of its own; paired per question. ``within``: two marked runs of other series are paired too, once
+    (the one listed first in the store's order against the other)."""
     results_dir = Path(results_dir) if results_dir is not None else None
     rows = comparisons.store_rows(summary)
     if rows.empty:
@@ -154,7 +161,8 @@ def matched_pairs(summary: pd.DataFrame, results_dir: str | Path | None, chosen,
     tagged = chosen(rows)
     out = []
     for _, a in rows[tagged].iterrows():
-        others = rows[(rows["group"] == a["group"]) & ~tagged & (rows["series"] != "Baseline")
+        other = ~tagged | (tagged & (rows.index > a.name) & (rows["series"] != a["series"]) if within else False)
+        others = rows[(rows["group"] == a["group"]) & other & (rows["series"] != "Baseline")
                       & (versus(rows) if versus is not None else True)]
         for _, b in others.iterrows():
             if abs(float(b["kept_attention_fraction"]) / float(a["kept_attention_fraction"]) - 1) > MATCHED_SLACK:
