@@ -145,4 +145,9 @@ def test_a_run_with_head_weights_is_stored_apart_and_tagged(tmp_path):
         {r["head_weights"] for r in plain} == {""}
     assert series_label(rows[0]).endswith(f"[{PER_HEAD_RHO} {weights_digest(table)}]")
     assert PER_HEAD_RHO not in series_label(plain[0])
+    from toptheta.results.run_figures import runs_table  # the per-run figures label it as summary.csv does
+
+    tag = f"[{PER_HEAD_RHO} {weights_digest(table)}]"
+    assert [label.endswith(tag) for label in runs_table(tmp_path / "weighted").query("sparsifier == 'toprho'")["series"]] \
+        == [True]
     assert rows[0]["kept_attention_fraction"] != plain[0]["kept_attention_fraction"]

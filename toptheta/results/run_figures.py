@@ -20,7 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..store.rows import SUMMARY_FIELD_PATHS, comp_label
+from ..store.rows import SUMMARY_FIELD_PATHS, comp_label, weights_digest
 from ..store.runs import DONE_MARKER
 from ..store.samples import read_samples, samples_path
 from .figures import X_LABELS
@@ -38,6 +38,8 @@ def config_row(config: Mapping[str, Any]) -> dict[str, Any]:
                 node = node.get(part) if isinstance(node, Mapping) else None
             if node is not None:
                 row[column] = comp_label(node) if isinstance(node, Mapping) and column == "comp" else node
+                if column == "head_weights":  # the digest summary.csv holds, so the series labels agree
+                    row[column] = weights_digest(node)
                 break
     return row
 
