@@ -330,6 +330,27 @@ def test_per_layer(results):
     assert len(fig.axes[0].lines) == 2
 
 
+def test_per_run_figures_name_each_run_as_the_summary_does(results, tmp_path):
+    """runs_table reads config.json, the tables read summary.csv: one run, one series (a run at k in layers 0-1
+    included, which the per-run figures once merged into the paper protocol's series)."""
+    mine = tmp_path / "results"
+    store = RunStore(mine)
+    at_k = _config("topk", "post", 16, "vmc", None, "arc_easy")
+    at_k["sparsifier"] = dict(at_k["sparsifier"], layer_k={})
+    run_id = store.run_id_for(at_k)
+    lm_eval = {"results": {"arc_easy": {"acc_norm,none": 0.5}}, "config": {"limit": 5}}
+    store.write_run(run_id, config=at_k, lm_eval_results=lm_eval, stats={"per_layer": {"layer": [0]}},
+                    thresholds_ref=None)
+    store.append_summary(summary_rows(run_id, at_k, lm_eval, {}, commit="c", timestamp="t"))
+    for root in (results, mine):
+        summary = load_summary(root).drop_duplicates("run_id", keep="last")
+        expected = {row["run_id"]: labels.series_label(row) for row in summary.to_dict("records")}
+        table = run_figures.runs_table(root)
+        assert len(table) and dict(zip(table["run_id"], table["series"])) == \
+            {run: expected[run] for run in table["run_id"]}
+    assert expected[run_id] == "Top-k post (+VMC) [layers 0-1 at k]"
+
+
 def test_empty_results_say_so(tmp_path, capsys):
     script = _load_script()
     assert script.main(["--results", str(tmp_path / "none"), "--out", str(tmp_path / "out")]) == 0

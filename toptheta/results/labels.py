@@ -110,13 +110,10 @@ PER_HEAD_RHO = "per-head ρ"  # the tag of a Top-ρ run given a share per head (
 
 
 def per_layer_budget(layer_k: Any) -> bool:
-    """Whether layer_k (a summary cell '0=295,1=56,2=56,...' or the config's mapping) is more than the paper's
-    larger k for layers 0-1: a layer past the first two, or two different values."""
-    if isinstance(layer_k, Mapping):
-        entries = [(str(layer), str(k)) for layer, k in layer_k.items()]
-    else:
-        text = cell_text(layer_k)
-        entries = [] if text in ("", "none") else [tuple(entry.split("=", 1)) for entry in text.split(",")]
+    """Whether layer_k (a summary cell '0=295,1=56,2=56,...') is more than the paper's larger k for layers 0-1: a
+    layer past the first two, or two different values."""
+    text = cell_text(layer_k)
+    entries = [] if text in ("", "none") else [tuple(entry.split("=", 1)) for entry in text.split(",")]
     return any(layer.strip() not in ("0", "1") for layer, *_ in entries) or len({tuple(k) for _, *k in entries}) > 1
 
 

@@ -20,7 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..store.rows import SUMMARY_FIELD_PATHS, comp_label, weights_digest
+from ..store.rows import SUMMARY_FIELD_PATHS, config_cells
 from ..store.runs import DONE_MARKER
 from ..store.samples import read_samples, samples_path
 from .figures import X_LABELS
@@ -29,19 +29,8 @@ from .selection import as_number
 
 
 def config_row(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The summary columns a run config determines (model, sparsifier, placement, k, comp, granularity, ...)."""
-    row = {}
-    for column, paths in SUMMARY_FIELD_PATHS.items():
-        for path in paths:
-            node: Any = config
-            for part in path.split("."):
-                node = node.get(part) if isinstance(node, Mapping) else None
-            if node is not None:
-                row[column] = comp_label(node) if isinstance(node, Mapping) and column == "comp" else node
-                if column == "head_weights":  # the digest summary.csv holds, so the series labels agree
-                    row[column] = weights_digest(node)
-                break
-    return row
+    """The summary columns a run config determines, as summary.csv writes them (store.rows.config_cells)."""
+    return config_cells(config)
 
 
 def runs_table(results_dir: str | os.PathLike[str]) -> pd.DataFrame:

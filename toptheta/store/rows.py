@@ -167,6 +167,33 @@ def _number_or_none(value: Any) -> float | None:
     return None if math.isnan(value) else value
 
 
+def config_cells(
+    config: Mapping[str, Any], field_paths: Mapping[str, Sequence[str]] = SUMMARY_FIELD_PATHS
+) -> dict[str, Any]:
+    """The summary cells a run's config alone determines, as summary.csv holds them (what summary_rows starts from;
+    the per-run figures label runs with it, so both name a run alike).
+
+    Each column of `field_paths` from its first present path (_cell), then the defaults a config leaves implicit:
+    lm-eval's own few-shot sampler, the attention measure of a target, Top-θ's clamp rule, the number of prompts of
+    a passkey/ruler task; Top-ρ's weights become their digest, and a dense run leaves the sparse-only columns empty.
+    """
+    cells = {column: _first_present(config, paths) for column, paths in field_paths.items()}
+    kind, name = _lookup(config, "task.kind"), _lookup(config, "sparsifier.name")
+    if cells.get("limit") is None and kind in ("passkey", "ruler"):
+        cells["limit"] = _passkey_prompts(config)
+    if cells.get("fewshot_sampler") is None and kind == "lm_eval":
+        cells["fewshot_sampler"] = "default"  # lm-eval's per-question random draw
+    if cells.get("target_kept") is not None and cells.get("target_measure") is None:
+        cells["target_measure"] = "attention"  # the default measure (not in the run id when unset)
+    if cells.get("calib_beyond") is None and name == "toptheta":
+        cells["calib_beyond"] = "clamp"  # the rule before calib.beyond existed, and its default (not in the run id)
+    if cells.get("head_weights") is not None:
+        cells["head_weights"] = weights_digest(_lookup(config, "sparsifier.head_weights"))
+    if name == "dense":
+        cells.update({column: None for column in SPARSE_ONLY_COLUMNS})
+    return cells
+
+
 def summary_rows(
     run_id: str,
     config: Mapping[str, Any],
@@ -191,26 +218,13 @@ def summary_rows(
     to code_commit(), `timestamp` to now (UTC).
     """
     stats = stats or {}
-    base = {column: _first_present(config, paths) for column, paths in field_paths.items()}
+    base = config_cells(config, field_paths)
     base["run_id"] = run_id
     base["git_commit"] = commit if commit is not None else code_commit()
     base["timestamp"] = timestamp or now()
     used_limit = (lm_eval_results.get("config") or {}).get("limit")
     if used_limit is not None:
         base["limit"] = used_limit
-    elif base.get("limit") is None and _lookup(config, "task.kind") in ("passkey", "ruler"):
-        base["limit"] = _passkey_prompts(config)
-
-    if base.get("fewshot_sampler") is None and _lookup(config, "task.kind") == "lm_eval":
-        base["fewshot_sampler"] = "default"  # lm-eval's per-question random draw
-    if base.get("target_kept") is not None and base.get("target_measure") is None:
-        base["target_measure"] = "attention"  # the default measure (not in the run id when unset)
-    if base.get("calib_beyond") is None and _lookup(config, "sparsifier.name") == "toptheta":
-        base["calib_beyond"] = "clamp"  # the rule before calib.beyond existed, and its default (not in the run id)
-    if base.get("head_weights") is not None:
-        base["head_weights"] = weights_digest(_lookup(config, "sparsifier.head_weights"))
-    if _lookup(config, "sparsifier.name") == "dense":
-        base.update({column: None for column in SPARSE_ONLY_COLUMNS})
 
     results = lm_eval_results.get("results") or {}
     own_tasks = {_lookup(config, "task.lm_eval_task"), _lookup(config, "task.name")} - {None}
