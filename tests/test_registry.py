@@ -231,3 +231,37 @@ def test_a_new_generation_task_runs_through_run_py_by_its_kind(tmp_path):
         registry.unregister_task_kind("first-tokens")
     with pytest.raises(ValueError, match="task.kind='first-tokens': one of lm_eval, humaneval, passkey, ruler"):
         pipeline.plan(cfg(*RUN, "sparsifier=topk", "task.kind=first-tokens", f"results_dir={tmp_path}"))
+
+
+class LayerWindows(Recent):
+    """Recent with a window per layer (option ``windows``): its own checks run where the built-ins' do."""
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        windows = options.get("windows")
+        if windows is not None and not all(isinstance(w, int) and w > 0 for w in windows):
+            raise ValueError(f"sparsifier.windows must be positive integers, e.g. [4, 8]; got {list(windows)}")
+
+    @classmethod
+    def check_model(cls, settings: dict, num_layers: int, num_heads, model_name: str) -> None:
+        if settings.get("windows") is not None and len(settings["windows"]) != num_layers:
+            raise ValueError(f"sparsifier.windows needs one window per layer: {model_name} has {num_layers}")
+
+
+def test_a_rules_own_checks_run_before_the_work(tmp_path):
+    from toptheta.builders import check_sparsifies
+
+    registry.register_sparsifier("windows", label="Windows", parameter=WINDOW, options=("windows",))(LayerWindows)
+    try:
+        args = (*RUN, *RECENT[:1], "sparsifier.name=windows", "sparsifier.window=4", *RECENT[3:],
+                f"results_dir={tmp_path}")
+        with pytest.raises(ValueError, match=r"sparsifier.windows must be positive integers, e.g. \[4, 8\]; got \[4, -1\]"):
+            pipeline.plan(cfg(*args, "sparsifier.windows=[4,-1]"))
+        (spec,) = pipeline.plan(cfg(*args, "sparsifier.windows=[4,8]"))
+        with pytest.raises(ValueError, match="one window per layer: tiny has 3"):
+            check_sparsifies(dict(spec.sparsifier.settings), 3, 100, "tiny", 4)
+        check_sparsifies(dict(spec.sparsifier.settings), 2, 100, "tiny", 4)
+        with pytest.raises(ValueError, match="sparsifier.windows=.*null: only sparsifier=windows reads it"):
+            pipeline.plan(cfg(*RUN, *RECENT, "sparsifier.windows=[4,8]", f"results_dir={tmp_path}"))
+    finally:
+        registry.unregister("windows")

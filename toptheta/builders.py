@@ -43,20 +43,16 @@ def check_combination(name: str, placement: str | None, comp: dict) -> None:
 
 def check_sparsifies(sparsifier: dict, num_layers: int, longest_row: int | None, model_name: str,
                      num_heads: int | None = None) -> None:
-    """Refuse a sparse run that cannot drop anything: every layer's k is at least the longest possible row; and
-    per-head weights (Top-ρ's head_weights) that do not give each of the model's layers one per query head.
+    """Refuse a sparse run that cannot drop anything (every layer's k is at least the longest possible row), or whose
+    settings do not fit the model (the rule's own check_model: Top-ρ's head_weights, one weight per query head).
 
     Called once the model's depth is known, before it evaluates. Also warns when `layer_k` names every
     layer, so the global `sparsifier.k` applies to none.
     """
-    if not sparsifier_kind(sparsifier["name"]).drops:
+    kind = sparsifier_kind(sparsifier["name"])
+    if not kind.drops:
         return
-    weights = sparsifier.get("head_weights")
-    shape = [len(row) for row in weights] if weights is not None else None
-    if shape is not None and (len(shape) != num_layers or (num_heads is not None and set(shape) != {num_heads})):
-        raise ValueError(f"sparsifier.head_weights has {len(shape)} layer(s) of {sorted(set(shape))} weights, but "
-                         f"{model_name} has {num_layers} layers of {num_heads} query heads: take the weights from a "
-                         "run of this model (scripts/head_budget.py)")
+    kind.check_model(sparsifier, num_layers, num_heads, model_name)
     layer_k = sparsifier.get("layer_k") or {}
     beyond = sorted(layer for layer in layer_k if not 0 <= int(layer) < num_layers)
     if beyond:

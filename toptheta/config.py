@@ -342,12 +342,10 @@ def sparsifier_problems(sparsifier: Any, comp: Any, fits_target: bool = True) ->
             if key not in kind.keys:
                 need(get(sparsifier, key) is None, f"sparsifier.{key}", get(sparsifier, key),
                      f"null: only sparsifier={other.name} reads it")
-    if get(sparsifier, "head_weights") is not None and "head_weights" in kind.keys:
-        try:
-            from .sparsifiers.toprho import check_head_weights
-            check_head_weights(get(sparsifier, "head_weights"))
-        except ValueError as err:
-            problems.append(str(err))
+    try:  # its own options' values (Top-ρ's head_weights), as the rule itself checks them
+        kind.check_options({key: get(sparsifier, key) for key in kind.options})
+    except ValueError as err:
+        problems.append(str(err))
     layer_ks = get(sparsifier, "layer_k")
     need(layer_ks is None or hasattr(layer_ks, "items"), "sparsifier.layer_k", layer_ks,
          "a mapping of layer index to k, e.g. sparsifier.layer_k={0:512,1:512}, or null for none")

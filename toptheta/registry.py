@@ -70,6 +70,8 @@ class SparsifierKind:
     needs_thresholds: bool = False  # calibrated thresholds per run (Top-θ)
     placements: tuple[str, ...] = PLACEMENTS  # () for a rule that drops nothing (dense)
     options: tuple[str, ...] = ()  # further sparsifier.<key> fields it reads (Top-θ's empty_rows)
+    check_options: Callable[[dict], None] = lambda options: None  # {option: value} -> ValueError naming the fix
+    check_model: Callable[[dict, int, Any, str], None] = lambda settings, layers, heads, model: None  # likewise
 
     @property
     def drops(self) -> bool:
@@ -111,10 +113,15 @@ _COMPENSATIONS: dict[str, CompensationKind] = {}
 
 def register_sparsifier(name: str, *, label: str, parameter: Parameter | None = None, needs_thresholds: bool = False,
                         placements: tuple[str, ...] = PLACEMENTS, options: tuple[str, ...] = ()):
-    """Class decorator: the class (with a ``from_config(settings, thresholds)`` classmethod) is sparsifier ``name``."""
+    """Class decorator: the class (with a ``from_config(settings, thresholds)`` classmethod) is sparsifier ``name``.
+
+    ``options`` are further ``sparsifier.<key>`` fields it reads; its classmethods ``check_options(options)`` and
+    ``check_model(settings, num_layers, num_heads, model_name)``, where it has them (sparsifiers.base.Sparsifier),
+    check them when a config is checked and once the model is known."""
     def register(cls):
+        hooks = {hook: getattr(cls, hook) for hook in ("check_options", "check_model") if hasattr(cls, hook)}
         _add(_SPARSIFIERS, SparsifierKind(name, label, cls.from_config, parameter, needs_thresholds, placements,
-                                          options), cls)
+                                          options, **hooks), cls)
         _SPARSIFIER_CLASSES[cls] = name
         return cls
     return register

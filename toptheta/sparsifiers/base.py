@@ -177,6 +177,17 @@ class Sparsifier:
     def describe(self) -> dict:
         return {"name": type(self).__name__.lower(), "placement": self.placement}
 
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """Raise ValueError, naming the fix, for a value of its own options (``register_sparsifier(options=...)``;
+        ``options`` maps each to its configured value, None when unset) that the config's types do not rule out.
+        Called when a config is checked, before anything loads."""
+
+    @classmethod
+    def check_model(cls, settings: dict, num_layers: int, num_heads: int | None, model_name: str) -> None:
+        """Raise ValueError, naming the fix, for settings that do not fit the model (its depth and query heads).
+        Called once the model is known, before it evaluates."""
+
 
 class ParameterRule(Sparsifier):
     """A rule with one parameter of its own instead of a budget (top-p's p, skip-softmax's λ, Top-ρ's ρ).

@@ -102,6 +102,19 @@ class TopRho(ParameterRule):
             return self.rho >= 1.0
         return min(self.head_weights[layer]) * self.rho >= 1.0
 
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        check_head_weights(options.get("head_weights"))
+
+    @classmethod
+    def check_model(cls, settings: dict, num_layers: int, num_heads: int | None, model_name: str) -> None:
+        weights = settings.get("head_weights")
+        shape = [len(row) for row in weights] if weights is not None else None
+        if shape is not None and (len(shape) != num_layers or (num_heads is not None and set(shape) != {num_heads})):
+            raise ValueError(f"sparsifier.head_weights has {len(shape)} layer(s) of {sorted(set(shape))} weights, "
+                             f"but {model_name} has {num_layers} layers of {num_heads} query heads: take the weights "
+                             "from a run of this model (scripts/head_budget.py)")
+
     def describe(self) -> dict:
         return {**super().describe(), **({"head_weights": self.head_weights} if self.head_weights else {})}
 
