@@ -39,6 +39,7 @@ GPU path runs, not a measurement.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -372,15 +373,15 @@ def tune(prefill_len: int, decode_len: int, u: float, repeats: int, out: str, co
                     bn, warps, stages, splits = cfg
                     kw = dict(block_n=bn, num_warps=warps, num_stages=stages, splits=splits)
                     fn = decode_attention
-                calls[str(cfg)] = (lambda fn=fn, kw=kw: fn(q, k, v, scaling=scaling, theta=theta, placement=placement,
-                                                           sdc=sdc, vmc=True, v_mean=v_mean, **kw))
+                calls[str(cfg)] = functools.partial(fn, q, k, v, scaling=scaling, theta=theta, placement=placement,
+                                                    sdc=sdc, vmc=True, v_mean=v_mean, **kw)
             timing = time_calls(calls, device, repeats)
             for name, t in timing.items():
                 rows.append({"phase": kind, "length": n, "placement": placement, "config": name, **t,
                              "time_ratio": t["time_s"] / timing["flash"]["time_s"]})
                 print(f"tune {kind} n={n} {placement} {name:18s} {t['time_s'] * 1e3:8.3f} ms "
                       f"({rows[-1]['time_ratio']:.2f}x flash)", flush=True)
-        del q, k, v
+        del q, k, v, calls, flash  # the calls hold them: free the length's tensors before the next one's
         if not interpret:
             torch.cuda.empty_cache()
     bench_report.finish(meta)
