@@ -276,3 +276,49 @@ def test_vrow_measure_decodes_shared_prompts_as_generate_does(models, tokenizer,
                      "decode_steps"):
             assert torch.equal(getattr(shared, name), getattr(whole, name)), (type(sparsifier).__name__, name)
         assert 0 < shared.kept_vrow_fraction < 1
+
+
+def test_an_interrupted_vrow_measure_resumes_with_the_counts_of_a_whole_one(models, tokenizer, requests, tmp_path,
+                                                                             monkeypatch):
+    """decode_after with a progress file: stopped after two of four prompts, then called again, it runs the two left
+    (the shared exemplars again, uncounted) and ends with every counter of an uninterrupted call."""
+    import json
+
+    import torch
+
+    from toptheta.evaluation import prefix_sharing
+    from toptheta.matched import decode_after
+
+    model = models["llama"]
+    prompts = [tokenizer.encode(r.args[0]) for r in requests[:8:2]]
+    theta = toptheta.TopTheta(toptheta.calibrate(model, [[p] for p in prompts], k=8, placement="post", progress=False))
+    plain, generated = prefix_sharing.greedy_generate_batch, []
+
+    def counting(*args, stop_at=None, **kwargs):
+        if len(generated) == stop_at:
+            raise KeyboardInterrupt("the session ended")
+        generated.append(args[1][0][:4])
+        return plain(*args, **kwargs)
+
+    for sparsifier in (theta, toptheta.TopK(8, "post")):
+        progress = tmp_path / f"{type(sparsifier).__name__}.progress.json"
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, [toptheta.VMC()]) as whole:
+            decode_after(model, prompts, 5, pad_token_id=0)
+        monkeypatch.setattr(prefix_sharing, "greedy_generate_batch", lambda *a, **kw: counting(*a, stop_at=2, **kw))
+        generated.clear()
+        with pytest.raises(KeyboardInterrupt), torch.no_grad(), \
+                toptheta.sparsify(model, sparsifier, [toptheta.VMC()]) as first:
+            decode_after(model, prompts, 5, pad_token_id=0, stats=first, progress=progress)
+        assert len(json.loads(progress.read_text())["done"]) == 2
+        monkeypatch.setattr(prefix_sharing, "greedy_generate_batch", counting)
+        generated.clear()
+        with torch.no_grad(), toptheta.sparsify(model, sparsifier, [toptheta.VMC()]) as resumed:
+            decode_after(model, prompts, 5, pad_token_id=0, stats=resumed, progress=progress)
+        assert len(generated) == 2  # the prompts left only
+        for name in ("prefill_valid", "prefill_kept", "decode_valid", "decode_kept", "vrow_valid", "vrow_kept",
+                     "decode_steps"):
+            assert torch.equal(getattr(resumed, name), getattr(whole, name)), (type(sparsifier).__name__, name)
+        assert 0 < resumed.kept_vrow_fraction < 1
+        monkeypatch.setattr(prefix_sharing, "greedy_generate_batch", plain)
+    with pytest.raises(ValueError, match="progress needs the sparsify block's stats"):
+        decode_after(model, prompts, 5, pad_token_id=0, progress=progress)

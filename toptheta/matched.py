@@ -7,6 +7,7 @@ calibration/target_param.py for the searches), and the kept fraction of the laye
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ import torch
 
 from . import sparsify
 from .atomic import write_text_atomic
+from .attention.stats import SparsityStats
 from .builders import needs_thresholds
 from .cachedir import cache_dir, identity_key
 from .calibration.target_kept import TOLERANCE, Unreachable, resolve_k
@@ -50,18 +52,54 @@ VROW_SEQUENCES = 16  # target_measure=vrows: calibration rows decoded from, per 
 VROW_TOKENS = 8  # tokens decoded greedily after each of them, unless the task decodes them as its own (HumanEval)
 
 
-def decode_after(model, prompts: list[list[int]], tokens: int, pad_token_id: int) -> None:
+def decode_after(model, prompts: list[list[int]], tokens: int, pad_token_id: int, *, progress: Path | None = None,
+                 stats: SparsityStats | None = None) -> None:
     """Greedy decoding of exactly ``tokens`` tokens after each prompt (no end-of-sequence stop), inside the caller's
     ``sparsify`` block: what the V-row measure counts. Prompts that share prefixes (ruler's shared haystacks) run those
     once (``generate_shared``, the statistics counted once per prompt); a model with sliding-window layers, whose
-    cache cannot be cut at a shared prefix, decodes each prompt through ``generate``."""
+    cache cannot be cut at a shared prefix, decodes each prompt through ``generate``.
+
+    With ``progress`` (a file) and ``stats`` (the block's statistics), the counters are saved there as each prompt
+    finishes, and a call that finds them (an interrupted measure: a 16-prompt measure of 8k-token prompts takes half
+    an hour here) adds them to ``stats`` and runs only the prompts left, with the counts of an uninterrupted call."""
+    done = _read_progress(progress, prompts, stats)
+
+    def finished(i: int, _tokens=None) -> None:
+        done.add(i)
+        if progress is not None:
+            write_text_atomic(progress, json.dumps({"prompts": _prompts_key(prompts), "done": sorted(done),
+                                                    "stats": stats.to_json()}) + "\n")
+
     if has_sliding_window(model):
-        for ids in prompts:
-            model.generate(torch.tensor([ids], device=model.device), max_new_tokens=tokens, min_new_tokens=tokens,
-                           do_sample=False, pad_token_id=pad_token_id)
+        for i, ids in enumerate(prompts):
+            if i not in done:
+                model.generate(torch.tensor([ids], device=model.device), max_new_tokens=tokens, min_new_tokens=tokens,
+                               do_sample=False, pad_token_id=pad_token_id)
+                finished(i)
         return
     generate_shared(model, prompts, max_new_tokens=[tokens] * len(prompts), pad_token_id=pad_token_id,
-                    eos_token_ids=set())
+                    eos_token_ids=set(), on_finish=finished, done=frozenset(done))
+
+
+def _prompts_key(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def _read_progress(progress: Path | None, prompts: list[list[int]], stats: SparsityStats | None) -> set[int]:
+    """The prompts an interrupted decode_after finished, their counters added to ``stats``; none without a file saved
+    for these prompts."""
+    if progress is not None and stats is None:
+        raise ValueError("decode_after: progress needs the sparsify block's stats (they are what it saves)")
+    if progress is None or not progress.is_file():
+        return set()
+    data = json.loads(progress.read_text(encoding="utf-8"))
+    if data.get("prompts") != _prompts_key(prompts):
+        log.warning("%s was saved for other prompts; measuring from the start", progress)
+        return set()
+    stats.add(SparsityStats.from_json(data["stats"]))
+    log.info("target_kept: %d of %d prompts measured before the stop, read back from %s", len(data["done"]),
+             len(prompts), progress.name)
+    return set(data["done"])
 
 
 def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | None]:
@@ -117,7 +155,8 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                 entry.target_decode(spec.task.settings, model, tokenizer, prompts[:VROW_SEQUENCES], chat_template=chat)
             elif vrows:  # the generation tasks' measure: V rows read in decode steps after each calibration row
                 decode_after(model, sequences[:VROW_SEQUENCES], VROW_TOKENS,
-                             tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
+                             tokenizer.pad_token_id or tokenizer.eos_token_id or 0, stats=stats,
+                             progress=stored.with_suffix(".progress.json"))
             else:  # shared prefixes (fixed exemplars, a question's choices) run once, counted once per sequence
                 run_shared(model, sequences[:MEASURE_SEQUENCES], stats.repeated)
         kept = stats.kept_vrow_fraction if vrows else stats.kept_attention_fraction
@@ -132,6 +171,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                  sparsifier_kind(base.sparsifier.name).label, key, k, kept, "V rows" if vrows else "attention elements",
                  min(len(sequences), VROW_SEQUENCES if vrows else MEASURE_SEQUENCES))
         write_text_atomic(stored, json.dumps({"kept": kept, "k": k, "key": key}) + "\n")
+        stored.with_suffix(".progress.json").unlink(missing_ok=True)
         return kept
 
     parameter = sparsifier_kind(spec.sparsifier.name).parameter

@@ -18,6 +18,9 @@ may trade places. Sliding-window layers roll their cache and cannot be cut at a 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Collection
+
 import torch
 
 from ..attention.cache import cache_prefix, growing_cache
@@ -28,26 +31,36 @@ from .prefix_cache import cached_forward, plan, run_prefix, track
 
 @torch.inference_mode()
 def generate_shared(model, prompt_ids: list[list[int]], *, max_new_tokens: list[int], pad_token_id: int,
-                    eos_token_ids: set[int], on_finish=None) -> list[list[int]]:
+                    eos_token_ids: set[int], on_finish=None, done: Collection[int] = ()) -> list[list[int]]:
     """Greedy continuations of each prompt, as ``greedy_generate_batch`` one prompt at a time, with shared prefixes
-    run once. ``on_finish(i, tokens)`` is called as each prompt's generation ends."""
+    run once. ``on_finish(i, tokens)`` is called as each prompt's generation ends.
+
+    ``done``: prompts an earlier, interrupted call finished (their statistics, the shared segments' included, read
+    back by the caller): they are not run (their continuations come back empty), and the shared segments the others
+    need run again in the same segments, uncounted, so the others' tokens and counts are those of the whole call."""
     if len(prompt_ids) != len(max_new_tokens):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(max_new_tokens)} token limits")
     out: list[list[int]] = [[] for _ in prompt_ids]
     todo = [i for i, limit in enumerate(max_new_tokens) if limit > 0]  # a prompt with no token to make never runs
-    for i in sorted(set(range(len(prompt_ids))) - set(todo)):
+    for i in sorted(set(range(len(prompt_ids))) - set(todo) - set(done)):
         if on_finish is not None:
             on_finish(i, out[i])
-    if not todo:
+    if not set(todo) - set(done):
         return out
-    base, shared = plan([prompt_ids[i] for i in todo])
+    base, shared = plan([prompt_ids[i] for i in todo])  # the whole call's plan: its segments, whatever is done
     base_ids = prompt_ids[todo[base]]
     cache, stats = track(growing_cache(model)), active_stats(model)
     forward, start = cached_forward(model, cache), 0
-    for end in sorted(set(shared) - {0}):  # the base's tokens, once, in segments ending where a shared part ends
-        run_prefix(forward, base_ids[:end], start=start, uses=sum(s >= end for s in shared), stats=stats)
-        start = end
+    needed = max(s for j, s in enumerate(shared) if todo[j] not in done)  # the segments a prompt left still uses
+    with stats.paused() if done and stats is not None else contextlib.nullcontext():  # counted before the stop
+        for end in sorted(set(shared) - {0}):  # the base's tokens, once, in segments ending where a shared part ends
+            if end > needed:
+                break
+            run_prefix(forward, base_ids[:end], start=start, uses=sum(s >= end for s in shared), stats=stats)
+            start = end
     for j, i in enumerate(todo):
+        if i in done:
+            continue
         own = cache_prefix(cache, shared[j]) if shared[j] else None
         out[i] = greedy_generate_batch(model, [prompt_ids[i][shared[j]:]], max_new_tokens=[max_new_tokens[i]],
                                        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, cache=own)[0]
