@@ -252,6 +252,47 @@ def test_shared_haystacks_run_once_with_each_prompts_tokens_and_statistics(tmp_p
                                          "ruler_vt"}
 
 
+def test_a_run_cut_inside_a_length_resumes_at_the_haystack_it_was_in(tmp_path, monkeypatch):
+    """Each haystack's batch is saved as it finishes: a run stopped after the first of a length's two haystacks
+    generates only the second when it resumes, and ends with the samples and statistics of an uninterrupted run."""
+    from toptheta.evaluation import ruler_run
+    from toptheta.evaluation.ruler_run import run_ruler
+
+    model, tokenizer = _tiny()
+    n = torch.arange(1025).clamp(min=1).float()
+    thresholds = toptheta.Thresholds((torch.full((2, 4, 1), 1.5) / n).contiguous(), [3, 3], "post")
+    task = {"kind": "ruler", "lengths": [600], "prompts_per_length": 4, "seed": 0, "share_prefix": True,
+            "ruler": {**SMALL, "subtasks": ["niah_multikey", "vt"]}}
+
+    def run(checkpoint):
+        with toptheta.sparsify(model, toptheta.TopTheta(thresholds), [toptheta.VMC()]) as stats:
+            return run_ruler(task, model, tokenizer, chat_template=False, stats=stats, checkpoint=checkpoint)
+
+    whole = run(tmp_path / "whole")
+    plain, batches = ruler_run.generate_all, []
+
+    def cut_after_one(*args, **kwargs):
+        if batches:
+            raise KeyboardInterrupt("the session ended")
+        batches.append(args[2])
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(ruler_run, "generate_all", cut_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut")
+    assert [p.name for p in (tmp_path / "cut" / "ruler_600.parts").iterdir()] == ["niah_multikey_0.json"]
+    monkeypatch.setattr(ruler_run, "generate_all", lambda *a, **k: batches.append(a[2]) or plain(*a, **k))
+    resumed = run(tmp_path / "cut")
+    assert len(batches) == 2 and batches[1] != batches[0]  # the second haystack only
+    assert resumed["samples"] == whole["samples"] and resumed["results"] == whole["results"]
+    for view, numbers in whole["task_stats"].items():
+        got = resumed["task_stats"][view]
+        assert {k: v for k, v in got.items() if k != "mean_dropped_mass"} == \
+            {k: v for k, v in numbers.items() if k != "mean_dropped_mass"}, view
+        assert got["mean_dropped_mass"] == pytest.approx(numbers["mean_dropped_mass"], rel=1e-12)  # summed in pieces
+    assert [p.name for p in (tmp_path / "cut").iterdir()] == ["ruler_600.json"]  # the parts go once the length is
+
+
 def test_a_tiny_llama_run_through_the_pipeline_reports_scores_per_length_and_subtask(tmp_path, monkeypatch):
     import pandas as pd
 

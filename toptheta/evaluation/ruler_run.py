@@ -2,7 +2,8 @@
 numbers and sparsity statistics per length, per sub-task and per (length, sub-task).
 
 Like passkey (``generation.run_passkey``), each finished length is saved (``long_context.by_length``) and read
-back when the run resumes, and the stop file pauses a run between lengths. With ``task.share_prefix`` each
+back when the run resumes, and the stop file pauses a run between lengths; inside a length, each finished haystack
+(or sub-task) is saved too, so a run cut inside a length loses one haystack's prompts at most. With ``task.share_prefix`` each
 haystack's prompts go to ``generate_all`` together, so the haystack they share runs once (``prefix_sharing``);
 otherwise a sub-task's prompts of one length go together (``task.decode_batch`` batches them).
 """
@@ -10,10 +11,14 @@ otherwise a sub-task's prompts of one length go together (``task.decode_batch`` 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import shutil
 import time
+from pathlib import Path
 from typing import Callable
 
+from ..atomic import write_text_atomic
 from ..attention.stats import SparsityStats
 from .greedy import generate_all
 from .long_context import by_length, task_result
@@ -62,32 +67,57 @@ def ruler_target_prompts(task: dict, tokenizer, count: int, draw: int, *, chat_t
     return interleaved[:count]
 
 
-def _generate(model, tokenizer, group: list[dict], task: dict, *, chat_template: bool, bar) -> list[dict]:
-    """generate_all's outputs for records of one sub-task, in order: per haystack when prompts share their prefix."""
-    share = bool(task.get("share_prefix"))
-    batches = ([[r for r in group if r["haystack"] == h] for h in dict.fromkeys(r["haystack"] for r in group)]
-               if share else [group])
-    outputs = []
-    for batch in batches:
-        outputs += generate_all(model, tokenizer, [r["prompt"] for r in batch],
-                                max_new_tokens=[r["new_tokens"] for r in batch], chat_template=chat_template,
-                                decode_batch=int(task.get("decode_batch") or 1), share_prefix=share, progress=bar)
-    return outputs
+def _batches(group: list[dict], task: dict) -> list[list[dict]]:
+    """Records of one sub-task as generate_all takes them: per haystack when prompts share their prefix, else one."""
+    if not task.get("share_prefix"):
+        return [group]
+    return [[r for r in group if r["haystack"] == h] for h in dict.fromkeys(r["haystack"] for r in group)]
 
 
-def _run_length(model, tokenizer, group: list[dict], task: dict, *, chat_template: bool, stats, bar) -> tuple:
+def _run_length(model, tokenizer, group: list[dict], task: dict, *, chat_template: bool, stats, bar,
+                parts: Path | None = None) -> tuple:
     """(the length's statistics or None, {samples, seconds, subtask_stats}): each sub-task's prompts run in a
-    statistics section of their own, inside the length's."""
+    statistics section of their own, inside the length's.
+
+    ``parts`` (a directory): each generate_all batch (a haystack's prompts with ``task.share_prefix``, else a
+    sub-task's) is saved there as it finishes, outputs and counters, and read back instead of generated when a run
+    that stopped inside the length resumes: a length of 8k-token prompts takes an hour here."""
     t0, samples, subtask_stats = time.time(), [], {}
     with stats.section() if stats is not None else contextlib.nullcontext() as part:
         for subtask in dict.fromkeys(r["subtask"] for r in group):  # a length's records are grouped by sub-task
             records = [r for r in group if r["subtask"] == subtask]
+            outputs = []
             with stats.section() if stats is not None else contextlib.nullcontext() as sub:
-                outputs = _generate(model, tokenizer, records, task, chat_template=chat_template, bar=bar)
+                for i, batch in enumerate(_batches(records, task)):
+                    path = parts / f"{subtask}_{i}.json" if parts is not None else None
+                    outputs += _batch(model, tokenizer, batch, task, path, chat_template=chat_template, stats=stats,
+                                      bar=bar)
             samples += [_sample(r, out) for r, out in zip(records, outputs)]
             if sub is not None:
                 subtask_stats[subtask] = sub.to_json()
     return part, {"samples": samples, "seconds": round(time.time() - t0, 2), "subtask_stats": subtask_stats}
+
+
+def _batch(model, tokenizer, batch: list[dict], task: dict, path: Path | None, *, chat_template: bool, stats,
+           bar) -> list[dict]:
+    """generate_all's outputs for one batch, read back from ``path`` when saved there for the same prompts (its
+    counters added to ``stats``), else generated and saved there."""
+    prompts = [r["prompt"] for r in batch]
+    saved = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
+    if saved is not None and saved["prompts"] == prompts and (saved["stats"] is None) == (stats is None):
+        if stats is not None:
+            stats.add(SparsityStats.from_json(saved["stats"]))
+        bar.update(len(batch))
+        return saved["outputs"]
+    with stats.section() if stats is not None else contextlib.nullcontext() as piece:
+        outputs = generate_all(model, tokenizer, prompts, max_new_tokens=[r["new_tokens"] for r in batch],
+                               chat_template=chat_template, decode_batch=int(task.get("decode_batch") or 1),
+                               share_prefix=bool(task.get("share_prefix")), progress=bar)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"prompts": prompts, "outputs": outputs,
+                                            "stats": piece.to_json() if piece is not None else None}))
+    return outputs
 
 
 def run_ruler(task: dict, model, tokenizer, *, chat_template: bool, stats=None, checkpoint=None,
@@ -100,11 +130,17 @@ def run_ruler(task: dict, model, tokenizer, *, chat_template: bool, stats=None, 
     samples, task_stats, resumed, by_subtask = [], {}, {}, {}
     lengths = sorted({r["target_tokens"] for r in records})
 
+    def parts(length: int) -> Path | None:  # where a length's batches are saved until the length is
+        return Path(checkpoint, f"ruler_{length}.parts") if checkpoint is not None else None
+
     def run_length(length: int, group: list[dict], bar) -> tuple:
-        return _run_length(model, tokenizer, group, task, chat_template=chat_template, stats=stats, bar=bar)
+        return _run_length(model, tokenizer, group, task, chat_template=chat_template, stats=stats, bar=bar,
+                           parts=parts(length))
 
     for length, part, done in by_length(records, "ruler", run_length, checkpoint=checkpoint, stats=stats, stop=stop,
                                         resumed=resumed):
+        if checkpoint is not None:
+            shutil.rmtree(parts(length), ignore_errors=True)  # the length is saved whole
         samples += done["samples"]
         if part is not None:
             task_stats[f"ruler_{length}"] = part.summary()
