@@ -11,7 +11,8 @@ lists of the jobs that still have a run to make (`python run.py <overrides>` run
 job whose runs an earlier listed job makes too (Top-k under calib.beyond=fit, the same run as under clamp) is left
 out. A sweep with runs left and some finished gets an estimate of the time left: the runs left times the median wall
 time of its finished runs (`seconds` in their stats.json, as measured wherever they ran). Exit status 0 whether or
-not sweeps are complete; 2 on a name that is not an experiment.
+not sweeps are complete; 2 on a name that is not an experiment. A run left that saved parts to resume from (a long
+context's finished lengths) says which.
 """
 
 from __future__ import annotations
@@ -44,9 +45,22 @@ def status(name: str, results: str | None = None) -> dict:
             jobs_left.append(job.overrides)
             covered |= missing
     left = [(label, run_id) for run_id, label in runs.items() if not store.exists(run_id)]
+    saved = {run_id: parts for _, run_id in left if (parts := saved_parts(store, run_id))}
     return {"experiment": name, "results": store_dir, "runs": len(runs), "done": len(runs) - len(left),
-            "left": left, "jobs_left": jobs_left,
+            "left": left, "jobs_left": jobs_left, "saved": saved,
             "seconds": [t for run_id in runs if store.exists(run_id) and (t := _seconds(store, run_id)) is not None]}
+
+
+def saved_parts(store: RunStore, run_id: str) -> str:
+    """What an unfinished run has saved to resume from (RunStore.partial_dir: passkey's and ruler's finished
+    lengths, ruler's finished batches of the length it was in), e.g. 'ruler_4096; 5 batches of ruler_8192'; ''."""
+    partial = store.partial_dir(run_id)
+    if not partial.is_dir():
+        return ""
+    lengths = sorted((p.stem for p in partial.glob("*.json")), key=lambda n: (len(n), n))
+    batches = [f"{len(list(p.glob('*.json')))} batches of {p.name.removesuffix('.parts')}"
+               for p in sorted(partial.glob("*.parts")) if p.name.removesuffix(".parts") not in lengths]
+    return "; ".join(lengths + batches)
 
 
 def _seconds(store: RunStore, run_id: str) -> float | None:
@@ -86,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             state = "complete" if not s["left"] else f"{len(s['left'])} left"
             print(f"{name:<{width}}  {s['done']:>3}/{s['runs']:<3} runs finished  ({state}{time_left(s)}; "
                   f"store {s['results']})")
+            for run_id, parts in s["saved"].items():  # a run cut short: rerunning its job resumes there
+                print(f"    saved to resume {run_id}: {parts}")
             if args.jobs:
                 for job in s["jobs_left"]:
                     print("    python run.py " + " ".join(job))

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from toptheta import pipeline
 from toptheta.results import experiments as E
+from toptheta.store.runs import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -293,3 +294,10 @@ def test_sweep_status_lists_each_run_left_in_one_job(tmp_path):
     beyond = [next(o for o in job if o.startswith("calib.beyond=")) for job in s["jobs_left"]]
     methods = [next(o for o in job if o.startswith("+experiment/method=")) for job in s["jobs_left"]]
     assert beyond.count("calib.beyond=fit") == 1 and methods.count("+experiment/method=toptheta-post-vmc") == 2
+    run_id = s["left"][1][1]  # a run cut short: a length saved whole, the next one's first batches
+    partial = RunStore(tmp_path).partial_dir(run_id)
+    (partial / "ruler_8192.parts").mkdir(parents=True)
+    for name in ("ruler_4096.json", "ruler_8192.parts/vt_0.json", "ruler_8192.parts/cwe_0.json"):
+        (partial / name).write_text("{}")
+    assert script.saved_parts(RunStore(tmp_path), run_id) == "ruler_4096; 2 batches of ruler_8192"
+    assert script.saved_parts(RunStore(tmp_path), s["left"][0][1]) == ""
