@@ -52,7 +52,8 @@ def generate_shared(model, prompt_ids: list[list[int]], *, max_new_tokens: list[
     cache, stats = track(growing_cache(model)), active_stats(model)
     forward, start = cached_forward(model, cache), 0
     needed = max(s for j, s in enumerate(shared) if todo[j] not in done)  # the segments a prompt left still uses
-    with stats.paused() if done and stats is not None else contextlib.nullcontext():  # counted before the stop
+    counted = set(done) & set(todo)  # a prompt that generated ran after every segment: they were counted then
+    with stats.paused() if counted and stats is not None else contextlib.nullcontext():
         for end in sorted(set(shared) - {0}):  # the base's tokens, once, in segments ending where a shared part ends
             if end > needed:
                 break
