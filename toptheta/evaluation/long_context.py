@@ -39,7 +39,7 @@ def by_length(records: list[dict], name: str, run_length, *, checkpoint, stats, 
     with tqdm(total=len(records), desc=name, unit="prompt") as bar:
         for length in sorted({r["target_tokens"] for r in records}):
             group = [r for r in records if r["target_tokens"] == length]
-            saved = _read_section(checkpoint, length, group, stats, name=name)
+            saved = read_section(checkpoint, length, group, stats, name=name)
             if saved is not None:
                 part, done = saved
                 if part is not None:
@@ -52,7 +52,7 @@ def by_length(records: list[dict], name: str, run_length, *, checkpoint, stats, 
                     raise Paused(f"stopped before {name} length {length}; the lengths before it are saved in "
                                  f"{checkpoint}")
                 part, done = run_length(length, group, bar)
-                _write_section(checkpoint, length, group, done, part, name=name)
+                write_section(checkpoint, length, group, done, part, name=name)
             yield length, part, done
 
 
@@ -64,9 +64,9 @@ def _section_path(checkpoint, length: int, name: str = "passkey") -> Path:
     return Path(checkpoint) / f"{name}_{length}.json"
 
 
-def _read_section(checkpoint, length: int, group: list[dict], stats, name: str = "passkey"):
+def read_section(checkpoint, length: int, group: list[dict], stats, name: str = "passkey"):
     """(its statistics or None, {samples, seconds, ...: what else was saved}) of a length of task ``name`` saved for
-    exactly these prompts; else None."""
+    exactly these prompts; else None. (Any numbered part of a run saved by write_section: ruler's batches too.)"""
     if checkpoint is None or not _section_path(checkpoint, length, name).is_file():
         return None
     data = json.loads(_section_path(checkpoint, length, name).read_text(encoding="utf-8"))
@@ -78,7 +78,7 @@ def _read_section(checkpoint, length: int, group: list[dict], stats, name: str =
     return part, {key: value for key, value in data.items() if key not in ("prompts", "stats")}  # samples, seconds, ...
 
 
-def _write_section(checkpoint, length: int, group: list[dict], done: dict, part, name: str = "passkey") -> None:
+def write_section(checkpoint, length: int, group: list[dict], done: dict, part, name: str = "passkey") -> None:
     if checkpoint is None:
         return
     path = _section_path(checkpoint, length, name)

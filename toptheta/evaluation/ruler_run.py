@@ -11,17 +11,15 @@ otherwise a sub-task's prompts of one length go together (``task.decode_batch`` 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
-from ..atomic import write_text_atomic
 from ..attention.stats import SparsityStats
 from .greedy import generate_all
-from .long_context import by_length, task_result
+from .long_context import by_length, read_section, task_result, write_section
 from .ruler import RulerSettings, build_ruler_records, score_ruler
 
 log = logging.getLogger("toptheta")
@@ -89,34 +87,31 @@ def _run_length(model, tokenizer, group: list[dict], task: dict, *, chat_templat
             outputs = []
             with stats.section() if stats is not None else contextlib.nullcontext() as sub:
                 for i, batch in enumerate(_batches(records, task)):
-                    path = parts / f"{subtask}_{i}.json" if parts is not None else None
-                    outputs += _batch(model, tokenizer, batch, task, path, chat_template=chat_template, stats=stats,
-                                      bar=bar)
+                    outputs += _batch(model, tokenizer, batch, task, parts, i, subtask, chat_template=chat_template,
+                                      stats=stats, bar=bar)
             samples += [_sample(r, out) for r, out in zip(records, outputs)]
             if sub is not None:
                 subtask_stats[subtask] = sub.to_json()
     return part, {"samples": samples, "seconds": round(time.time() - t0, 2), "subtask_stats": subtask_stats}
 
 
-def _batch(model, tokenizer, batch: list[dict], task: dict, path: Path | None, *, chat_template: bool, stats,
-           bar) -> list[dict]:
-    """generate_all's outputs for one batch, read back from ``path`` when saved there for the same prompts (its
-    counters added to ``stats``), else generated and saved there."""
-    prompts = [r["prompt"] for r in batch]
-    saved = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
-    if saved is not None and saved["prompts"] == prompts and (saved["stats"] is None) == (stats is None):
-        if stats is not None:
-            stats.add(SparsityStats.from_json(saved["stats"]))
+def _batch(model, tokenizer, batch: list[dict], task: dict, parts: Path | None, index: int, subtask: str, *,
+           chat_template: bool, stats, bar) -> list[dict]:
+    """generate_all's outputs for a sub-task's batch ``index``, read back from ``parts`` when saved there for the same
+    prompts (its counters added to ``stats``), else generated and saved there (``<subtask>_<index>.json``)."""
+    saved = read_section(parts, index, batch, stats, name=subtask)
+    if saved is not None:
+        piece, done = saved
+        if piece is not None:
+            stats.add(piece)
         bar.update(len(batch))
-        return saved["outputs"]
+        return done["outputs"]
     with stats.section() if stats is not None else contextlib.nullcontext() as piece:
-        outputs = generate_all(model, tokenizer, prompts, max_new_tokens=[r["new_tokens"] for r in batch],
-                               chat_template=chat_template, decode_batch=int(task.get("decode_batch") or 1),
+        outputs = generate_all(model, tokenizer, [r["prompt"] for r in batch],
+                               max_new_tokens=[r["new_tokens"] for r in batch], chat_template=chat_template,
+                               decode_batch=int(task.get("decode_batch") or 1),
                                share_prefix=bool(task.get("share_prefix")), progress=bar)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({"prompts": prompts, "outputs": outputs,
-                                            "stats": piece.to_json() if piece is not None else None}))
+    write_section(parts, index, batch, {"outputs": outputs}, piece, name=subtask)
     return outputs
 
 
