@@ -20,7 +20,7 @@ from .. import compat
 from ..attention.backend import model_shape, sparsify
 from ..attention.cache import growing_cache
 from ..compensation import SDC, VMC, is_compensation, lower
-from ..sparsifiers import Dense, TopK
+from ..sparsifiers import Dense, TopK, TopRho
 from ..sparsifiers.base import check_placement
 from .collector import PHASES, OrderStatCollector
 from .progress import Progress, inputs_digest, weights_digest
@@ -92,6 +92,8 @@ def calibrate(
     share_prefixes: bool = True,
     progress_file: str | Path | None = None,
     progress_every: float | None = None,
+    rho: float | None = None,
+    head_weights: Sequence[Sequence[float]] | None = None,
 ) -> Thresholds:
     """Calibrate Top-θ thresholds for ``model`` on ``inputs``.
 
@@ -100,6 +102,12 @@ def calibrate(
             ``attention_mask``), a LongTensor (B, T) or (T,), or a list of token-id lists.
         k: keys per row; ``layer_k`` overrides it per layer, e.g. ``{0: 512, 1: 512}`` (method.md §2.3).
         placement: "post" (probability thresholds) or "pre" (scaled-logit thresholds).
+        rho, head_weights: calibrate θ to Top-ρ's kept set instead of the top-k: a row of n keys keeps its
+            ⌈ρ·w·n⌉ largest scores at a head of weight w (``head_weights``: one list per layer of one weight per
+            query head, ``scripts/head_budget.py``; None: w = 1), so θ follows a budget that grows with the row and
+            differs between heads. τ is then each row's largest score outside that set (per head); a head that keeps
+            a row whole adds nothing for it. TAC runs Top-ρ; rows with n ≤ k (``layer_k``) stay whole as with
+            top-k. Needs ``statistic="order"``. None: the paper's top-k budget.
         statistic: "order" = mean + σ_add·std of each row's (k + 1)-th largest score (the paper,
             method.md §2.2); "target-k" = θ whose expected kept count per row is k (MKC, method.md §4).
         sigma_add: σ_add of the "order" statistic (0.1 in every paper run; unused by "target-k").
@@ -136,13 +144,16 @@ def calibrate(
     layer_k = {int(layer): int(v) for layer, v in (layer_k or {}).items()}
     _check_arguments(k, layer_k, L, statistic, granularity, lookup, smooth_sigma, generate_tokens, phases)
     k_per_layer = [layer_k.get(layer, k) for layer in range(L)]
+    budget, budget_record = _budget_rule(rho, head_weights, k, placement, layer_k, statistic, L, H, model)
     applied = calibration_compensation(compensations, placement, compensation, tac)
     options = dict(sample_frac=sample_frac, seed=seed, phases=tuple(phases), max_n=max_n, topk_keep=tac)
+    if budget is not None:
+        options["keep_rule"] = budget
     if statistic == "order":
         collector = OrderStatCollector(k_per_layer, H, placement, sigma_add=sigma_add, **options)
     else:
         collector = TargetKCollector(k_per_layer, H, placement, **options)
-    sparsifier = TopK(k, placement, layer_k) if tac else Dense()
+    sparsifier = (budget or TopK(k, placement, layer_k)) if tac else Dense()
 
     # Pre-softmax target-k fits each layer's grid to the first rows it sees, so its θ depend on the order rows come
     # in: those calibrations run every sequence whole, in the order given.
@@ -157,7 +168,8 @@ def calibrate(
                     "inputs": inputs_digest(as_batch(batch) for batch in inputs), "shared": shared is not None,
                     "k_per_layer": k_per_layer, "placement": placement, "statistic": statistic,
                     "sigma_add": sigma_add, "tac": tac, "compensation": compensation_labels(applied),
-                    "options": {**options, "phases": list(phases)}, "generate_tokens": generate_tokens}
+                    "options": {**options, "phases": list(phases), **budget_record}, "generate_tokens": generate_tokens}
+        identity["options"].pop("keep_rule", None)
     done = Progress(progress_file, identity, progress_every)
     done.resume(collector)
     if shared is not None:
@@ -186,6 +198,7 @@ def calibrate(
         "rows_eligible": collector.rows_eligible.long().tolist(),  # per layer, before sampling
         "rows_sampled": collector.rows_sampled.long().tolist(),
         "collector_bytes": collector.nbytes(),
+        **budget_record,
     }
     if statistic == "target-k":
         grid = [collector.edges(layer)[[0, -1]].tolist() for layer in range(L)]  # per layer, NaN = never set
@@ -198,6 +211,24 @@ def calibrate(
                             counts=counts, sdc_mass=sdc_mass, lookup=lookup, smooth_sigma=smooth_sigma)
     done.finish()
     return thresholds
+
+
+def _budget_rule(rho, head_weights, k, placement: str, layer_k: dict, statistic: str, num_layers: int,
+                 num_heads: int, model) -> tuple[TopRho | None, dict]:
+    """(the Top-ρ rule θ is calibrated to, its provenance ``{"budget": {...}}``), or (None, {}) for the top-k budget;
+    fails before any forward, naming the fix."""
+    if rho is None and head_weights is None:
+        return None, {}
+    if rho is None:
+        raise ValueError("head_weights shares a budget ρ between heads: give rho too (e.g. rho=0.05)")
+    if statistic != "order":
+        raise ValueError(f"a Top-ρ budget (rho) needs statistic='order'; {statistic!r} aims at k keys per row")
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 < rho <= 1:
+        raise ValueError(f"rho must be a share of each row's keys in (0, 1], got {rho!r}")
+    rule = TopRho(float(rho), placement, k, layer_k, head_weights)
+    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    TopRho.check_model({"head_weights": rule.head_weights}, num_layers, num_heads, name)
+    return rule, {"budget": {"rule": "toprho", "rho": float(rho), "head_weights": rule.head_weights}}
 
 
 NEGATIVE_THETA_LIMIT = 0.01  # post-softmax θ below 0 keep their rows whole: refused above this fraction

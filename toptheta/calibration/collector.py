@@ -60,7 +60,8 @@ class SampledRows:
     keys outside the mask.
     """
 
-    def __init__(self, rows: RowBlock, pick: torch.Tensor, n: torch.Tensor, k: int, topk_keep: bool = False):
+    def __init__(self, rows: RowBlock, pick: torch.Tensor, n: torch.Tensor, k: int, topk_keep: bool = False,
+                 keep: torch.Tensor | None = None):
         self.k = k
         q = pick.any(0).nonzero().flatten()  # pick, n: (B, Q) on the CPU; the rows stay on their device
         q0, q1 = int(q[0]), int(q[-1]) + 1
@@ -72,20 +73,23 @@ class SampledRows:
         self._rows, self._take = rows, take
         self.n = take(n[:, None])[:, 0]  # (R, Q') on the CPU
         self.logits = take(rows.logits)  # (R, H, Q', K)
-        self.keep = take(rows.keep) if topk_keep and rows.keep is not None else None  # (R, H, Q', K)
-        self.next = take(rows.next_index) if self.keep is not None and rows.next_index is not None else None
+        mask = rows.keep if topk_keep else keep  # the forward's keep-mask (TAC) or the collector's budget rule's
+        self.keep = take(mask) if mask is not None else None  # (R, H, Q', K)
+        self.next = take(rows.next_index) if topk_keep and self.keep is not None and rows.next_index is not None \
+            else None
         self._top: torch.Tensor | None = None
         self._chosen: torch.Tensor | None = None  # (R·Q', 1) bool: the rows that count (device path), None: all
 
     @classmethod
-    def whole(cls, rows: RowBlock, pick: torch.Tensor, n: torch.Tensor, k: int, topk_keep: bool = False) -> "SampledRows":
+    def whole(cls, rows: RowBlock, pick: torch.Tensor, n: torch.Tensor, k: int, topk_keep: bool = False,
+              keep: torch.Tensor | None = None) -> "SampledRows":
         """Every row of the chunk (R = B, Q' = Q), with ``pick`` (B, Q) marking those that count: ``per_row``
         gives 0 for the others. Nothing is read on the host (the collector's device path)."""
         self = cls.__new__(cls)
         self.k, self._rows, self._take = k, rows, lambda t: t  # noqa: E731
         self.n, self.logits = n, rows.logits  # (B, Q), (B, H, Q, K)
-        self.keep = rows.keep if topk_keep and rows.keep is not None else None
-        self.next = rows.next_index if self.keep is not None else None
+        self.keep = rows.keep if topk_keep else keep
+        self.next = rows.next_index if topk_keep and self.keep is not None else None
         self._top = None
         self._chosen = pick.reshape(-1, 1)
         return self
@@ -113,6 +117,19 @@ class SampledRows:
     def per_row(self, t: torch.Tensor) -> torch.Tensor:
         """(R, H, Q', ...) -> (R·Q', H, ...), rows in the order of ``n.flatten()``; 0 for rows that do not count."""
         return self.chosen(t.transpose(1, 2).flatten(0, 1))
+
+    @functools.cached_property
+    def drops(self) -> torch.Tensor:
+        """(R·Q', H) bool: the (row, head) pairs whose keep-mask leaves out a valid key, so they have a τ (a budget
+        rule keeps some heads' rows whole); False for rows that do not count."""
+        left_out = (~self.keep & (self.logits > float("-inf"))).any(-1)  # invalid keys hold −inf
+        return self.per_row(left_out)
+
+    def per_head(self, t: torch.Tensor, budget: bool) -> torch.Tensor:
+        """``per_row(t)`` (R·Q', H), and with a budget rule (``budget``) 0 where a head keeps its row whole: its τ
+        (the largest score outside a mask holding every valid key) means nothing there."""
+        t = self.per_row(t)
+        return torch.where(self.drops, t, t.new_zeros(())) if budget else t
 
     def row_mask(self) -> torch.Tensor | None:
         """(R, 1, Q') bool: the rows that count (``whole``), or None: every row."""
@@ -166,14 +183,18 @@ class Collector:
         phases: which rows to use, any of ("prefill", "decode").
         max_n: longest row length to calibrate (longer rows are skipped); None = grow as needed.
         topk_keep: the forward runs exact top-k with these k (TAC), so each chunk's keep-mask is
-            the top-k set and the collector may read it instead of sorting again.
+            the top-k set and the collector may read it instead of sorting again; with ``keep_rule``, the forward
+            runs that rule (TAC) and its keep-mask is read.
+        keep_rule: a sparsifier whose kept set the thresholds approximate instead of the top-k (``calibrate``'s
+            ``rho``: Top-ρ, ⌈ρ·w_h·n⌉ keys per row and head): τ is each row's largest score outside that set, per
+            head, and a head whose row the rule keeps whole adds nothing for that row (its count too). None: top-k.
         device_path: decide on the device, reading nothing on the host inside a layer call (module docstring);
             None (default): on every device but the CPU.
     """
 
     def __init__(self, k: list[int], num_heads: int, placement: str, *, sample_frac: float = 1.0, seed: int = 0,
                  phases: tuple[str, ...] = PHASES, max_n: int | None = None, topk_keep: bool = False,
-                 device_path: bool | None = None):
+                 device_path: bool | None = None, keep_rule=None):
         if not 0.0 < sample_frac <= 1.0:
             raise ValueError(f"sample_frac must be in (0, 1], got {sample_frac}")
         bad = set(phases) - set(PHASES)
@@ -186,9 +207,10 @@ class Collector:
         self.sample_frac, self.phases, self.max_n = float(sample_frac), tuple(phases), max_n
         self.topk_keep = bool(topk_keep)
         self.device_path = device_path
+        self.keep_rule = keep_rule
         self.generator = torch.Generator().manual_seed(int(seed))
         # with TAC the selection finds each row's τ on the way (RowBlock.want_next): no second pass over the row
-        self.wants_next_index = self.topk_keep
+        self.wants_next_index = self.topk_keep and keep_rule is None
         self.weight = 1  # rows observed count this many times (``repeated``)
         L = len(self.k)
         self._rows_eligible = torch.zeros(L, dtype=torch.float64)  # per layer, before sampling
@@ -279,16 +301,13 @@ class Collector:
             pick &= torch.rand(n.shape, generator=self.generator) < self.sample_frac
             if not bool(pick.any()):
                 return
-        sampled = SampledRows(rows, pick, n, k, self.topk_keep)
+        sampled = SampledRows(rows, pick, n, k, self.topk_keep, self._budget_keep(rows))
         self._rows_sampled[layer] += sampled.n.numel() * self.weight
         self._max_n_seen = max(self._max_n_seen, int(sampled.n.max()))
         keys = self.key_of(sampled.n.flatten())  # (S,) on the CPU, in the order of SampledRows.per_row
         device = rows.logits.device
         self._ensure(layer, int(keys.max()) + 1, device)
-        self.scatter("count", layer, keys, torch.ones(keys.numel(), self.num_heads, device=device))
-        if "sdc" in self.sums:
-            self.scatter("sdc", layer, keys, sampled.per_row(sampled.dropped_mass()))
-        self.add(layer, sampled, keys)
+        self._add_rows(layer, sampled, keys, torch.ones(keys.numel(), self.num_heads, device=device))
 
     def _observe_on_device(self, rows: RowBlock) -> None:
         """``__call__`` without a host read: every row of the chunk scored, the unchosen ones adding 0."""
@@ -303,7 +322,7 @@ class Collector:
         pick = eligible
         if self.sample_frac < 1.0:  # drawn on the CPU generator, as the host path (module docstring)
             pick = eligible & (torch.rand(n.shape, generator=self.generator) < self.sample_frac).to(n.device)
-        sampled = SampledRows.whole(rows, pick, n, k, self.topk_keep)
+        sampled = SampledRows.whole(rows, pick, n, k, self.topk_keep, self._budget_keep(rows))
         counts = torch.stack([eligible.sum() * self.weight, pick.sum() * self.weight,
                               torch.where(pick, n, 0).max()]).double()
         if layer in self._on_device:  # Σ eligible, Σ sampled, max n
@@ -313,9 +332,25 @@ class Collector:
         keys = self.key_of(n.flatten())  # (B·Q,) on the device, in the order of SampledRows.per_row
         device = rows.logits.device
         self._ensure(layer, self.key_bound(K) + 1, device)
-        self.scatter("count", layer, keys, sampled.chosen(torch.ones(B * Q, H, device=device)))
+        self._add_rows(layer, sampled, keys, sampled.chosen(torch.ones(B * Q, H, device=device)))
+
+    def _budget_keep(self, rows: RowBlock) -> torch.Tensor | None:
+        """The keep-mask of ``keep_rule`` for a chunk the forward did not select with it (no TAC); None otherwise.
+        A rule that keeps every key returns a mask of every valid key, so no head counts."""
+        if self.keep_rule is None or self.topk_keep:
+            return None
+        keep = self.keep_rule.select(rows)
+        return rows.valid.expand_as(rows.logits) if keep is None else keep
+
+    def _add_rows(self, layer: int, sampled: SampledRows, keys: torch.Tensor, ones: torch.Tensor) -> None:
+        """The counts (``ones``: (S, H), 1 where a row counts), the dropped mass and the subclass's statistic of the
+        sampled rows; with a budget rule only the (row, head) pairs it drops keys from."""
+        budget = self.keep_rule is not None
+        if budget and sampled.keep is None:  # the forward's rule kept every key of the chunk: nothing to add
+            return
+        self.scatter("count", layer, keys, torch.where(sampled.drops, ones, ones.new_zeros(())) if budget else ones)
         if "sdc" in self.sums:
-            self.scatter("sdc", layer, keys, sampled.per_row(sampled.dropped_mass()))
+            self.scatter("sdc", layer, keys, sampled.per_head(sampled.dropped_mass(), budget))
         self.add(layer, sampled, keys)
 
     def key_bound(self, n: int) -> int:
@@ -461,7 +496,7 @@ class OrderStatCollector(Collector):
         self._extra.update(tau=(), tau_sq=())
 
     def add(self, layer: int, rows: SampledRows, keys: torch.Tensor) -> None:
-        tau = rows.per_row(rows.tau(self.placement)).double()  # (S, H)
+        tau = rows.per_head(rows.tau(self.placement), self.keep_rule is not None).double()  # (S, H)
         self.scatter("tau", layer, keys, tau)
         self.scatter("tau_sq", layer, keys, tau * tau)
 

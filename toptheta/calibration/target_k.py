@@ -50,6 +50,9 @@ class TargetKCollector(Collector):
     def __init__(self, k: list[int], num_heads: int, placement: str, *, grid_size: int = GRID_SIZE,
                  exact_n: int = 32, per_octave: int = 8, **options):
         super().__init__(k, num_heads, placement, **options)
+        if self.keep_rule is not None:
+            raise ValueError("the target-k statistic aims at k kept keys per row: a budget rule (calibrate's rho) "
+                             "needs the order statistic (statistic='order')")
         if grid_size < 2 or exact_n < 1 or per_octave < 1:
             raise ValueError(f"need grid_size ≥ 2, exact_n ≥ 1 and per_octave ≥ 1; "
                              f"got {grid_size}, {exact_n}, {per_octave}")
