@@ -126,3 +126,77 @@ def test_bad_budgets_fail_before_any_forward(model, kwargs, message):
 def test_target_k_refuses_a_budget_rule():
     with pytest.raises(ValueError, match="order"):
         TargetKCollector([K] * L, H, "post", keep_rule=toptheta.TopRho(RHO, "post", K))
+
+
+# --- through run.py: sparsifier.budget=toprho ----------------------------------------------------------------------
+
+TINY_WEIGHTS = "[" + ",".join(["[1.0,2.0,0.5,1.0]"] * 6) + "]"  # tiny-llama: 6 layers of 4 query heads
+
+
+def budget_rows(tmp_path, *overrides):
+    from conftest import sparse_rows
+
+    return sparse_rows(tmp_path, "sparsifier=toptheta", "comp=vmc", "sparsifier.placement=post",
+                       "sparsifier.layer_k=null", "sparsifier.k=2", "task.fewshot_sampler=first_n",
+                       "sparsifier.budget=toprho", *overrides)
+
+
+def test_a_run_calibrated_to_top_rho_records_its_budget_and_gets_its_own_thresholds(tmp_path):
+    import json
+
+    from toptheta.calibration import Thresholds
+    from toptheta.results.labels import series_label
+
+    rows = budget_rows(tmp_path, "sparsifier.rho=0.3", f"sparsifier.head_weights={TINY_WEIGHTS}")
+    run = tmp_path / "runs" / rows[0]["run_id"]
+    budget = Thresholds.load(run / "thresholds.safetensors").metadata["budget"]
+    assert budget["rule"] == "toprho" and budget["rho"] == 0.3 and budget["head_weights"][0] == [1.0, 2.0, 0.5, 1.0]
+    assert json.loads((run / "config.json").read_text())["sparsifier"]["budget"] == "toprho"
+    label = series_label(rows[0])
+    assert "[θ for Top-ρ]" in label and "[per-head ρ w" in label, label
+    assert float(rows[0]["rho"]) == 0.3
+    top_k = budget_rows(tmp_path / "topk", "sparsifier.budget=null")  # the paper's budget: its own thresholds
+    assert top_k[0]["run_id"] != rows[0]["run_id"] and series_label(top_k[0]) == "Top-θ post (+VMC) [layers 0-1 at k]"
+    plain = tmp_path / "topk" / "runs" / top_k[0]["run_id"]
+    assert "budget" not in Thresholds.load(plain / "thresholds.safetensors").metadata
+    assert "budget" not in json.loads((plain / "config.json").read_text())["sparsifier"]  # run ids as they were
+
+
+def test_a_matched_run_fits_rho_calibrating_each_value(tmp_path):
+    import json
+
+    rows = budget_rows(tmp_path, "sparsifier.target_kept=0.3")
+    assert rows and all(abs(float(r["kept_attention_fraction"]) / 0.3 - 1) <= 0.1 for r in rows)
+    from toptheta.calibration import Thresholds
+
+    run = tmp_path / "runs" / rows[0]["run_id"]
+    target = json.loads((run / "stats.json").read_text())["target"]
+    assert "rho" in target and "k" not in target and float(rows[0]["rho"]) == target["rho"]
+    assert Thresholds.load(run / "thresholds.safetensors").metadata["budget"]["rho"] == target["rho"]
+    assert int(rows[0]["k"]) == 2  # k only keeps short rows whole
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("sparsifier.budget=toprho",), "needs the share it calibrates to"),
+    (("sparsifier.rho=0.2",), "add +sparsifier.budget=toprho"),
+    (("sparsifier.budget=topk",), "null (θ for each row's k largest"),
+    (("sparsifier.budget=toprho", "sparsifier.rho=1.5"), "sparsifier.rho=1.5"),
+    (("sparsifier.budget=toprho", "sparsifier.rho=0.2", "sparsifier.head_weights=[[1.0,-1.0]]"), "positive weights"),
+])
+def test_bad_budgets_fail_when_the_config_is_checked(tmp_path, overrides, message):
+    from conftest import cfg
+
+    from toptheta import pipeline
+
+    with pytest.raises(ValueError, match="invalid configuration") as err:
+        pipeline.plan(cfg("model=tiny-llama", "task=smoke", f"results_dir={tmp_path}", "sparsifier=toptheta",
+                          *overrides))
+    assert message in str(err.value)
+
+
+def test_head_weights_that_do_not_fit_the_model_fail_before_calibrating(tmp_path, monkeypatch):
+    from toptheta import thresholds_cache
+
+    monkeypatch.setattr(thresholds_cache.calibration, "calibrate", lambda *a, **kw: pytest.fail("calibrated"))
+    with pytest.raises(ValueError, match="head_budget.py"):
+        budget_rows(tmp_path, "sparsifier.rho=0.3", "sparsifier.head_weights=[[1.0,2.0]]")

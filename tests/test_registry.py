@@ -17,6 +17,7 @@ import toptheta
 from conftest import cfg, smoke_manager
 from toptheta import pipeline, registry
 from toptheta.compensation import KernelCompensation
+from toptheta.builders import searched_parameter
 from toptheta.registry import Parameter
 from toptheta.sparsifiers.base import RowBlock, Sparsifier, check_budgets, check_placement, keep_whole_short_rows
 
@@ -81,7 +82,9 @@ RUN = ("model=tiny-llama", "task=smoke", "task.limit=4", "baseline=false", "log_
 def test_the_registry_knows_the_built_ins_and_what_they_need():
     assert {"dense", "topk", "toptheta", "topp", "skipsoftmax", "recent"} <= set(registry.sparsifier_names())
     assert registry.sparsifier_kind("toptheta").needs_thresholds and registry.sparsifier_kind("topk").parameter is None
-    assert registry.sparsifier_kind("topp").tuned_key == "p" and registry.sparsifier_kind("skipsoftmax").tuned_key == "lam"
+    assert searched_parameter({"name": "topp"}).key == "p" and searched_parameter({"name": "skipsoftmax"}).key == "lam"
+    assert searched_parameter({"name": "toptheta"}) is None  # the budget k
+    assert searched_parameter({"name": "toptheta", "budget": "toprho"}).key == "rho"  # calibrated to Top-ρ
     assert not registry.sparsifier_kind("dense").drops
     assert registry.labels()["toptheta"] == "Top-θ" and registry.labels()["recent"] == "Recent"
     assert [kind.name for kind in registry.active_compensations({"sdc": "exact", "vmc": True})] == ["sdc", "vmc"]

@@ -16,7 +16,7 @@ N = 400
 
 
 def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=None, choices=4, shots=0, target=None,
-         clamped=0, calib_task=None, layer_k=None, head_weights=None):
+         clamped=0, calib_task=None, layer_k=None, head_weights=None, rho=None):
     """One run of `task` on len(outcomes) questions with per-question samples (lm-eval's layout, `choices` answer
     options per question), as run.py stores it."""
     limit = len(outcomes)
@@ -28,7 +28,8 @@ def _add(store, task, sparsifier, placement, k, comp, outcomes, kept, *, seed=No
               "sparsifier": {"name": sparsifier, "placement": placement, "k": k,
                              "layer_k": (layer_k if layer_k is not None else {"0": 512}) if sparsifier != "dense" else {},
                              **({"target_kept": target} if target is not None else {}),
-                             **({"head_weights": head_weights} if head_weights is not None else {})},
+                             **({"head_weights": head_weights} if head_weights is not None else {}),
+                             **({"budget": "toprho", "rho": rho} if rho is not None else {})},
               "comp": {"sdc": "exact" if "sdc" in comp else None, "sdc_scale": 1.0, "vmc": "vmc" in comp},
               "calib": calib}
     run_id = store.run_id_for(config)
@@ -470,6 +471,39 @@ def test_a_top_rho_run_is_compared_with_every_run_keeping_as_much(tmp_path):
     assert len(between) == 1  # the two per-head runs, paired once
     assert float(between["diff"].iloc[0]) == pytest.approx(2 / N if between["series"].iloc[0] == weighted else -2 / N)
     assert len(per_head) == 7  # each per-head run against the 3 others, and the pair between them
+
+
+def test_top_theta_calibrated_to_top_rho_is_its_own_series_compared_with_every_run_keeping_as_much(tmp_path):
+    """results/baselines.py theta_budget_pairs: Top-θ calibrated to Top-ρ ('[θ for Top-ρ]', with '[per-head ρ …]' at
+    a share per head) against the sparse runs of its setting within ±10 % of its kept fraction, the two such runs
+    paired once; head_budget_pairs keeps to Top-ρ's per-head runs and meets the Top-θ one as another run."""
+    from toptheta.results import baselines, labels
+
+    store = RunStore(tmp_path)
+    rng = np.random.default_rng(7)
+    dense = (rng.random(N) < 0.6).astype(float)
+    small, weights = {"0": 128, "1": 128}, [[2.0, 0.5], [1.0, 1.0]]
+    _add(store, "arc_easy", "dense", None, None, "none", dense, 1.0, shots=25)
+    _add(store, "arc_easy", "toptheta", "post", 14, "vmc", _flip(dense, 40, 0.0), 0.051, shots=25, target=0.05,
+         layer_k=small)
+    _add(store, "arc_easy", "toprho", "post", None, "vmc", _flip(dense, 12, 0.0), 0.050, shots=25, target=0.05,
+         layer_k=small, head_weights=weights)
+    _add(store, "arc_easy", "toptheta", "post", 1, "vmc", _flip(dense, 20, 0.0), 0.049, shots=25, target=0.05,
+         layer_k=small, rho=0.05)
+    _add(store, "arc_easy", "toptheta", "post", 1, "vmc", _flip(dense, 10, 0.0), 0.050, shots=25, target=0.05,
+         layer_k=small, rho=0.05, head_weights=weights)
+    summary = load_summary(tmp_path)
+    table = baselines.theta_budget_pairs(summary, tmp_path)
+    one = f"Top-θ post (+VMC) [{labels.THETA_FOR_RHO}]"
+    per_head = f"{one} [{labels.PER_HEAD_RHO} {weights_digest(weights)}]"
+    rho_per_head = f"Top-ρ post (+VMC) [{labels.PER_HEAD_RHO} {weights_digest(weights)}]"
+    assert set(table["series"]) == {one, per_head}
+    got = {(a, b): d for a, b, d in zip(table["series"], table["versus"], table["diff"])}
+    assert got[(per_head, rho_per_head)] == pytest.approx(2 / N)  # a threshold in place of the exact ranking
+    assert got[(one, "Top-θ post (+VMC)")] == pytest.approx(20 / N)  # the budget spread over the rows
+    assert len(table) == 5  # each against Top-θ at k and Top-ρ per head, and the pair between them once
+    heads = baselines.head_budget_pairs(summary, tmp_path)
+    assert set(heads["series"]) == {rho_per_head} and per_head in set(heads["versus"])
 
 
 def test_past_calibration_compares_top_theta_with_top_k_at_the_same_k_per_length():

@@ -21,6 +21,15 @@ def needs_thresholds(sparsifier: dict, comp: dict) -> bool:
         kind.active(comp) and kind.needs_thresholds(comp) for kind in compensation_kinds())
 
 
+def searched_parameter(sparsifier: dict):
+    """What ``sparsifier.target_kept`` fits, as a ``registry.Parameter``: the rule's own (top-p's p, skip-softmax's λ,
+    Top-ρ's ρ), Top-ρ's ρ for Top-θ calibrated to Top-ρ (``sparsifier.budget=toprho``: each ρ tried is a
+    calibration), or None: the budget k."""
+    if sparsifier.get("name") == "toptheta" and sparsifier.get("budget") == "toprho":
+        return sparsifier_kind("toprho").parameter
+    return sparsifier_kind(sparsifier["name"]).parameter
+
+
 def resolve_placement(sparsifier: dict, comp: dict) -> str | None:
     """The placement a run selects at: None for dense; auto is pre when a compensation on prefers it (SDC), else post."""
     if not sparsifier_kind(sparsifier["name"]).drops:

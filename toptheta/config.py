@@ -120,9 +120,14 @@ class SparsifierConfig:
     p: Optional[float] = None
     lam: Optional[float] = None
     rho: Optional[float] = None
-    # toprho only: per layer, one weight per query head; head h of layer l keeps min(1, ρ·w[l][h]) of each row
-    # (scripts/head_budget.py takes the weights from the shares another run's heads kept). Null: every head keeps ρ.
+    # toprho (and toptheta with budget=toprho): per layer, one weight per query head; head h of layer l keeps
+    # min(1, ρ·w[l][h]) of each row (scripts/head_budget.py takes the weights from the shares another run's heads
+    # kept). Null: every head keeps ρ.
     head_weights: Optional[List[List[float]]] = None
+    # toptheta only: what θ is calibrated to approximate. null: each row's k largest scores (the paper); toprho:
+    # Top-ρ's ⌈ρ·w·n⌉ largest (sparsifier.rho, or fitted by target_kept; head_weights as Top-ρ's), a budget that
+    # grows with the row and differs between heads. It changes the calibration only (and its thresholds key).
+    budget: Optional[str] = None
 
 
 @dataclass
@@ -342,8 +347,8 @@ def sparsifier_problems(sparsifier: Any, comp: Any, fits_target: bool = True) ->
             if key not in kind.keys:
                 need(get(sparsifier, key) is None, f"sparsifier.{key}", get(sparsifier, key),
                      f"null: only sparsifier={other.name} reads it")
-    try:  # its own options' values (Top-ρ's head_weights), as the rule itself checks them
-        kind.check_options({key: get(sparsifier, key) for key in kind.options})
+    try:  # its own options' values (Top-ρ's head_weights), as the rule itself checks them, with the target beside
+        kind.check_options({**{key: get(sparsifier, key) for key in kind.options}, "target_kept": target})
     except ValueError as err:
         problems.append(str(err))
     layer_ks = get(sparsifier, "layer_k")

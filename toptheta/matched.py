@@ -19,7 +19,7 @@ import torch
 from . import sparsify
 from .atomic import write_text_atomic
 from .attention.stats import SparsityStats
-from .builders import needs_thresholds
+from .builders import needs_thresholds, searched_parameter
 from .cachedir import cache_dir, identity_key
 from .calibration.target_kept import TOLERANCE, Unreachable, resolve_k
 from .calibration.target_param import fit_parameter, log_slope
@@ -174,7 +174,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
         stored.with_suffix(".progress.json").unlink(missing_ok=True)
         return kept
 
-    parameter = sparsifier_kind(spec.sparsifier.name).parameter
+    parameter = searched_parameter(spec.sparsifier.settings)
     if vrows and parameter is None:  # k by bisection on the measured V-row fraction (no closed form: heads' union)
         k_range = Parameter("k", 1, max(len(s) for s in sequences), log=True, keeps_more_when_higher=True)
         guide = None

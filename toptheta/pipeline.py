@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import sparsify
 from .attention.backend import check_supported
 from .attention.popularity import VRowPopularity
-from .builders import check_combination, check_sparsifies, needs_thresholds, resolve_placement
+from .builders import check_combination, check_sparsifies, needs_thresholds, resolve_placement, searched_parameter
 from .config import COMP_FIELDS, OPTIONAL_TASK_FIELDS, VROW_POPULARITY_DEFAULTS, check
 from .evaluation.generation import Paused, check_context, check_decoding, evaluate_generation
 from .evaluation.tasks import calibration_name, check_tasks, is_longbench
@@ -110,7 +110,7 @@ def plan(cfg: DictConfig) -> list[RunSpec]:
     if sparse.get("target_kept") is None:  # runs given by k keep the ids they had before the knob existed
         sparse.pop("target_kept", None)
     else:  # matched sparsity: k (a baseline's p or λ) is resolved on calibration rows built as the evaluated ones
-        sparse[kind.tuned_key] = None
+        sparse[getattr(searched_parameter(sparse), "key", "k")] = None
         if sparse.get("target_task") is None and task.get("kind") != LM_EVAL_KIND \
                 and task_kind(task["kind"]).target_prompts is not None:
             # a generation task that builds prompts: rows of its own shape (ruler: another draw of its generator;

@@ -70,7 +70,8 @@ class SparsifierKind:
     needs_thresholds: bool = False  # calibrated thresholds per run (Top-θ)
     placements: tuple[str, ...] = PLACEMENTS  # () for a rule that drops nothing (dense)
     options: tuple[str, ...] = ()  # further sparsifier.<key> fields it reads (Top-θ's empty_rows)
-    check_options: Callable[[dict], None] = lambda options: None  # {option: value} -> ValueError naming the fix
+    # {option: value, and "target_kept"} -> ValueError naming the fix
+    check_options: Callable[[dict], None] = lambda options: None
     check_model: Callable[[dict, int, Any, str], None] = lambda settings, layers, heads, model: None  # likewise
 
     @property
@@ -82,11 +83,6 @@ class SparsifierKind:
     def keys(self) -> tuple[str, ...]:
         """The sparsifier.<key> fields of its own: its parameter and options (other kinds leave them null)."""
         return ((self.parameter.key,) if self.parameter else ()) + self.options
-
-    @property
-    def tuned_key(self) -> str:
-        """The field sparsifier.target_kept resolves: k, or its own parameter."""
-        return self.parameter.key if self.parameter else "k"
 
 
 @dataclass(frozen=True)
@@ -115,7 +111,8 @@ def register_sparsifier(name: str, *, label: str, parameter: Parameter | None = 
                         placements: tuple[str, ...] = PLACEMENTS, options: tuple[str, ...] = ()):
     """Class decorator: the class (with a ``from_config(settings, thresholds)`` classmethod) is sparsifier ``name``.
 
-    ``options`` are further ``sparsifier.<key>`` fields it reads; its classmethods ``check_options(options)`` and
+    ``options`` are further ``sparsifier.<key>`` fields it reads; its classmethods ``check_options(options)`` (those
+    fields and ``target_kept``, whether matched sparsity will fit the budget) and
     ``check_model(settings, num_layers, num_heads, model_name)``, where it has them (sparsifiers.base.Sparsifier),
     check them when a config is checked and once the model is known."""
     def register(cls):

@@ -27,7 +27,7 @@ from . import calibration
 from .atomic import atomic_write
 from .cachedir import cache_dir, identity_key
 from .calibration import Thresholds, calibration_compensation, compensation_labels, model_fingerprint
-from .thresholds.checkpoint import matching, run_settings
+from .thresholds.checkpoint import budget_record, calibration_budget, matching, run_settings
 from .thresholds.table import DamagedThresholds
 from .store.claims import claim
 
@@ -51,7 +51,9 @@ def thresholds_identity(spec: RunSpec, fingerprint: dict) -> dict:
             "layer_k": sparsifier.settings.get("layer_k"),  # as given (absent: None), so keys stay as they were
             "placement": sparsifier.placement, "calib": calib.key_settings(),
             "calibration_compensation": compensation_labels(applied),
-            "data": spec.data_dir, "max_length": spec.model.max_length}
+            "data": spec.data_dir, "max_length": spec.model.max_length,
+            **{key: value for key, value in budget_record(sparsifier.settings).items() if value}}  # top-k: absent,
+    # so keys stay as they were
 
 
 def thresholds_key(spec: RunSpec, fingerprint: dict) -> str:
@@ -203,7 +205,7 @@ def obtain_thresholds(spec: RunSpec, model, tokenizer):
             placement=sparsifier.placement, layer_k=sparsifier.settings.get("layer_k"), statistic=calib.statistic,
             sigma_add=calib.sigma_add, granularity=calib.granularity, tac=calib.tac, sample_frac=calib.sample_frac,
             compensations=spec.comp.objects(), compensation=calib.compensation,
-            generate_tokens=int(calib.decode_tokens or 0),
+            generate_tokens=int(calib.decode_tokens or 0), **calibration_budget(sparsifier.settings),
             progress_file=path.with_name(f"{path.stem}.progress.pt"),  # a killed calibration goes on from there
             metadata={"model": spec.model.source, "revision": spec.model.revision,
                       "calibration_task": calib.task, "calibration_split": "train",

@@ -98,6 +98,16 @@ HEAD_BUDGET_NOTE = _matched_note(
     "with the same weights shuffled over each layer's heads (`experiments/long_rows/smol_head_budget_shuffled`), "
     "which heads get more.")
 
+THETA_BUDGET_NOTE = _matched_note(
+    f"Top-θ runs calibrated to Top-ρ's kept sets (series tagged '[{labels.THETA_FOR_RHO}]', with "
+    f"'[{labels.PER_HEAD_RHO} <digest>]' at a share per head; `sparsifier.budget=toprho`, "
+    "`experiments/long_rows/smol_theta_for_rho` and `smol_theta_head_budget`: θ approximates the edge of a row's "
+    "⌈ρ·w·n⌉ largest scores instead of its k largest)",
+    "Top-θ calibrated to Top-ρ",
+    "Against the Top-ρ run of the same weights, what is left is a static threshold in place of an exact ranking; "
+    "against Top-θ at k, how the budget is spread over rows and heads; against skip-softmax, a calibrated θ in place "
+    "of max + ln(λ/n).")
+
 
 def _series_tagged(tag: str):
     """chosen for matched_pairs: the runs whose series carries ``[tag]`` (or ``[tag …]``: the per-head tag carries
@@ -121,8 +131,17 @@ def allocation_pairs(summary: pd.DataFrame, results_dir: str | Path | None = Non
 
 def head_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
     """The pairs HEAD_BUDGET_NOTE describes (labels.PER_HEAD_RHO tags the per-head runs; MATCHED_SLACK); two
-    per-head runs with other weights are paired once too."""
-    return matched_pairs(summary, results_dir, _series_tagged(labels.PER_HEAD_RHO), within=True)
+    per-head runs with other weights are paired once too. Top-θ at such shares is theta_budget_pairs' (it meets the
+    Top-ρ runs here as one of the others)."""
+    theta = _series_tagged(labels.THETA_FOR_RHO)
+    return matched_pairs(summary, results_dir,
+                         lambda rows: _series_tagged(labels.PER_HEAD_RHO)(rows) & ~theta(rows), within=True)
+
+
+def theta_budget_pairs(summary: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
+    """The pairs THETA_BUDGET_NOTE describes (labels.THETA_FOR_RHO tags Top-θ calibrated to Top-ρ; MATCHED_SLACK);
+    two such runs of other series are paired once too."""
+    return matched_pairs(summary, results_dir, _series_tagged(labels.THETA_FOR_RHO), within=True)
 
 
 @dataclass(frozen=True)
@@ -145,6 +164,8 @@ MATCHED_TABLES = (
     MatchedTable("baseline_head_budget", "With a share per head (Top-ρ at a baseline's per-head shares)",
                  "Top-ρ at a baseline's per-head shares against runs keeping as much", head_budget_pairs,
                  HEAD_BUDGET_NOTE),
+    MatchedTable("baseline_theta_budget", "Top-θ calibrated to Top-ρ's budget",
+                 "Top-θ calibrated to Top-ρ against runs keeping as much", theta_budget_pairs, THETA_BUDGET_NOTE),
 )
 
 

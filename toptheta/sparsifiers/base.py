@@ -180,7 +180,8 @@ class Sparsifier:
     @classmethod
     def check_options(cls, options: dict) -> None:
         """Raise ValueError, naming the fix, for a value of its own options (``register_sparsifier(options=...)``;
-        ``options`` maps each to its configured value, None when unset) that the config's types do not rule out.
+        ``options`` maps each to its configured value, None when unset, and ``target_kept`` to the matched-sparsity
+        target, None without) that the config's types do not rule out.
         Called when a config is checked, before anything loads."""
 
     @classmethod

@@ -6,11 +6,14 @@ import torch
 
 from ..registry import register_sparsifier
 from .base import FusedRule, RowBlock, Sparsifier, check_placement, keep_whole_short_rows
+from .toprho import TopRho, check_head_weights
 
 EMPTY_ROWS = ("keep-max", "reference")
+BUDGETS = ("toprho",)  # sparsifier.budget besides the paper's top-k (null)
 
 
-@register_sparsifier("toptheta", label="Top-θ", needs_thresholds=True, options=("empty_rows",))
+@register_sparsifier("toptheta", label="Top-θ", needs_thresholds=True,
+                     options=("empty_rows", "budget", "rho", "head_weights"))
 class TopTheta(Sparsifier):
     """Static-threshold selection with thresholds calibrated per layer, head and row length.
 
@@ -26,6 +29,11 @@ class TopTheta(Sparsifier):
             nothing; pre-softmax without SDC that is uniform attention over the whole padded row of width K,
             future keys included (the kernel does it), with SDC (R = 0) and post-softmax a zero row, β = 1
             with VMC. Either way the rows are counted (``rows.empty``, ``SparsityStats.empty_rows``).
+
+    What θ approximates is the calibration's choice, not the rule's: the paper's budget, each row's k largest scores,
+    or with ``sparsifier.budget=toprho`` Top-ρ's ⌈ρ·w·n⌉ (``sparsifier.rho``, fitted by ``sparsifier.target_kept``;
+    ``sparsifier.head_weights`` a weight per head, as Top-ρ's), so θ follows a budget that grows with the row and
+    differs between heads (``toptheta.calibrate(rho=, head_weights=)``). Those settings only change the calibration.
 
     With keep-max, exp-threshold SDC bounds each dropped key of such a row by exp(m − m) = 1, not exp(θ − m):
     every dropped logit is ≤ the kept maximum m (see ``compensation/sdc.py``).
@@ -47,6 +55,30 @@ class TopTheta(Sparsifier):
     @classmethod
     def from_config(cls, settings: dict, thresholds=None) -> "TopTheta":
         return cls(thresholds, settings["placement"], empty_rows=settings.get("empty_rows") or "keep-max")
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        budget = options.get("budget")
+        if budget is not None and budget not in BUDGETS:
+            raise ValueError(f"sparsifier.budget={budget!r}: null (θ for each row's k largest scores, the paper) or "
+                             "toprho (θ for Top-ρ's ⌈ρ·n⌉ largest: give sparsifier.rho or sparsifier.target_kept)")
+        rho, weights = options.get("rho"), options.get("head_weights")
+        if budget is None:
+            for key, value in (("rho", rho), ("head_weights", weights)):
+                if value is not None:
+                    raise ValueError(f"sparsifier.{key}={value!r} sets Top-θ's calibration budget: add "
+                                     "+sparsifier.budget=toprho, or leave it null")
+            return
+        if rho is None and options.get("target_kept") is None:
+            raise ValueError("sparsifier.budget=toprho needs the share it calibrates to: sparsifier.rho=0.05, or "
+                             "sparsifier.target_kept=0.05 to fit it")
+        if rho is not None and not TopRho.parameter.accepts(rho):
+            raise ValueError(f"sparsifier.rho={rho!r}: {TopRho.parameter.valid}")
+        check_head_weights(weights)
+
+    @classmethod
+    def check_model(cls, settings: dict, num_layers: int, num_heads, model_name: str) -> None:
+        TopRho.check_model(settings, num_layers, num_heads, model_name)
 
     def k_for(self, layer: int) -> int:
         return self.thresholds.k_for(layer)
@@ -87,7 +119,8 @@ class TopTheta(Sparsifier):
     def describe(self) -> dict:
         meta = self.thresholds.metadata
         return {"name": "toptheta", "placement": self.placement, "k": meta.get("k"),
-                "layer_k": meta.get("layer_k"), "granularity": meta.get("granularity"), "empty_rows": self.empty_rows}
+                "layer_k": meta.get("layer_k"), "granularity": meta.get("granularity"), "empty_rows": self.empty_rows,
+                **({"budget": meta["budget"]} if meta.get("budget") else {})}
 
     def __repr__(self) -> str:
         return f"TopTheta(placement={self.placement!r}, empty_rows={self.empty_rows!r}, thresholds={self.thresholds!r})"

@@ -36,10 +36,10 @@ FORMAT_VERSION = 1
 # Metadata keys (toptheta.calibrate's provenance and the pipeline's) that determine a set of thresholds.
 SETTINGS = ("k_per_layer", "placement", "statistic", "granularity", "sigma_add", "tac", "calibration_compensation",
             "calibration_task", "calibration_documents", "num_fewshot", "sample_frac", "seed", "generate_tokens",
-            "cover_shots", "fewshot_sampler")
+            "cover_shots", "fewshot_sampler", "budget")
 # What a set saved before a setting existed was calibrated with: its metadata does not record it, and runs at this
 # value must still find it (and runs at any other value must not).
-ABSENT = {"cover_shots": 0, "fewshot_sampler": None}
+ABSENT = {"cover_shots": 0, "fewshot_sampler": None, "budget": None}
 
 
 def settings_of(thresholds: Thresholds) -> dict:
@@ -60,7 +60,23 @@ def run_settings(sparsifier: SparsifierSpec, calib: CalibSpec, calibration_compe
             "calibration_task": calib.task, "calibration_documents": calib.num_samples,
             "num_fewshot": calib.num_fewshot, "sample_frac": float(calib.sample_frac), "seed": int(calib.seed),
             "generate_tokens": int(calib.decode_tokens or 0), "cover_shots": int(calib.cover_shots or 0),
-            "fewshot_sampler": calib.fewshot_sampler}
+            "fewshot_sampler": calib.fewshot_sampler, **budget_record(sparsifier.settings)}
+
+
+def calibration_budget(sparsifier: dict) -> dict:
+    """``toptheta.calibrate``'s rho and head_weights for a Top-θ run calibrated to Top-ρ (``sparsifier.budget=toprho``),
+    {} for the paper's top-k budget."""
+    if sparsifier.get("budget") != "toprho":
+        return {}
+    weights = sparsifier.get("head_weights")
+    return {"rho": float(sparsifier["rho"]),
+            "head_weights": None if weights is None else [[float(w) for w in row] for row in weights]}
+
+
+def budget_record(sparsifier: dict) -> dict:
+    """``{"budget": ...}`` as ``toptheta.calibrate`` records it for a run's settings (None for top-k)."""
+    budget = calibration_budget(sparsifier)
+    return {"budget": {"rule": "toprho", **budget} if budget else None}
 
 
 def differences(have: dict, want: dict) -> dict:
