@@ -43,6 +43,7 @@ def test_import_toptheta_registers_the_model_without_importing_it():
         ({"calib_cover_shots": -1}, "calib_cover_shots=-1: give 0 or a positive number"),
         ({"calib_max_length": 1}, "calib_max_length=1: give the tokens a calibration sequence is cut to"),
         ({"beyond": "extrapolate"}, "beyond='extrapolate': use clamp .* or fit"),
+        ({"budget": "toprho"}, "budget=toprho needs the share it calibrates to: rho=0.05"),
     ],
 )
 def test_bad_model_args_fail_before_the_model_loads(monkeypatch, args, message):
@@ -55,6 +56,21 @@ def test_bad_model_args_fail_before_the_model_loads(monkeypatch, args, message):
     monkeypatch.setattr(models, "load_model", no_loading)
     with pytest.raises(ValueError, match=message):
         TopThetaLM(pretrained="tiny-llama", **args)
+
+
+def test_toptheta_eval_calibrates_to_top_rho_with_budget_and_rho(tmp_path, monkeypatch):
+    """model_args budget=toprho,rho=... give run.py's sparsifier.budget and sparsifier.rho: thresholds calibrated to
+    Top-ρ's kept sets, under a key of their own."""
+    from toptheta.evaluation.lm_eval_model import TopThetaLM
+
+    monkeypatch.setenv("TOPTHETA_CACHE", str(tmp_path))
+    args = dict(pretrained="tiny-llama", k=2, layer_k="none", placement="post", comp="vmc", calib_samples=2)
+    budget = TopThetaLM(**args, budget="toprho", rho=0.2)
+    budget._build(["smoke"])
+    assert budget.thresholds.metadata["budget"] == {"rule": "toprho", "rho": 0.2, "head_weights": None}
+    plain = TopThetaLM(**args)
+    plain._build(["smoke"])
+    assert "budget" not in plain.thresholds.metadata and plain.thresholds_path != budget.thresholds_path
 
 
 def test_cuda_without_cuda_is_an_error_and_device_map_passes_through(monkeypatch):
