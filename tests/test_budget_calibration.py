@@ -5,25 +5,16 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import toptheta
 from toptheta.calibration import OrderStatCollector, TargetKCollector, calibrate
+from test_calibration import H, L, T, VOCAB, model  # noqa: F401  (the tiny model, a module-scoped fixture)
 
-L, H, VOCAB, T, K = 3, 4, 97, 40, 4
+K = 4
 RHO = 0.25
 WEIGHTS = [[1.0, 2.0, 4.0, 0.5], [0.5, 1.0, 1.0, 2.0], [1.5, 0.7, 1.0, 4.0]]  # 4.0: share 1, a head kept whole
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model():
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=L,
-                         num_attention_heads=H, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.1)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 def ids(seed: int = 1) -> torch.Tensor:
