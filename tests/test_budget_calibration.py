@@ -169,7 +169,7 @@ def test_a_matched_run_fits_rho_calibrating_each_value(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (("sparsifier.budget=toprho",), "needs the share it calibrates to"),
-    (("sparsifier.rho=0.2",), "add +sparsifier.budget=toprho"),
+    (("sparsifier.rho=0.2",), "add sparsifier.budget=toprho,"),
     (("sparsifier.budget=topk",), "null (θ for each row's k largest"),
     (("sparsifier.budget=toprho", "sparsifier.rho=1.5"), "sparsifier.rho=1.5"),
     (("sparsifier.budget=toprho", "sparsifier.rho=0.2", "sparsifier.head_weights=[[1.0,-1.0]]"), "positive weights"),

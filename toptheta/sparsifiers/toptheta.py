@@ -67,7 +67,7 @@ class TopTheta(Sparsifier):
             for key, value in (("rho", rho), ("head_weights", weights)):
                 if value is not None:
                     raise ValueError(f"sparsifier.{key}={value!r} sets Top-θ's calibration budget: add "
-                                     "+sparsifier.budget=toprho, or leave it null")
+                                     "sparsifier.budget=toprho, or leave it null")
             return
         if rho is None and options.get("target_kept") is None:
             raise ValueError("sparsifier.budget=toprho needs the share it calibrates to: sparsifier.rho=0.05, or "
