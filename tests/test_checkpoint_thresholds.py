@@ -174,3 +174,33 @@ def test_cover_shots_and_sampler_are_settings_and_older_sets_read_as_zero_and_de
     assert matching(folder, found(6), model) is None
     hit = matching(folder, found(6, cover_shots=4, fewshot_sampler="first_n"), model)
     assert hit is not None and hit[0].k == [6, 6]
+
+
+def test_a_set_calibrated_to_a_top_rho_budget_is_found_by_the_runs_that_ask_for_it(tmp_path):
+    """toptheta.calibrate(rho=, head_weights=) records its budget as checkpoint.budget_record writes a run's: a set
+    saved with save_pretrained serves `sparsifier.budget=toprho` runs of the same ρ and weights, and no other run
+    (the top-k set beside it serves the paper's budget)."""
+    from toptheta.spec import CalibSpec, SparsifierSpec
+    from toptheta.thresholds.checkpoint import run_settings
+
+    folder, model, _ = _calibrate_folder(tmp_path)
+    heads = model.config.num_attention_heads
+    weights = [[1.0 + h for h in range(heads)], [2.0] * heads]
+    torch.manual_seed(1)
+    inputs = [torch.randint(0, 256, (1, 40)) for _ in range(3)]
+    toptheta.calibrate(model, inputs, k=4, placement="post", rho=0.25, head_weights=weights).save_pretrained(folder)
+    _calibrate(model, k=4).save_pretrained(folder)
+
+    def found(**budget):
+        """The budget recorded by the set a run of these sparsifier settings is given, or None when none matches."""
+        settings = run_settings(SparsifierSpec.from_settings({"k": 4, "placement": "post", "layer_k": {}, **budget}),
+                                CalibSpec.from_settings({"statistic": "order"}), [], 2)
+        hit = matching(folder, settings, model)
+        return "no set" if hit is None else hit[0].metadata.get("budget")
+
+    assert found(budget="toprho", rho=0.25, head_weights=weights) == {"rule": "toprho", "rho": 0.25,
+                                                                      "head_weights": weights}
+    assert found() is None  # the top-k set: its metadata has no budget
+    for other in (dict(rho=0.3, head_weights=weights), dict(rho=0.25, head_weights=None),
+                  dict(rho=0.25, head_weights=[[1.0] * heads, [2.0] * heads])):
+        assert found(budget="toprho", **other) == "no set", other
