@@ -25,6 +25,7 @@ from ..sparsifiers.base import check_placement
 from .collector import PHASES, OrderStatCollector
 from .progress import Progress, inputs_digest, weights_digest
 from .target_k import TargetKCollector
+from ..thresholds.checkpoint import budget_record as run_budget_record
 from ..thresholds.table import GRANULARITIES, LOOKUPS, Thresholds, model_dtype, model_fingerprint, model_identity, stamp
 
 log = logging.getLogger("toptheta")
@@ -228,7 +229,8 @@ def _budget_rule(rho, head_weights, k, placement: str, layer_k: dict, statistic:
     rule = TopRho(float(rho), placement, k, layer_k, head_weights)
     name = getattr(model.config, "_name_or_path", None) or type(model).__name__
     TopRho.check_model({"head_weights": rule.head_weights}, num_layers, num_heads, name)
-    return rule, {"budget": {"rule": "toprho", "rho": float(rho), "head_weights": rule.head_weights}}
+    # Recorded as a run's settings record it, so a set saved with save_pretrained is found by the runs that ask for it.
+    return rule, run_budget_record({"budget": "toprho", "rho": rho, "head_weights": rule.head_weights})
 
 
 NEGATIVE_THETA_LIMIT = 0.01  # post-softmax θ below 0 keep their rows whole: refused above this fraction
