@@ -1,6 +1,7 @@
 """Where stored runs spend their attention budget: per head, and in the rows the task's answer is scored on.
 
-    python scripts/kept_by_row.py RUN_ID [RUN_ID ...] [--questions 24] [--results results] [--out DIR]
+    python scripts/kept_by_row.py RUN_ID [RUN_ID ...] [--questions 24] [--on questions|target] [--results results]
+                                  [--out DIR]
 
 Two runs can keep the same fraction of a layer's attention elements and still keep different ones. This replays
 each run's sparsifier (its config.json, the parameter a matched run fitted from its stats.json; a Top-θ run's
@@ -14,9 +15,15 @@ them, the correct choice from its samples.json.gz, fed as HFLM feeds them), and 
 - the spread over heads: per layer, the coefficient of variation of the heads' kept fractions (0: every head
   keeps as much), averaged over the layers.
 
+``--on target`` replays instead on the first ``--questions`` calibration rows the first run's ``sparsifier.target_kept``
+was fitted on (``matched.target_rows``: train documents after the same shots, none of them evaluated): per-head shares
+a deployment can measure without the test set (``scripts/head_budget.py --csv``). Those rows have no answer, so the
+answer columns are empty.
+
 Every run must be of one model. Writes ``kept_by_row.csv`` (run, layer, head, the fractions) and
-``kept_by_row.md`` (per run: the summary and the command) to ``--out`` (default ``results/analysis``); the
-replay runs the plain attention path with an observer (minutes on CPU for 24 questions of ~900 tokens).
+``kept_by_row.md`` (per run: the summary and the command) to ``--out`` (default ``results/analysis``;
+``kept_by_row-target.*`` with ``--on target``); the replay runs the plain attention path with an observer (minutes
+on CPU for 24 questions of ~900 tokens).
 """
 
 from __future__ import annotations
@@ -85,7 +92,22 @@ def prompts(run_dir: Path, config: dict, tokenizer, questions: int) -> list[tupl
     return [(context, answer) for doc, choice, context, answer in requests if gold.get(doc) == choice]
 
 
-def replay(model, run_dir: Path, config: dict, pairs: list[tuple[list[int], list[int]]], layers: int,
+def question_rows(pairs: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], int]]:
+    """(ids fed, first answer row) per question, fed as HFLM feeds them: the last token's logits are unused, and the
+    row that predicts the answer's first token is the first answer row."""
+    return [((context + answer)[:-1], len(context) - 1) for context, answer in pairs]
+
+
+def target_rows(model, tokenizer, config: dict, count: int) -> list[tuple[list[int], int]]:
+    """(ids, no answer row) of the first ``count`` rows a matched run fitted its parameter on."""
+    from toptheta.matched import target_rows as rows_of
+    from toptheta.spec import RunSpec
+
+    spec = RunSpec.from_identity(config, data_dir_path=data_dir_setting(config.get("data_dir", "local")))
+    return [(ids, len(ids)) for ids in rows_of(spec, model, tokenizer)[:count]]
+
+
+def replay(model, run_dir: Path, config: dict, sequences: list[tuple[list[int], int]], layers: int,
            heads: int) -> Recorder:
     thresholds = None
     if (run_dir / "thresholds.safetensors").is_file():
@@ -95,9 +117,9 @@ def replay(model, run_dir: Path, config: dict, pairs: list[tuple[list[int], list
     recorder = Recorder(layers, heads)
     with sparsify(model, sparsifier, compensation_objects(config["comp"], thresholds), observer=recorder), \
             torch.inference_mode():
-        for context_ids, answer_ids in pairs:
-            recorder.first_answer_row = len(context_ids) - 1  # the row that predicts the answer's first token
-            model(torch.tensor([(context_ids + answer_ids)[:-1]]))  # as HFLM: the last token's logits are unused
+        for ids, first_answer_row in sequences:
+            recorder.first_answer_row = first_answer_row
+            model(torch.tensor([ids]))
     return recorder
 
 
@@ -118,37 +140,50 @@ def tables(run_id: str, series: str, rec: Recorder) -> tuple[pd.DataFrame, dict]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_ID")
-    parser.add_argument("--questions", type=int, default=24)
+    parser.add_argument("--questions", type=int, default=24, help="how many questions (or target rows) to replay")
+    parser.add_argument("--on", choices=("questions", "target"), default="questions",
+                        help="the questions the first run scored, or the rows its target_kept was fitted on")
     parser.add_argument("--results", default="results")
     parser.add_argument("--out", default=None, help="where to write (default: <results>/analysis)")
     args = parser.parse_args(argv)
     runs = [Path(args.results) / "runs" / r for r in args.runs]
-    missing = [str(r) for r in runs if not (r / "samples.json.gz").is_file() or not (r / "config.json").is_file()]
+    needed = ("config.json", "samples.json.gz") if args.on == "questions" else ("config.json", "stats.json")
+    missing = [str(r) for r in runs if not all((r / name).is_file() for name in needed)]
     if missing:
-        print(f"not a finished run with per-question samples: {', '.join(missing)}", file=sys.stderr)
+        print(f"not a finished run with {' and '.join(needed)}: {', '.join(missing)}", file=sys.stderr)
         return 2
     configs = [json.loads((r / "config.json").read_text(encoding="utf-8")) for r in runs]
     models = {c["model"]["name"] for c in configs}
     if len(models) != 1:
         print(f"the runs are of several models ({', '.join(sorted(models))}); give runs of one", file=sys.stderr)
         return 2
+    if args.on == "target" and configs[0].get("target") is None:
+        print(f"--on target: run {runs[0].name} has no target rows (it was not matched: sparsifier.target_kept unset); "
+              "give a matched run first, or replay on its questions", file=sys.stderr)
+        return 2
     from toptheta.models import load_model  # heavy: transformers' model classes
 
     model, tokenizer, info = load_model(configs[0]["model"]["source"], dtype="float32", device="cpu")
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
-    pairs = prompts(runs[0], configs[0], tokenizer, args.questions)
+    if args.on == "target":
+        sequences, what = target_rows(model, tokenizer, configs[0], args.questions), "target rows, no answer rows"
+    else:
+        sequences, what = question_rows(prompts(runs[0], configs[0], tokenizer, args.questions)), "questions"
     frames, rows = [], []
     for run_dir, config in zip(runs, configs):
         per_head, summary = tables(run_dir.name, series_label(config_row(config)),
-                                   replay(model, run_dir, config, pairs, layers, heads))
+                                   replay(model, run_dir, config, sequences, layers, heads))
         frames.append(per_head)
         rows.append(summary)
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, flush=True)
     out = Path(args.out or Path(args.results) / "analysis")
     command = "python scripts/kept_by_row.py " + " ".join(args.runs) + f" --questions {args.questions}"
-    write_text(out / "kept_by_row.csv", pd.concat(frames).to_csv(index=False, float_format="%.6g"))
-    write_text(out / "kept_by_row.md", f"# Where each run keeps its attention\n\nProduced by `{command}`; do not edit "
-               f"by hand. {len(pairs)} questions ({next(iter(models))}); per (layer, head): `kept_by_row.csv`. "
+    stem = "kept_by_row"
+    if args.on == "target":
+        command, stem = command + " --on target", "kept_by_row-target"
+    write_text(out / f"{stem}.csv", pd.concat(frames).to_csv(index=False, float_format="%.6g"))
+    write_text(out / f"{stem}.md", f"# Where each run keeps its attention\n\nProduced by `{command}`; do not edit "
+               f"by hand. {len(sequences)} {what} ({next(iter(models))}); per (layer, head): `{stem}.csv`. "
                "answer_*: the rows of the correct answer's tokens; head_spread: the heads' coefficient of variation "
                "of the kept fraction, averaged over the layers.\n\n" + markdown(pd.DataFrame(rows)))
     return 0

@@ -58,3 +58,41 @@ def test_a_stored_run_is_replayed_on_the_prompts_it_scored(tmp_path, script, cap
         assert tokenizer.decode(answer).strip() == gold[doc][1].strip()
         assert tokenizer.decode(context).endswith(gold[doc][0][-40:])
     assert script.main(["no_such_run", "--results", str(tmp_path)]) == 2
+
+
+def test_on_target_replays_the_rows_the_run_was_fitted_on_and_refuses_a_run_that_was_not(tmp_path, script, capsys):
+    """--on target: the per-head shares of the matched run's own calibration rows (no test question), every causal
+    element of each row counted once; an unmatched run has no such rows and is refused before any replay."""
+    from conftest import sparse_rows
+    from toptheta.matched import target_rows
+    from toptheta.models import load_model
+    from toptheta.spec import RunSpec
+
+    rows = sparse_rows(tmp_path, "sparsifier=skipsoftmax", "sparsifier.placement=post", "comp=none",
+                       "sparsifier.target_kept=0.3", "sparsifier.layer_k=null", "task.fewshot_sampler=first_n")
+    run_id = rows[0]["run_id"]
+    out = tmp_path / "analysis"
+    assert script.main([run_id, "--results", str(tmp_path), "--questions", "2", "--on", "target", "--out", str(out)]) == 0
+    assert not (out / "kept_by_row.csv").exists()  # the questions' table is another file
+    table = (out / "kept_by_row-target.md").read_text()
+    assert f"python scripts/kept_by_row.py {run_id} --questions 2 --on target" in table and "2 target rows" in table
+    per_head = __import__("pandas").read_csv(out / "kept_by_row-target.csv")
+    assert per_head["answer_kept_fraction"].isna().all()  # no answer rows
+
+    config = json.loads((tmp_path / "runs" / run_id / "config.json").read_text())
+    model, tokenizer, _ = load_model("tiny-llama")
+    fitted = target_rows(RunSpec.from_identity(config), model, tokenizer)[:2]
+    replayed = script.target_rows(model, tokenizer, config, 2)
+    assert [ids for ids, _ in replayed] == fitted and all(first == len(ids) for ids, first in replayed)
+    shape = (model.config.num_hidden_layers, model.config.num_attention_heads)
+    recorder = script.replay(model, tmp_path / "runs" / run_id, config, replayed, *shape)
+    causal = sum(len(ids) * (len(ids) + 1) // 2 for ids in fitted)
+    assert torch.equal(recorder.valid, torch.full(shape, float(causal), dtype=torch.float64))
+    assert 0 < (recorder.kept.sum() / recorder.valid.sum()).item() < 1
+
+    pipeline.run(cfg("model=tiny-llama", "task=smoke", "task.limit=2", f"results_dir={tmp_path / 'plain'}",
+                     "log_samples=true", "sparsifier=topk", "sparsifier.k=4", "comp=none"))
+    plain = next(p for p in (tmp_path / "plain" / "runs").iterdir()
+                 if json.loads((p / "config.json").read_text())["sparsifier"]["name"] == "topk")
+    assert script.main([plain.name, "--results", str(tmp_path / "plain"), "--on", "target"]) == 2
+    assert "was not matched" in capsys.readouterr().err

@@ -102,6 +102,18 @@ def _read_progress(progress: Path | None, prompts: list[list[int]], stats: Spars
     return set(data["done"])
 
 
+def target_rows(spec: RunSpec, model, tokenizer) -> list[list[int]]:
+    """The token ids of the calibration rows a matched run of a task scored by log-likelihood fits its parameter on
+    (``spec.target``: train documents after their shots, none of them evaluated)."""
+    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length  # lm-eval: heavy, matched runs only
+
+    rows = spec.target
+    return calibration_requests(
+        tokenizer, rows.task, data_dir=spec.data_dir_path, num_fewshot=rows.num_fewshot,
+        limit=rows.num_samples, max_length=spec.model.max_length or hflm_max_length(model, tokenizer),
+        seed=rows.seed, fewshot_sampler=rows.fewshot_sampler, draw=rows.seed)
+
+
 def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | None]:
     """For a run with ``sparsifier.target_kept``: (a copy of ``spec`` with the k that keeps that fraction of the
     attention elements on its calibration rows, the record of the choice); other runs: (``spec``, None).
@@ -110,8 +122,6 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
     (calibrated and cached as any run's), starting at the k Top-k needs (on the V-row measure, Top-k's own fit first:
     ``topk_guide``); the baselines' p (top-p) or λ (skip-softmax) is bisected on the measured
     fraction (calibration/target_param.py). Fails with the fix when the target is out of reach."""
-    from .evaluation.lm_eval_adapter import calibration_requests, hflm_max_length  # lm-eval: heavy, matched runs only
-
     target = spec.sparsifier.target_kept
     if target is None:
         return spec, None
@@ -127,10 +137,7 @@ def resolve_target(spec: RunSpec, model, tokenizer) -> tuple[RunSpec, dict | Non
                                        rows.seed, chat_template=chat)
         sequences = [encode_prompt(tokenizer, p, chat_template=chat) for p in prompts]
     else:
-        sequences = calibration_requests(
-            tokenizer, rows.task, data_dir=spec.data_dir_path, num_fewshot=rows.num_fewshot,
-            limit=rows.num_samples, max_length=spec.model.max_length or hflm_max_length(model, tokenizer),
-            seed=rows.seed, fewshot_sampler=rows.fewshot_sampler, draw=rows.seed)
+        sequences = target_rows(spec, model, tokenizer)
     layer_k = spec.sparsifier.layer_k or {}
     num_layers = model.config.get_text_config().num_hidden_layers
 
