@@ -381,7 +381,7 @@ def test_a_run_matched_to_the_one_third_target_reaches_three_fold():
 
 def test_top_theta_against_each_baseline_is_decided_paired_at_equal_target(tmp_path):
     """results/baselines.py: Top-θ − baseline at the same target_kept, per question; a baseline without matched runs
-    has no pairs (and no effect)."""
+    has no pairs (and no effect); transferred thresholds and Top-θ calibrated to Top-ρ's budget are not pooled."""
     from toptheta.results import baselines
 
     store = RunStore(tmp_path)
@@ -394,6 +394,8 @@ def test_top_theta_against_each_baseline_is_decided_paired_at_equal_target(tmp_p
     # thresholds transferred from another dataset (claim 4's arm): not Top-θ as a baseline is fitted, on its own task
     _add(store, "arc_easy", "toptheta", "post", 14, "vmc", _flip(dense, 80, 0.0), 0.1, shots=25, target=0.1,
          calib_task="arc_challenge")
+    # calibrated to Top-ρ's budget: a variant with its own table (theta_budget_pairs), not the paper's Top-θ
+    _add(store, "arc_easy", "toptheta", "post", 1, "vmc", _flip(dense, 60, 0.0), 0.1, shots=25, target=0.1, rho=0.09)
     topp, skip_pre, skip_post = baselines.baseline_verdicts(load_summary(tmp_path), tmp_path)
     assert len(topp.pairs) == 1 and topp.pairs[0]["diff"] == pytest.approx(40 / N)
     assert topp.verdict == "holds" and topp.ci_low > 0 and topp.kind == "superiority"
