@@ -10,7 +10,9 @@ different length as that run did, and ``sparsifier.target_kept`` still fits ρ t
 the two is which rows of a head, and which keys of a row, the budget goes to.
 
 The shares are ``kept_by_row.csv``'s ``kept_fraction`` (``scripts/kept_by_row.py``'s replay: all the causal
-elements of a head, on the replayed questions). The weights are those shares over their mean, so ρ is about the
+elements of a head, on the replayed questions). Those questions are the test set's; for weights a deployment could
+measure, replay the run on the rows its λ was fitted on (``kept_by_row.py RUN --on target``) and pass
+``--csv results/analysis/kept_by_row-target.csv``. The weights are those shares over their mean, so ρ is about the
 kept fraction, rounded to 4 significant digits. Prints the ``head_weights`` YAML (one flow list per layer) for an
 experiment file.
 
