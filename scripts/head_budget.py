@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 
@@ -73,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--like", required=True, help="the run whose heads' kept shares to follow")
     parser.add_argument("--csv", default="results/analysis/kept_by_row.csv", help="scripts/kept_by_row.py's table")
+    parser.add_argument("--against", default=None, metavar="CSV",
+                        help="also compare the weights with those another replay of the same run gives (e.g. the "
+                             "questions' against the target rows')")
     parser.add_argument("--permute", type=int, default=None, metavar="SEED",
                         help="shuffle each layer's weights over its heads (the control for which heads get more)")
     args = parser.parse_args(argv)
@@ -84,8 +88,23 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (f", each layer's shuffled (seed {args.permute})" if args.permute is not None else "") + "; weights "
           f"{min(map(min, weights)):g}..{max(map(max, weights)):g} (largest / smallest in a layer: median "
           f"{sorted(spread)[len(spread) // 2]:.1f})")
+    if args.against is not None:
+        print(agreement(weights, head_weights(Path(args.against), args.like), args.against))
     print(as_yaml(weights))
     return 0
+
+
+def agreement(weights: list[list[float]], other: list[list[float]], name: str) -> str:
+    """One comment line: how far ``weights`` are from ``other`` (those of another replay of the run): the ratio's
+    median and range over the (layer, head)s and the Pearson correlation of their logarithms."""
+    ours, theirs = np.log(np.array(weights)), np.log(np.array(other))
+    if ours.shape != theirs.shape:
+        raise SystemExit(f"{name} holds {theirs.shape[0]} layers × {theirs.shape[1]} heads, this replay "
+                         f"{ours.shape[0]} × {ours.shape[1]}: replay the same model")
+    ratio = np.exp(ours - theirs)
+    r = float(np.corrcoef(ours.ravel(), theirs.ravel())[0, 1])
+    return (f"# against {name}: weight ratio median {np.median(ratio):.4f}, range {ratio.min():.4f}..{ratio.max():.4f}; "
+            f"Pearson r of the log weights {r:.5f}")
 
 
 if __name__ == "__main__":

@@ -53,3 +53,12 @@ def test_the_experiments_hold_what_the_script_prints_from_the_stored_replay(scri
     experiment = yaml.safe_load((ROOT / f"experiments/long_rows/{name}.yaml").read_text(encoding="utf-8"))
     weights = script.head_weights(ROOT / "results/analysis/kept_by_row.csv", "60b98a8accdd4bc9")
     assert experiment["sparsifier"]["head_weights"] == (weights if permute is None else script.permuted(weights, permute))
+
+
+def test_agreement_reports_the_ratio_and_the_correlation_and_refuses_another_shape(script):
+    weights = [[1.0, 2.0, 4.0], [0.5, 1.0, 8.0]]
+    line = script.agreement([[w * 1.01 for w in row] for row in weights], weights, "other.csv")
+    assert "median 1.0100, range 1.0100..1.0100" in line and "r of the log weights 1.00000" in line
+    assert "r of the log weights -1.00000" in script.agreement([[1 / w for w in row] for row in weights], weights, "x")
+    with pytest.raises(SystemExit, match="replay the same model"):
+        script.agreement(weights, [row[:2] for row in weights], "other.csv")
