@@ -161,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--on target: run {runs[0].name} has no target rows (it was not matched: sparsifier.target_kept unset); "
               "give a matched run first, or replay on its questions", file=sys.stderr)
         return 2
+    if args.on == "target" and configs[0]["target"].get("kind") is not None:
+        print(f"--on target: run {runs[0].name} was fitted on {configs[0]['target']['kind']} prompts that it decodes, "
+              "not on rows of a task scored by log-likelihood; replay a run of such a task", file=sys.stderr)
+        return 2
     from toptheta.models import load_model  # heavy: transformers' model classes
 
     model, tokenizer, info = load_model(configs[0]["model"]["source"], dtype="float32", device="cpu")

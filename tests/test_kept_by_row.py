@@ -96,3 +96,7 @@ def test_on_target_replays_the_rows_the_run_was_fitted_on_and_refuses_a_run_that
                  if json.loads((p / "config.json").read_text())["sparsifier"]["name"] == "topk")
     assert script.main([plain.name, "--results", str(tmp_path / "plain"), "--on", "target"]) == 2
     assert "was not matched" in capsys.readouterr().err
+    config_file = tmp_path / "runs" / run_id / "config.json"  # a generation task's run: fitted on decoded prompts
+    config_file.write_text(json.dumps({**config, "target": {**config["target"], "kind": "ruler"}}))
+    assert script.main([run_id, "--results", str(tmp_path), "--on", "target"]) == 2
+    assert "ruler prompts that it decodes" in capsys.readouterr().err
