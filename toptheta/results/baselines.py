@@ -6,8 +6,9 @@ before the softmax without compensation, as deployed; skip-softmax after the sof
 Top-θ post + VMC and Top-θ pre + SDC + VMC (calibrated on the evaluated task, as the baselines' λ and p are fitted on
 it; the cross-dataset runs of claim 4 and Top-θ calibrated to Top-ρ's budget stay out) at the same matched target
 (``sparsifier.target_kept``: each run within ±10 % of the target kept fraction, comparisons.on_target), in the same
-setting (model, task, shots, fixed exemplars, questions), paired per question. The claim per baseline: Top-θ − baseline > 0 (superiority), pooled over its pairs in the informative
-settings as the paper's claims are (verdicts.py); the interval also answers non-inferiority at one point.
+setting (model, task, shots, fixed exemplars, questions), paired per question. The claim per baseline: Top-θ −
+baseline > 0 (superiority), pooled over its pairs in the informative settings as the paper's claims are (verdicts.py);
+the interval also answers non-inferiority at one point.
 """
 
 from __future__ import annotations
