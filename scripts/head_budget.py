@@ -103,8 +103,8 @@ def agreement(weights: list[list[float]], other: list[list[float]], name: str) -
                          f"{ours.shape[0]} × {ours.shape[1]}: replay the same model")
     ratio = np.exp(ours - theirs)
     r = float(np.corrcoef(ours.ravel(), theirs.ravel())[0, 1])
-    return (f"# against {name}: weight ratio median {np.median(ratio):.4f}, range {ratio.min():.4f}..{ratio.max():.4f}; "
-            f"Pearson r of the log weights {r:.5f}")
+    return (f"# against {name}: weight ratio median {np.median(ratio):.4f}, range "
+            f"{ratio.min():.4f}..{ratio.max():.4f}; Pearson r of the log weights {r:.5f}")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ them, the correct choice from its samples.json.gz, fed as HFLM feeds them), and 
 - the spread over heads: per layer, the coefficient of variation of the heads' kept fractions (0: every head
   keeps as much), averaged over the layers.
 
-``--on target`` replays instead on the first ``--questions`` calibration rows the first run's ``sparsifier.target_kept``
-was fitted on (``matched.target_rows``: train documents after the same shots, none of them evaluated): per-head shares
-a deployment can measure without the test set (``scripts/head_budget.py --csv``). Those rows have no answer, so the
-answer columns are empty.
+``--on target`` replays instead on the first ``--questions`` calibration rows the first run's
+``sparsifier.target_kept`` was fitted on (``matched.target_rows``: train documents after the same shots, none of them
+evaluated): per-head shares a deployment can measure without the test set (``scripts/head_budget.py --csv``). Those
+rows have no answer, so the answer columns are empty.
 
 Every run must be of one model. Writes ``kept_by_row.csv`` (run, layer, head, the fractions) and
 ``kept_by_row.md`` (per run: the summary and the command) to ``--out`` (default ``results/analysis``;
@@ -158,12 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"the runs are of several models ({', '.join(sorted(models))}); give runs of one", file=sys.stderr)
         return 2
     if args.on == "target" and configs[0].get("target") is None:
-        print(f"--on target: run {runs[0].name} has no target rows (it was not matched: sparsifier.target_kept unset); "
-              "give a matched run first, or replay on its questions", file=sys.stderr)
+        print(f"--on target: run {runs[0].name} has no target rows (it was not matched: sparsifier.target_kept "
+              "unset); give a matched run first, or replay on its questions", file=sys.stderr)
         return 2
     if args.on == "target" and configs[0]["target"].get("kind") is not None:
-        print(f"--on target: run {runs[0].name} was fitted on {configs[0]['target']['kind']} prompts that it decodes, "
-              "not on rows of a task scored by log-likelihood; replay a run of such a task", file=sys.stderr)
+        print(f"--on target: run {runs[0].name} was fitted on {configs[0]['target']['kind']} prompts that it "
+              "decodes, not on rows of a task scored by log-likelihood; replay a run of such a task", file=sys.stderr)
         return 2
     from toptheta.models import load_model  # heavy: transformers' model classes
 

@@ -192,7 +192,8 @@ def test_a_set_calibrated_to_a_top_rho_budget_is_found_by_the_runs_that_ask_for_
     _calibrate(model, k=4).save_pretrained(folder)
 
     def found(**budget):
-        """The budget recorded by the set a run of these sparsifier settings is given, or None when none matches."""
+        """The budget recorded by the set a run of these sparsifier settings is given (None: the top-k budget), or
+        "no set" when none matches."""
         settings = run_settings(SparsifierSpec.from_settings({"k": 4, "placement": "post", "layer_k": {}, **budget}),
                                 CalibSpec.from_settings({"statistic": "order"}), [], 2)
         hit = matching(folder, settings, model)

@@ -4,6 +4,7 @@ import gzip
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -72,11 +73,12 @@ def test_on_target_replays_the_rows_the_run_was_fitted_on_and_refuses_a_run_that
                        "sparsifier.target_kept=0.3", "sparsifier.layer_k=null", "task.fewshot_sampler=first_n")
     run_id = rows[0]["run_id"]
     out = tmp_path / "analysis"
-    assert script.main([run_id, "--results", str(tmp_path), "--questions", "2", "--on", "target", "--out", str(out)]) == 0
+    replayed_args = [run_id, "--results", str(tmp_path), "--questions", "2", "--on", "target", "--out", str(out)]
+    assert script.main(replayed_args) == 0
     assert not (out / "kept_by_row.csv").exists()  # the questions' table is another file
     table = (out / "kept_by_row-target.md").read_text()
     assert f"python scripts/kept_by_row.py {run_id} --questions 2 --on target" in table and "2 target rows" in table
-    per_head = __import__("pandas").read_csv(out / "kept_by_row-target.csv")
+    per_head = pd.read_csv(out / "kept_by_row-target.csv")
     assert per_head["answer_kept_fraction"].isna().all()  # no answer rows
 
     config = json.loads((tmp_path / "runs" / run_id / "config.json").read_text())
