@@ -381,7 +381,8 @@ def test_a_run_matched_to_the_one_third_target_reaches_three_fold():
 
 def test_top_theta_against_each_baseline_is_decided_paired_at_equal_target(tmp_path):
     """results/baselines.py: Top-θ − baseline at the same target_kept, per question; a baseline without matched runs
-    has no pairs (and no effect); transferred thresholds and Top-θ calibrated to Top-ρ's budget are not pooled."""
+    has no pairs (and no effect); transferred thresholds, Top-θ calibrated to Top-ρ's budget and ablation variants of
+    either method (tagged series) are not pooled."""
     from toptheta.results import baselines
 
     store = RunStore(tmp_path)
@@ -396,7 +397,14 @@ def test_top_theta_against_each_baseline_is_decided_paired_at_equal_target(tmp_p
          calib_task="arc_challenge")
     # calibrated to Top-ρ's budget: a variant with its own table (theta_budget_pairs), not the paper's Top-θ
     _add(store, "arc_easy", "toptheta", "post", 1, "vmc", _flip(dense, 60, 0.0), 0.1, shots=25, target=0.1, rho=0.09)
-    topp, skip_pre, skip_post = baselines.baseline_verdicts(load_summary(tmp_path), tmp_path)
+    # ablation variants on either side ('[layers 0-1 at k]'): out of the paper's series, so out of the verdicts
+    _add(store, "arc_easy", "toptheta", "post", 43, "vmc", _flip(dense, 70, 0.0), 0.1, shots=25, target=0.1,
+         layer_k={})
+    _add(store, "arc_easy", "topp", "post", None, "vmc", _flip(dense, 90, 0.0), 0.1, shots=25, target=0.1,
+         layer_k={})
+    summary = load_summary(tmp_path)
+    assert sum(series.endswith("[layers 0-1 at k]") for series in comparisons.store_rows(summary)["series"]) == 2
+    topp, skip_pre, skip_post = baselines.baseline_verdicts(summary, tmp_path)
     assert len(topp.pairs) == 1 and topp.pairs[0]["diff"] == pytest.approx(40 / N)
     assert topp.verdict == "holds" and topp.ci_low > 0 and topp.kind == "superiority"
     assert not skip_pre.pairs and not skip_post.pairs and skip_pre.effect is None

@@ -3,12 +3,13 @@ length) and putting the dropped mass back (SDC, VMC) beat the simpler rules that
 
 Baselines (sparsifiers/topp.py, sparsifiers/skipsoftmax.py): top-p after the softmax with VMC; skip-softmax (BLASST)
 before the softmax without compensation, as deployed; skip-softmax after the softmax with VMC. Each is compared with
-Top-θ post + VMC and Top-θ pre + SDC + VMC (calibrated on the evaluated task, as the baselines' λ and p are fitted on
-it; the cross-dataset runs of claim 4 and Top-θ calibrated to Top-ρ's budget stay out) at the same matched target
-(``sparsifier.target_kept``: each run within ±10 % of the target kept fraction, comparisons.on_target), in the same
-setting (model, task, shots, fixed exemplars, questions), paired per question. The claim per baseline: Top-θ −
-baseline > 0 (superiority), pooled over its pairs in the informative settings as the paper's claims are (verdicts.py);
-the interval also answers non-inferiority at one point.
+Top-θ post + VMC and Top-θ pre + SDC + VMC (calibrated on the evaluated task, as the baselines' λ and p are fitted
+on it; the cross-dataset runs of claim 4 stay out, and on both sides the tagged variants: only the paper's series
+pool, as in the paper's claims) at the same matched target (``sparsifier.target_kept``: each run within ±10 % of the
+target kept fraction, comparisons.on_target), in the same setting (model, task, shots, fixed exemplars, questions),
+paired per question. The claim per baseline: Top-θ − baseline > 0 (superiority), pooled over its pairs in the
+informative settings as the paper's claims are (verdicts.py); the interval also answers non-inferiority at one
+point.
 """
 
 from __future__ import annotations
@@ -35,17 +36,18 @@ SCOPE_ALL = ("Here: every setting with matched baseline runs, zero-shot and long
 
 
 def _picks(sparsifier: str, placement: str, comp: str):
-    def chosen(row: pd.Series) -> bool:  # a matched run (target_kept set) of this method; Top-θ calibrated on its task
-        return (row["sparsifier"] == sparsifier and row["placement"] == placement and as_text(row["comp"]) == comp
-                and as_text(row["target_kept"]) != "" and (sparsifier != "toptheta" or _paper_toptheta(row)))
+    """A row filter for find_pairs: matched runs (target_kept set) of this method in the paper's series
+    (comparisons.pick: no ablation tag, as the paper's claims pick their runs), Top-θ calibrated on its own task.
+
+    Tagged variants have their own tables and stay out: Top-θ calibrated to Top-ρ's budget (THETA_BUDGET_NOTE: its
+    per-head weights may come from a baseline's evaluated run), a budget per layer (LAYER_BUDGET_NOTE), layers 0-1
+    at k, and a long-row run whose rows outgrew its calibration ('rows past calibration', regimes.py)."""
+    paper = comparisons.pick(sparsifier, placement, comp)
+
+    def chosen(row: pd.Series) -> bool:
+        return (paper(row) and as_text(row["target_kept"]) != ""
+                and (sparsifier != "toptheta" or self_calibrated(row)))
     return chosen
-
-
-def _paper_toptheta(row: pd.Series) -> bool:
-    """The paper's Top-θ: calibrated on its task, θ for each row's k largest scores. A run calibrated to Top-ρ's
-    budget (its series tagged labels.THETA_FOR_RHO; its per-head weights may come from a baseline's evaluated run) is
-    a variant with its own table (THETA_BUDGET_NOTE), not pooled here."""
-    return self_calibrated(row) and f"[{labels.THETA_FOR_RHO}]" not in str(row["series"])
 
 
 def baseline_verdicts(summary: pd.DataFrame, results_dir: str | Path | None = None) -> list[Verdict]:
