@@ -283,21 +283,25 @@ def test_sweep_status_counts_the_runs_a_sweep_plans_and_finds_in_the_store(tmp_p
 
 
 def test_sweep_status_lists_each_run_left_in_one_job(tmp_path):
-    # ruler/smol sweeps calib.beyond over every method; only Top-θ's run depends on it, so the other methods' fit
-    # jobs repeat their clamp jobs' runs and are not listed again.
-    script, name = _sweep_status_script(), "ruler/smol"
+    # passkey/beyond sweeps calib.beyond over both methods; only Top-θ's run depends on it, so Top-k's fit job
+    # repeats its clamp job's run and is not listed again.
+    script = _sweep_status_script()
     _register_schema()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        s = script.status(name, str(tmp_path))
-    assert len(E.jobs(name)) == 8 and s["runs"] == 6 and len(s["left"]) == 6
-    assert len(s["jobs_left"]) == 5  # dense rides along with the first; Top-θ's clamp and fit are two runs
+        s = script.status("passkey/beyond", str(tmp_path))
+        ruler = script.status("ruler/smol", str(tmp_path))
+    assert len(E.jobs("passkey/beyond")) == 4 and s["runs"] == 4 and len(s["left"]) == 4
+    assert len(s["jobs_left"]) == 3  # dense rides along with the first; Top-θ's clamp and fit are two runs
     beyond = [next(o for o in job if o.startswith("calib.beyond=")) for job in s["jobs_left"]]
     methods = [next(o for o in job if o.startswith("+experiment/method=")) for job in s["jobs_left"]]
     assert beyond.count("calib.beyond=fit") == 1 and methods.count("+experiment/method=toptheta-post-vmc") == 2
-    run_id = s["left"][1][1]  # a run cut short: a length saved whole, the next one's first batches
+    # ruler/smol's rows lie within Top-θ's calibrated lengths, where fit is clamp: no calib.beyond sweep there
+    assert len(E.jobs("ruler/smol")) == 4 and ruler["runs"] == 5 and len(ruler["jobs_left"]) == 4
+    assert not any(o.startswith("calib.beyond=") for job in ruler["jobs_left"] for o in job)
+    run_id = ruler["left"][1][1]  # a run cut short: a length saved whole, the next one's first batches
     partial = RunStore(tmp_path).partial_dir(run_id)
     (partial / "ruler_8192.parts").mkdir(parents=True)
     for name in ("ruler_4096.json", "ruler_8192.parts/vt_0.json", "ruler_8192.parts/cwe_0.json"):
         (partial / name).write_text("{}")
     assert script.saved_parts(RunStore(tmp_path), run_id) == "ruler_4096; 2 batches of ruler_8192"
-    assert script.saved_parts(RunStore(tmp_path), s["left"][0][1]) == ""
+    assert script.saved_parts(RunStore(tmp_path), ruler["left"][0][1]) == ""
