@@ -32,7 +32,8 @@ TOPTHETA = (("toptheta", "post", "vmc"), ("toptheta", "pre", "sdc=exact+vmc"))
 SCOPE_LONG_ROWS = ("Here: the long-row settings alone (at least 10 fixed exemplars); "
                    "`figures/baseline_verdicts.md` pools every setting with matched baseline runs.")
 SCOPE_ALL = ("Here: every setting with matched baseline runs, zero-shot and long rows; results/README.md's long-row "
-             "section pools the long-row settings alone, so its pair counts are smaller where other settings add pairs.")
+             "section pools the long-row settings alone, so its pair counts are smaller where other settings add "
+             "pairs.")
 
 
 def _picks(sparsifier: str, placement: str, comp: str):
