@@ -239,7 +239,7 @@ def write(rows: list[dict], forwards: list[dict], out: Path, command: str) -> No
     meta = {"command": command, "torch": torch.__version__, "shapes": {"H": H, "Hkv": HKV, "D": D, "B": 1, "k": K_BUDGET},
             "unit": "one layer call", "rows": rows, "forwards": forwards}
     (out / "gpu_cost.json").write_text(json.dumps(meta, indent=1) + "\n")
-    lines = [f"# GPU cost of one attention layer call, counted on CPU", "", f"Command: `{command}` (torch {torch.__version__})", "",
+    lines = ["# GPU cost of one attention layer call, counted on CPU", "", f"Command: `{command}` (torch {torch.__version__})", "",
              "LLaMA-3-8B shapes (H=32, Hkv=8, D=128, B=1), k=64. `accelerator (meta)`: what runs off the CPU, on meta "
              "tensors (ops dispatched, nothing computed; a host read there would be a GPU synchronisation). "
              "`cpu`: the CPU backends forced with TOPTHETA_BACKEND, real tensors (there a host read costs nothing). "
