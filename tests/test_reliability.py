@@ -229,6 +229,13 @@ def test_a_sparse_run_keeping_nearly_everything_and_clamped_rows_are_warned_once
     assert "kept 99.8% of the attention elements (1996 of 2000), above 95%" in caplog.records[0].message
     assert "raise calib.sigma_add" in caplog.records[0].message
     assert "7 attention rows were longer than the longest calibrated row (300 keys)" in caplog.records[1].message
+    assert "and used its θ" in caplog.records[1].message
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="toptheta"):  # under fit the rows were extrapolated, as asked
+        warn_unintended("toptheta-post", sparse, None, _stats(0.5, clamped=7), SimpleNamespace(max_n=300, beyond_rule="fit"))
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "7 attention rows were longer" in caplog.records[0].message and "calib.beyond=fit" in caplog.records[0].message
+    assert "used its θ" not in caplog.records[0].message
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="toptheta"):
         warn_unintended("topk-post", {**sparse, "name": "topk"}, None, _stats(0.5))  # a sparse run as meant

@@ -15,7 +15,8 @@ KEPT_WARNING = 0.95  # a sparse run keeping more than this fraction of attention
 
 def warn_unintended(label: str, sparsifier: dict, calib: dict | None, stats, thresholds=None) -> None:
     """One warning each, with the count and the fix, for a legal run that likely did not do what was meant: a sparse
-    run that kept nearly everything, and rows longer than any calibrated row (their θ is the longest row's)."""
+    run that kept nearly everything, and rows longer than any calibrated row whose θ is the longest row's
+    (``calib.beyond=clamp``; under ``fit`` their count is only logged, since extrapolating was what was asked)."""
     if sparsifier["name"] == "dense":
         return
     kept, valid = float(stats.prefill_kept.sum()), float(stats.prefill_valid.sum())  # the reported fraction's counts
@@ -31,7 +32,10 @@ def warn_unintended(label: str, sparsifier: dict, calib: dict | None, stats, thr
                     "(sparsifier.k=%s, layer_k=%s): %s", label, 100 * kept / valid, kept, valid,
                     100 * KEPT_WARNING, sparsifier["k"], sparsifier.get("layer_k"), fix)
     clamped = int(stats.clamped_rows)
-    if clamped and thresholds is not None:
+    if clamped and thresholds is not None and getattr(thresholds, "beyond_rule", "clamp") == "fit":
+        log.info("%s: %d attention rows were longer than the longest calibrated row (%d keys); their θ came from the "
+                 "law fitted over the calibrated lengths (calib.beyond=fit)", label, clamped, thresholds.max_n)
+    elif clamped and thresholds is not None:
         log.warning("%s: %d attention rows were longer than the longest calibrated row (%d keys) and used its θ "
                     "(clamped rows); calibrate on longer documents (calib.task, calib.num_samples; calib.max_length "
                     "when model.max_length cuts them), extrapolate θ (calib.beyond=fit) or cap the evaluated length "
