@@ -32,10 +32,12 @@ def warn_unintended(label: str, sparsifier: dict, calib: dict | None, stats, thr
                     "(sparsifier.k=%s, layer_k=%s): %s", label, 100 * kept / valid, kept, valid,
                     100 * KEPT_WARNING, sparsifier["k"], sparsifier.get("layer_k"), fix)
     clamped = int(stats.clamped_rows)
-    if clamped and thresholds is not None and getattr(thresholds, "beyond_rule", "clamp") == "fit":
+    if not clamped or thresholds is None:
+        return
+    if getattr(thresholds, "beyond_rule", "clamp") == "fit":
         log.info("%s: %d attention rows were longer than the longest calibrated row (%d keys); their θ came from the "
                  "law fitted over the calibrated lengths (calib.beyond=fit)", label, clamped, thresholds.max_n)
-    elif clamped and thresholds is not None:
+    else:
         log.warning("%s: %d attention rows were longer than the longest calibrated row (%d keys) and used its θ "
                     "(clamped rows); calibrate on longer documents (calib.task, calib.num_samples; calib.max_length "
                     "when model.max_length cuts them), extrapolate θ (calib.beyond=fit) or cap the evaluated length "
