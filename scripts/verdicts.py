@@ -22,8 +22,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from toptheta.results import (baselines, experiments, figures, informative, past_calibration, reduction, regimes,
-                              sweeps, verdicts)
+from toptheta.results import (baselines, experiments, figures, informative, labels, past_calibration, reduction,
+                              regimes, sweeps, verdicts)
 from toptheta.results.render import doc_text, markdown, write_text
 from toptheta.results.summary import load_summary
 
@@ -70,7 +70,8 @@ def section(results: Path, command: str) -> str:
                   "Every run of each generation task on its most documents (score: the task's metric ± its standard "
                   "error; kept fractions as the run measured them; generated tokens: the mean length of a generated "
                   "text; rows past calibration: a Top-θ run's attention rows longer than its thresholds' calibrated "
-                  "length, which used the last calibrated θ). Sparse decoding can lengthen the texts, and Rouge-L "
+                  f"length, which used the last calibrated θ, or the fitted law's in a series tagged "
+                  f"[{labels.THETA_FIT}] (`calib.beyond=fit`)). Sparse decoding can lengthen the texts, and Rouge-L "
                   "moves with length. The trade-off tables and figures in `figures/` hold the same runs with every column.", "",
                   markdown(glance).rstrip()]
     lines += past_calibration_section(summary)

@@ -50,12 +50,12 @@ def _config(sparsifier, placement, k, comp, granularity, task, limit=5):
 
 
 def _add(store, run, *, task="arc_easy", metric="acc_norm", limit=5, vrow=None, per_layer=None, popularity=None,
-         stamp=0, clamped=None):
+         stamp=0, clamped=None, acc=True):
     sparsifier, placement, k, comp, granularity, value, stderr, attn = run
     config = _config(sparsifier, placement, k, comp, granularity, task, limit)
     run_id = store.run_id_for(config)
     lm_eval = {"results": {task: {f"{metric},none": value, f"{metric}_stderr,none": stderr,
-                                  "acc,none": value - 0.1, "acc_stderr,none": stderr}},
+                                  **({"acc,none": value - 0.1, "acc_stderr,none": stderr} if acc else {})}},
                "n-shot": {task: 0}, "config": {"limit": limit}}
     stats = {"kept_attention_fraction": attn, "kept_vrow_fraction": vrow}
     if clamped is not None:
@@ -130,6 +130,11 @@ def test_series_labels():
     row = {"sparsifier": "toptheta", "placement": "post", "comp": "vmc", "granularity": "layer"}
     assert label(row) == "Top-θ post (+VMC) [θ per layer]"
     assert label(row, granularity=False) == "Top-θ post (+VMC)"
+    fit = {"sparsifier": "toptheta", "placement": "post", "comp": "vmc", "calib_beyond": "fit"}
+    assert label(fit) == "Top-θ post (+VMC) [θ fitted past calibration]"  # never merged with the clamp run
+    assert label({**fit, "calib_beyond": "clamp"}) == "Top-θ post (+VMC)"
+    assert label({**fit, "sparsifier": "topk"}) == "Top-k post (+VMC)"  # no θ to fit
+    assert not labels.main_series(label(fit))
 
 
 def test_metric_of_interest():
@@ -543,7 +548,15 @@ def test_generation_glance_shows_each_generation_task_on_its_most_documents(tmp_
              limit=limit, vrow=0.125, clamped=0)
     _add(store, ("toptheta", "post", 32, "vmc", "layer-head-n", 0.5, 0.05, 0.3), task="humaneval", metric="pass@1",
          limit=80, vrow=0.2, clamped=151234)
+    _add(store, ("dense", None, None, "none", None, 0.54, 0.03, 1.0), task="ruler", metric="score", limit=100, vrow=1.0,
+         acc=False)
+    _add(store, ("topk", "post", 181, "vmc", None, 0.53, 0.03, 0.06), task="ruler", metric="score", limit=100, vrow=0.1,
+         acc=False)
     glance = figures.generation_glance(load_summary(tmp_path / "results"))
+    ruler = glance[glance["setting"].str.contains("ruler")]
+    assert ruler[["series", "score"]].values.tolist() == [["Baseline", "0.5400 ± 0.0300"],  # the ruler suite's score
+                                                          ["Top-k post (+VMC)", "0.5300 ± 0.0300"]]
+    glance = glance[~glance.index.isin(ruler.index)]
     assert glance["setting"].tolist() == ["tiny-llama · humaneval (0-shot, limit 80) · pass@1"] * 3
     assert glance["series"].tolist() == ["Baseline", "Top-k post (+VMC)", "Top-θ post (+VMC) [cal. arc_easy]"]
     assert glance["score"].tolist() == ["0.6000 ± 0.0500", "0.5500 ± 0.0500", "0.5000 ± 0.0500"]

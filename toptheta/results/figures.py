@@ -72,17 +72,17 @@ def tradeoff_table(summary: pd.DataFrame, *, model: str, task: str, metric: str,
     return df[TABLE_COLUMNS].reset_index(drop=True)
 
 
-GENERATION_METRICS = ("pass@1,none", "rouge_score,none", "accuracy,none")
+GENERATION_METRICS = ("pass@1,none", "rouge_score,none", "accuracy,none", "score,none")  # score: the ruler suite's
 
 
 def generation_glance(summary: pd.DataFrame) -> pd.DataFrame:
     """The generation tasks at a glance: every run of each (model, task) on its most documents, one row each.
 
     A task counts as generation when the metric it is judged by is one of GENERATION_METRICS (HumanEval,
-    LongBench, passkey and its per-length sub-tasks). Kept fractions and generated tokens as the store has them;
-    "rows past calibration": the attention rows of a Top-θ run longer than its thresholds' calibrated length,
-    which used the last calibrated θ (calibrating on short documents, e.g. ARC questions, for long prompts clamps
-    many).
+    LongBench, passkey, the ruler suite and their per-length sub-tasks). Kept fractions and generated tokens as the
+    store has them; "rows past calibration": the attention rows of a Top-θ run longer than its thresholds' calibrated
+    length, which used the last calibrated θ (calibrating on short documents, e.g. ARC questions, for long prompts
+    clamps many), or the fitted law's under calib.beyond=fit (its series tagged labels.THETA_FIT).
     """
     groups = [g for g in tradeoff_groups(summary) if g["metric"] in GENERATION_METRICS]
     def size(g: dict[str, Any]) -> float:  # documents evaluated (limit None: the whole split)

@@ -74,7 +74,8 @@ def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
     """Tags for settings that differ from the paper's protocol, so distinct configurations never merge:
     a cross-dataset calibration ('cal. arc_challenge', the paper's "Top-θ(cal.arcc)"), no larger k for
     layers 0-1, a budget per layer (layer_k past layers 0-1), another calibration statistic, σ_add, no TAC, the
-    reference code's empty-row rule, Top-θ calibrated to Top-ρ, Top-ρ's shares per head (with their weights' digest).
+    reference code's empty-row rule, Top-θ calibrated to Top-ρ, θ extrapolated past the calibrated lengths
+    (calib.beyond=fit), Top-ρ's shares per head (with their weights' digest).
     The number of calibration documents is tagged by the tables that compare it (calib_documents column)."""
     if cell_text(row.get("sparsifier")) in ("", "dense"):
         return []
@@ -99,6 +100,9 @@ def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
         tags.append("empty rows as [R]")
     if cell_text(row.get("sparsifier")) == "toptheta" and cell_text(row.get("rho")) and "rho" not in skip:
         tags.append(THETA_FOR_RHO)  # calibrated to Top-ρ's kept sets (sparsifier.budget=toprho)
+    if cell_text(row.get("sparsifier")) == "toptheta" and cell_text(row.get("calib_beyond")) == "fit" \
+            and "calib_beyond" not in skip:
+        tags.append(THETA_FIT)
     if cell_text(row.get("head_weights")) and "head_weights" not in skip:  # runs with other weights stay apart
         tags.append(f"{PER_HEAD_RHO} {cell_text(row.get('head_weights'))}")
     if regimes.broke_protocol(row):
@@ -108,6 +112,8 @@ def setting_tags(row: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
 
 PER_LAYER_K = "per-layer k"  # the tag of a run given a budget per layer (scripts/layer_budget.py)
 THETA_FOR_RHO = "θ for Top-ρ"  # the tag of a Top-θ run calibrated to Top-ρ's ⌈ρ·w·n⌉ keys instead of k
+THETA_FIT = "θ fitted past calibration"  # the tag of a Top-θ run whose rows past the calibrated lengths took θ from
+#   the fitted law (calib.beyond=fit) rather than the longest calibrated row's (clamp, the default)
 PER_HEAD_RHO = "per-head ρ"  # the tag of a Top-ρ run given a share per head (scripts/head_budget.py), with the
 # weights' digest (store.rows.weights_digest): '[per-head ρ wd0bb00bc]'
 
