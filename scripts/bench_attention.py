@@ -13,8 +13,12 @@ One process, same inputs, same conditions. Shapes are SmolLM2-135M's attention (
     plain_topk  the same through the torch path (torch.topk, the fused extension off), for the fused path's gain
     ours_topp   TopP(p=0.9, placement="post") + VMC, the top-p baseline (the fused kernel's selection, no sort)
     plain_topp  the same through the torch path (a sort per row), for the fused path's gain
-    ours_skip   SkipSoftmax(lam=1, placement="post") + VMC, BLASST's rule after the softmax (the fused kernel)
-    plain_skip  the same through the torch path
+    ours_skip   SkipSoftmax(lam=1, placement="post") + VMC, BLASST's rule after the softmax (the one-pass prefill's
+                two passes, attention/prefill.py)
+    select_skip the same through the plain kernel with its fused post-softmax selection (cpu-select)
+    plain_skip  the same through the torch path (both compiled kernels off)
+    ours_skip_pre   SkipSoftmax(lam=1, placement="pre"), no compensation: BLASST as deployed (the one-pass prefill)
+    plain_skip_pre  the same through the plain kernel (the torch path: the selection kernel has no pre-softmax rule)
     ours_toptheta  TopTheta(post) + VMC, k=[64]; thresholds calibrated on the benchmark's own data (below)
     ours_pre_sdc_vmc   TopTheta(pre) + exact SDC + VMC (the paper's pre-softmax variant; the one-pass prefill,
                    attention/prefill.py), logit thresholds calibrated the same way
@@ -86,7 +90,8 @@ B, H, HKV, D = 1, 9, 3, 64  # SmolLM2-135M attention
 K_BUDGET = 64
 SCALING = D ** -0.5
 METHODS = ("sdpa", "eager", "ours_dense", "ours_topk", "plain_topk", "ours_topp", "plain_topp", "ours_skip",
-           "plain_skip", "ours_toptheta", "ours_pre_sdc_vmc", "plain_pre_sdc_vmc")
+           "select_skip", "plain_skip", "ours_skip_pre", "plain_skip_pre", "ours_toptheta", "ours_pre_sdc_vmc",
+           "plain_pre_sdc_vmc")
 TOP_P = 0.9
 DEFAULT_REPEATS = {64: 20, 256: 10, 512: 5, 2048: 5, 8192: 3, 32768: 1}
 MB = 1024 * 1024
@@ -231,6 +236,13 @@ def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_
             return attention(*a, **kw)
         finally:
             fused.extension = extension
+
+    def plain_torch(*a, **kw):  # both compiled prefill paths off: the plain kernel's torch ops
+        prefill.ENABLED = False
+        try:
+            return torch_path(*a, **kw)
+        finally:
+            prefill.ENABLED = True
     calls = {
         "sdpa": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=SCALING, is_causal=True)[0],
         "eager": lambda: eager_attention_forward(module, q, k, v, mask, scaling=SCALING)[0],
@@ -251,9 +263,16 @@ def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_
         "ours_skip": lambda: attention(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "post"),
             compensations=[toptheta.VMC()], chunk_size=chunk_size),
-        "plain_skip": lambda: torch_path(
+        "select_skip": lambda: plain(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "post"),
             compensations=[toptheta.VMC()], chunk_size=chunk_size),
+        "plain_skip": lambda: plain_torch(
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "post"),
+            compensations=[toptheta.VMC()], chunk_size=chunk_size),
+        "ours_skip_pre": lambda: attention(
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "pre"), chunk_size=chunk_size),
+        "plain_skip_pre": lambda: plain(
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "pre"), chunk_size=chunk_size),
         "ours_toptheta": lambda: attention(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=post, compensations=[toptheta.VMC()],
             chunk_size=chunk_size),
@@ -466,6 +485,8 @@ def main(argv=None) -> int:
                 check["topp_fused_vs_plain_max_abs"] = float((calls["ours_topp"]() - calls["plain_topp"]()).abs().max())
             if "ours_skip" in methods and "plain_skip" in methods:
                 check["skip_fused_vs_plain_max_abs"] = float((calls["ours_skip"]() - calls["plain_skip"]()).abs().max())
+            if "ours_skip_pre" in methods and "plain_skip_pre" in methods:
+                check["skip_pre_fast_vs_plain_max_abs"] = float((calls["ours_skip_pre"]() - calls["plain_skip_pre"]()).abs().max())
             if "ours_pre_sdc_vmc" in methods and "plain_pre_sdc_vmc" in methods:
                 check["pre_fast_vs_plain_max_abs"] = float((calls["ours_pre_sdc_vmc"]() - calls["plain_pre_sdc_vmc"]()).abs().max())
             check["toptheta_mean_kept_per_row"] = kept_per_row(q, k, v, thresholds, chunk_size, kernel.sparse_attention)

@@ -132,8 +132,8 @@ def test_the_cpp_kernels_refuse_meta_tensors():
     q, k = torch.zeros(1, 2, 4, 16, **meta), torch.zeros(1, 1, 4, 16, **meta)
     empty = torch.empty(0)
     with pytest.raises(RuntimeError, match=message):
-        fused_prefill.extension().prefill(q, k, k, torch.empty(0, dtype=torch.bool), empty, empty, empty, empty, 0, 0,
-                                          0.0, 16, 16, False)
+        fused_prefill.extension().prefill(q, k, k, torch.empty(0, dtype=torch.bool), empty, empty, empty, empty, empty,
+                                          0, 0, 0.0, 16, 16, False)
     with pytest.raises(RuntimeError, match=message):
         fused_decode.extension().decode(q[:, :, 0].contiguous(), k, k, torch.empty(0, dtype=torch.bool), empty, empty,
                                         empty, empty, False, 0, 0.0, False, 512,

@@ -262,13 +262,17 @@ def test_decode_rows_run_on_torch_decode_and_match_the_plain_kernel(make, monkey
 
 @pytest.mark.parametrize("make", SPARSIFIERS)
 def test_fast_backends_refuse_the_baselines_before_the_softmax_with_a_reason(make, monkeypatch):
-    """After the softmax the baselines have the fused CPU kernel (below); before it they run on the plain kernel on
-    CPU (on a GPU, Triton serves skip-softmax: test_triton_kernels.py)."""
+    """After the softmax the baselines have the fused CPU kernel (below); before it top-p and Top-ρ run on the plain
+    kernel on CPU, skip-softmax (a threshold once the row's maximum is known) on the one-pass prefill's two passes
+    (test_fast_paths.py; on a GPU, Triton serves skip-softmax: test_triton_kernels.py)."""
+    from toptheta.attention import fused_prefill
+
     q, k, v, valid = qkv()
     call = AttentionCall(q, k, v, None, 0.5, 0, make("pre"), (toptheta.SDC("exact"),), phase="prefill")
     assert call.kind in ("topp", "skipsoftmax", "toprho")  # its registered name
-    assert backends.choose(call).name == "plain"
-    refusing = [b for b in backends.backends() if b.name not in ("plain", "torch-decode")]
+    serving = "cpu-prefill" if call.kind == "skipsoftmax" and fused_prefill.extension() is not None else "plain"
+    assert backends.choose(call).name == serving
+    refusing = [b for b in backends.backends() if b.name not in ("plain", "torch-decode", serving)]
     assert refusing and all(b.refuse(call) for b in refusing)
     monkeypatch.setenv("TOPTHETA_BACKEND", "cpu-select")
     with pytest.raises(RuntimeError, match="cannot serve"):
@@ -400,7 +404,11 @@ def test_a_pipeline_run_of_each_baseline_is_stored(tmp_path, sparsifier, key, va
     assert all(0 < float(r["kept_attention_fraction"]) < 1 for r in rows)
     assert {r["k"] for r in rows} == {""} and {r["calib_beyond"] for r in rows} == {""}  # no k, no thresholds
     stats = json.loads((tmp_path / "runs" / rows[0]["run_id"] / "stats.json").read_text())
-    prefill = "cpu-select" if fused.enabled() and sparsifier != "toprho" else "plain"  # post: the fused kernel
+    from toptheta.attention import fused_prefill
+
+    prefill = "cpu-select" if fused.enabled() and sparsifier != "toprho" else "plain"  # post: the fused selection,
+    if sparsifier == "skipsoftmax" and fused_prefill.extension() is not None:  # or skip-softmax's cut in the one-pass
+        prefill = "cpu-prefill"                                                # prefill's two passes
     assert set(stats["backend_calls"]) <= {prefill, "torch-decode"} and stats["backend_calls"].get(prefill)
 
 

@@ -229,7 +229,7 @@ def test_decode_kernel_empty_rows_and_low_precision_caches(monkeypatch):
 # ---- one-pass prefill ----------------------------------------------------------------------------------
 
 PREFILL_CONFIGS = ["dense", "theta-pre", "theta-pre-sdc", "theta-pre-sdc-vmc", "theta-pre-expsdc-vmc",
-                   "theta-pre-calsdc-vmc", "theta-post", "theta-post-vmc"]
+                   "theta-pre-calsdc-vmc", "theta-post", "theta-post-vmc", "skip-pre-sdc-vmc", "skip-post-vmc"]
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -305,6 +305,23 @@ def test_prefill_empty_and_clamped_rows_match(monkeypatch, torch_threads):
             assert fs.empty_rows.sum() > 0 and fs.clamped_rows > 0
 
 
+@pytest.mark.parametrize("lam", [0.5, 2.0, 6.0, 40.0, 1e3])
+def test_skip_softmax_prefill_cuts_tied_logits_as_the_plain_kernel(monkeypatch, lam):
+    """Integer queries and keys give exact, heavily tied logits in both kernels: every key tied with a row's maximum
+    or with another kept key is decided alike, at λ from a loose cut to one above every row's maximum (λ > n)."""
+    _needs_kernel()
+    monkeypatch.setattr(prefill, "KEY_BLOCK", 16)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, valid = prefill_data(K=70, seed=5)
+    q, k = (torch.randint(-2, 3, x.shape, generator=g).float() for x in (q, k))
+    for placement, comp in (("pre", []), ("pre", [toptheta.SDC("exact")]), ("post", [toptheta.VMC()])):
+        sparsifier = toptheta.SkipSoftmax(lam, placement, k=2)
+        for data in ((q, k, v, None), (q, k, v, valid)):
+            stats = _kernel_equals_plain(monkeypatch, prefill.fused_prefill, data, sparsifier, comp)
+            assert 0 < stats.kept_attention_fraction < 1
+            assert (stats.empty_rows.sum() > 0) == (lam > 16)  # rows hold 16-70 keys: λ > n empties some
+
+
 def test_masked_value_means_are_the_direct_float64_means():
     """v̄ of masked rows (VMC's mean V row over each row's valid keys), the keys shared by a sequence's rows summed
     once: the same float32 bits as the direct float64 mean, with padding, packed rows, rows without keys, sequences
@@ -332,6 +349,10 @@ def test_paths_the_one_pass_kernel_does_not_serve_run_the_plain_kernel(monkeypat
     assert not prefill.supports(toptheta.TopTheta(pre, empty_rows="reference"))
     assert not prefill.supports(toptheta.TopTheta(pre), phase="decode")  # decode stats need the keep mask
     assert prefill.supports(toptheta.TopTheta(pre)) and prefill.supports(toptheta.Dense())
+    skip = toptheta.SkipSoftmax(2.0, "pre")
+    assert prefill.supports(skip) and prefill.supports(skip, [toptheta.SDC("exact"), toptheta.VMC()])
+    assert not prefill.supports(skip, phase="decode") and not prefill.supports(toptheta.TopP(0.9, "post"))
+    assert not prefill.supports(skip, [toptheta.SDC("exp-threshold")])  # needs a calibrated θ
     q, k, v, _ = prefill_data()
     assert prefill.attention(q, k, v, None, scaling=0.5, layer=0, sparsifier=toptheta.TopK(3, "pre")) is None
 
@@ -379,7 +400,8 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_log_line(monkeypatch,
 
 
 @pytest.mark.parametrize("arch,name", [("llama", "theta-pre-sdc-vmc"), ("qwen2", "theta-pre-expsdc-vmc"),
-                                       ("qwen2", "dense"), ("llama", "theta-post-vmc")])
+                                       ("qwen2", "dense"), ("llama", "theta-post-vmc"),
+                                       ("qwen2", "skip-pre-sdc-vmc")])
 def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch, torch_threads, arch, name):
     _needs_kernel()
     model = tiny_6heads(arch)
@@ -398,6 +420,8 @@ def test_model_forward_with_one_pass_prefill_equals_the_plain_kernel(monkeypatch
     real = mask.bool()
     torch.testing.assert_close(a[real], b[real], atol=1e-4, rtol=1e-4)
     assert_same_stats(sa, sb)
+    assert set(sa.summary()["backend_calls"]) == {"cpu-prefill"}  # which kernel ran, each way
+    assert "cpu-prefill" not in sb.summary()["backend_calls"]
 
 
 @pytest.mark.parametrize("name", PREFILL_CONFIGS)

@@ -7,6 +7,8 @@ R = Σ_kept e^{s−m}, kept count, the weights), and a second GEMM (or, where fe
 over the kept V rows) adds the kept weights times V to the rows' accumulators. A row that ends with nothing above
 θ keeps its maximum (tracked on the side while nothing was kept). At the end each row is normalised with the
 plain kernel's formulas: renormalised over the kept set, SDC's λ·E added to the denominator, VMC's β·v̄ added.
+Post-softmax Top-θ and skip-softmax (which cuts at the row's final maximum) take two passes over the key blocks
+(``prefill.py``).
 
 A row's bits do not depend on its batch, padding, query block or neighbours (every per-row quantity is summed in
 key order; key blocks start at the sequence's first valid key), so batched and shared-context scoring make
@@ -23,7 +25,7 @@ import logging
 from .fused import build, kernel_source
 
 log = logging.getLogger("toptheta")
-_VERSION = 14  # bump when csrc/prefill.cpp, csrc/common.h or the flags change: the build cache is keyed by name
+_VERSION = 15  # bump when csrc/prefill.cpp, csrc/common.h or the flags change: the build cache is keyed by name
 
 
 @functools.cache

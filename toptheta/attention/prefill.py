@@ -16,7 +16,12 @@ keeps p = e^{s−m}/l > θ and the row's maximum, and accumulates the kept e^{s�
 (``fused_prefill.py``); the keep decisions, kept counts, kept mass and empty rows they report feed the same
 statistics as the plain kernel.
 
-Everything else returns None and runs in the plain kernel: Top-k (no threshold rule), observers
+Skip-softmax (one λ: keep s ≥ m + ln(λ/n), ``SkipSoftmax.cut``) needs the row's final maximum m before it can cut,
+so it runs the post-softmax loop's two passes at either placement: the second compares each logit with the row's
+cut (float64, rounded up to float32 as the plain kernel's) and keeps the weights e^{s−m}; pre-softmax then
+renormalises over the kept keys (with exact SDC's λ·(l − R) where asked), post-softmax divides by l.
+
+Everything else returns None and runs in the plain kernel: Top-k and top-p (a selection, not a threshold), observers
 (calibration wants the rows), soft-capping, additive biases, the reference code's empty-row rule, and machines
 where the C++ kernel cannot be built.
 Set ``TOPTHETA_FAST=0`` (or ``prefill.ENABLED = False``) to compare.
@@ -30,7 +35,7 @@ from typing import Sequence
 import torch
 
 from ..compensation import lower
-from ..sparsifiers import Dense, TopTheta
+from ..sparsifiers import Dense, SkipSoftmax, TopTheta
 from ..sparsifiers.base import RowBlock
 from . import fused_prefill
 from .backends import call
@@ -48,6 +53,8 @@ def supports(sparsifier, compensations: Sequence = (), *, observer=None, softcap
         return False
     if type(sparsifier) is Dense:
         return True
+    if type(sparsifier) is SkipSoftmax:  # SDC exact or none: the other estimators need a calibrated θ
+        return phase == "prefill" and lower(compensations, sparsifier.placement).sdc_mode in (0, 1)
     return (type(sparsifier) is TopTheta and phase == "prefill"
             and getattr(sparsifier, "empty_rows", "keep-max") == "keep-max")
 
@@ -81,7 +88,8 @@ def attention(
     ext = fused_prefill.extension()
     if ext is None:
         return None
-    sparse = type(sparsifier) is TopTheta
+    skip = type(sparsifier) is SkipSoftmax
+    sparse = skip or type(sparsifier) is TopTheta
     post = sparse and sparsifier.placement == "post"
     lowered = lower(compensations, sparsifier.placement if sparse else None)  # SDC: pre-softmax only
     vmc = lowered.vmc
@@ -98,13 +106,16 @@ def attention(
         mask = vm[:, 0]  # (B, Q, K), any strides
     if sparse or counting:
         rows = RowBlock(layer, phase, shape_only(B, H, Q, K, query.device), n)
-    theta = raw = cal = vbar = _EMPTY
+    theta = offset = raw = cal = vbar = _EMPTY
     vmc_mode = 0
-    if sparse:
+    if skip:  # ln(λ/n) per row (−inf: kept whole), what the compiled kernels cut at min(m + it, m) with
+        offset = sparsifier.cut_offsets(layer, n).expand(B, H, Q).contiguous()
+    elif sparse:
         theta, raw, rows.clamped_rows = row_thresholds_of(sparsifier, rows, cache=valid is None)
         mass = lowered.calibrated_mass(layer, n, sparsifier)  # (B, H|1, Q), None unless calibrated SDC
         if mass is not None:
             cal = mass.expand(B, H, Q).contiguous()
+    if sparse:
         if vmc:  # v̄: float64 prefix means in the kernel when causal, else from the mask here (the same bits)
             vmc_mode = 2 if valid is None else 1
             if valid is not None:
@@ -115,13 +126,16 @@ def attention(
     # qb queries computes a qb × qb triangle in full; measured on 2 shared cores: qb = 16 beats 64 at 64-256 tokens).
     tasks_wanted = 2 * torch.get_num_threads()
     qb = max(16, min(MAX_QUERY_BLOCK, Q // 16, -(-B * Hkv * Q // tasks_wanted)))
-    out, rowstats = ext.prefill(q, kf, vf, mask, theta, raw, cal, vbar, vmc_mode,
+    out, rowstats = ext.prefill(q, kf, vf, mask, theta, offset, raw, cal, vbar, vmc_mode,
                                 lowered.sdc_mode, lowered.sdc_scale, qb, KEY_BLOCK, post)
     if counting:
         if sparse:
             rows.kept_counts = rowstats[..., 0].long()  # (B, H, Q)
             rows.kept_mass = rowstats[..., 1:2]  # (B, H, Q, 1)
-            rows.empty = rowstats[..., 2].bool() & (n > sparsifier.k_for(layer))
+            if skip:  # rows where λ > n: the cut is the maximum (SkipSoftmax: counted empty, as the plain kernel)
+                rows.empty = ((n > sparsifier.k_for(layer)) & (n > 0) & (n < sparsifier.lam)).expand(B, H, Q)
+            else:
+                rows.empty = rowstats[..., 2].bool() & (n > sparsifier.k_for(layer))
         stats.update(rows)
     return out if out.dtype == query.dtype else out.to(query.dtype)
 

@@ -90,8 +90,9 @@ class SkipSoftmax(ParameterRule):
         return ((rows.n > k) & (rows.n > 0) & (rows.n < self.lam)).expand(rows.logits.shape[:3])
 
     def fused_rule(self, rows: RowBlock) -> FusedRule | None:
-        """After the softmax, the fused CPU kernel compares each row with its cut (csrc/select.cpp, ``post_cut``);
-        before it the weights are renormalised over the kept set (plain kernel)."""
+        """After the softmax, the fused CPU selection compares each row with its cut (csrc/select.cpp, ``post_cut``)
+        where the one-pass prefill (attention/prefill.py, which takes :meth:`cut_offsets` at either placement) is off;
+        before it, without that kernel, the plain kernel renormalises the weights over the kept set."""
         whole = self.fused_whole(rows)
         if whole is None:
             return None

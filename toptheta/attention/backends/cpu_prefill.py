@@ -1,4 +1,5 @@
-"""The C++ one-pass prefill (``prefill.py`` / ``fused_prefill.py``): dense and Top-θ prefill on CPU, float32 inside."""
+"""The C++ one-pass prefill (``prefill.py`` / ``fused_prefill.py``): dense, Top-θ and skip-softmax prefill on CPU,
+float32 inside."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ class CpuPrefill(Backend):
             return "the fast paths are off (TOPTHETA_FAST=0 or prefill.ENABLED = False)"
         if call.is_decode_row:
             return "decode steps go to the decode backends"
-        if call.kind not in ("dense", "toptheta"):
-            return f"dense and Top-θ only, not {call.kind}"
-        if call.kind == "toptheta" and call.phase != "prefill":
-            return "Top-θ in prefill only (decode statistics need the keep mask)"
+        if call.kind not in ("dense", "toptheta", "skipsoftmax"):
+            return f"dense, Top-θ and skip-softmax only, not {call.kind}"
+        if call.kind != "dense" and call.phase != "prefill":
+            return "Top-θ and skip-softmax in prefill only (decode statistics need the keep mask)"
+        if call.kind == "skipsoftmax" and call.sdc_mode not in (0, 1):
+            return "skip-softmax with SDC exact or none (the other estimators need a calibrated θ)"
         if call.empty_rows != "keep-max":
             return f"empty_rows={call.empty_rows!r}: the kernel keeps each row's maximum (keep-max) only"
         if call.observer is not None or call.softcap or call.bias is not None:

@@ -96,6 +96,10 @@ __attribute__((noinline, optimize("no-reciprocal-math"))) static float mean_of(d
 // exactly as the caller's masked means are: see mean_of).
 // sdc: 0 none, 1 exact, 2 exp-threshold, 3 calibrated; lam = λ. post: theta is a probability threshold (two passes:
 // the row's max and dense sum first, then keep p > θ and the row's maximum; weights stay dense probabilities).
+// offset (B, H, Q) float64, or empty: skip-softmax instead of θ (theta then empty): offset = ln(λ/n) per row, −inf
+// for rows kept whole; two passes at either placement, the second keeping s ≥ cut, cut = min(m + offset, m) in
+// float64 rounded up to the next float32 (as SkipSoftmax.cut), so the maximum always passes. post as above; pre
+// renormalises over the kept keys (SDC exact only: the other estimators need a calibrated θ).
 // Returns out (B, Q, H, Dv) and rowstats (B, H, Q, 3): kept count, kept dense mass R / l, empty (sparse only).
 //
 // A row's result does not depend on the batch it is in, its padding, its query block or the other rows: the
@@ -104,12 +108,17 @@ __attribute__((noinline, optimize("no-reciprocal-math"))) static float mean_of(d
 // valid key. Masked keys add exact zeros. So a sequence scored alone, left-padded in a batch, or as continuation
 // rows against its cached context gives the same bits (and the same Top-θ decisions).
 std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
-                                   torch::Tensor theta, torch::Tensor raw, torch::Tensor cal, torch::Tensor vbar,
-                                   int64_t vmc_mode, int64_t sdc, double lam, int64_t qb, int64_t kb, bool post) {
+                                   torch::Tensor theta, torch::Tensor offset, torch::Tensor raw, torch::Tensor cal,
+                                   torch::Tensor vbar, int64_t vmc_mode, int64_t sdc, double lam, int64_t qb, int64_t kb,
+                                   bool post) {
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), K = k.size(2), Dv = v.size(3), G = H / Hkv;
-  const bool causal = mask.numel() == 0, sparse = theta.numel() > 0, vmc = vmc_mode > 0;
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && mask.device().is_cpu() && theta.device().is_cpu() && raw.device().is_cpu() && cal.device().is_cpu() && vbar.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
+  const bool causal = mask.numel() == 0, skip = offset.numel() > 0, sparse = theta.numel() > 0 || skip,
+             vmc = vmc_mode > 0, two_pass = sparse && (post || skip);
+  TORCH_CHECK(!skip || (theta.numel() == 0 && offset.scalar_type() == torch::kFloat64 && offset.is_contiguous() &&
+                        offset.numel() == B * H * Q && (sdc == 0 || sdc == 1)),
+              "skip-softmax: offset (B, H, Q) float64 contiguous, no theta, SDC none or exact");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && mask.device().is_cpu() && theta.device().is_cpu() && offset.device().is_cpu() && raw.device().is_cpu() && cal.device().is_cpu() && vbar.device().is_cpu(), "toptheta: a CPU kernel was handed tensors on another device; the backend registry must not choose it there");
   TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1 && (K == 1 || (k.stride(2) == D && v.stride(2) == Dv)),
               "q must be contiguous, and k and v contiguous within each (sequence, head)");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
@@ -123,7 +132,8 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const bool* Mp = causal ? nullptr : mask.data_ptr<bool>();
   const int64_t ms0 = causal ? 0 : mask.stride(0), ms1 = causal ? 0 : mask.stride(1), ms2 = causal ? 0 : mask.stride(2);
-  const float* Tp = sparse ? theta.data_ptr<float>() : nullptr;
+  const float* Tp = sparse && !skip ? theta.data_ptr<float>() : nullptr;
+  const double* OFp = skip ? offset.data_ptr<double>() : nullptr;
   const float* RTp = sdc == 2 ? raw.data_ptr<float>() : nullptr;
   const float* Cp = sdc == 3 ? cal.data_ptr<float>() : nullptr;
   if (vmc_mode == 2) {  // causal v̄: the mean of V rows 0..K-Q+i, from running float64 sums
@@ -180,6 +190,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
         bsum2(rp_max);
     std::vector<int32_t> cnt(rp_max), passed(rp_max), lim(rp_max), bcnt(rp_max), bpass(rp_max);
     std::vector<int64_t> cmax(rp_max), n(rp_max);
+    std::vector<double> off(rp_max);
     for (int64_t tt = t0; tt < t1; ++tt) {
       // Zig-zag order: causal blocks grow with the query index; pairing short and long ones balances threads.
       const int64_t half = tt / 2, t = (tt % 2 == 0) ? half : tasks - 1 - half;
@@ -219,7 +230,8 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
       for (int64_t r = 0; r < rp; ++r) {
         const bool real = r < rows;
         const int64_t g = r / qc, i = q0 + r % qc, h = kvh * G + g;
-        th[r] = real && sparse ? Tp[(b * H + h) * Q + i] : 0.5f * NEG;
+        th[r] = real && sparse && !skip ? Tp[(b * H + h) * Q + i] : 0.5f * NEG;
+        off[r] = real && skip ? OFp[(b * H + h) * Q + i] : 0.0;
         lim[r] = real ? (int32_t)(K - Q + i) : -1;  // causal: the row's last valid key
         if (causal && real) n[r] = K - Q + i + 1;
       }
@@ -229,7 +241,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
       std::memset(AM, 0, sizeof(float) * rp * Dv);
       // Post-softmax needs each block's logits twice. Where all of the tile's fit in POST_KEEP_BYTES they are kept
       // from pass 1 for pass 2 (one GEMM instead of two: short and medium rows); else pass 2 recomputes them.
-      const bool keep_all = sparse && post && (k_hi - k_lo) * rp * (int64_t)sizeof(float) <= POST_KEEP_BYTES;
+      const bool keep_all = two_pass && (k_hi - k_lo) * rp * (int64_t)sizeof(float) <= POST_KEEP_BYTES;
       if (keep_all) sbuf.resize(std::max<size_t>(sbuf.size(), (k_hi - k_lo) * rp));
       float* S = sbuf.data();  // (kc, rp): the logits of a key block, then its weights
       // Logits of key block [k0, k0 + kc) for every row, invalid keys set to NEG (a mask's valid keys are counted
@@ -276,7 +288,7 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
           }
         }
       };
-      if (sparse && post) {
+      if (two_pass) {
         // Pass 1: each row's maximum m and dense sum l = Σ e^{s−m} (online, no selection).
         for (int64_t k0 = k_lo; k0 < k_hi; k0 += kb) {
           const int64_t kc = std::min(kb, k_hi - k0);
@@ -296,7 +308,16 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
           for (int64_t r = 0; r < rp; ++r) l[r] += ls[r];
         }
         for (int64_t r = 0; r < rp; ++r) inv[r] = 1.0f / std::max(l[r], tiny);
+        if (skip) {  // the cut of each row with a valid key (rows without one keep nothing: their th stays below NEG)
+          for (int64_t r = 0; r < rows; ++r) {
+            if (!(m[r] > 0.5f * NEG)) continue;
+            const double exact = std::min((double)m[r] + off[r], (double)m[r]);
+            const float c = (float)exact;
+            th[r] = (double)c < exact ? std::nextafter(c, std::numeric_limits<float>::infinity()) : c;
+          }
+        }
         // Pass 2: p = e^{s−m}/l; keep p > θ and the row's maximum (e = 1), as the plain kernel; weights e^{s−m}.
+        // Skip-softmax keeps s ≥ cut instead (the maximum among them).
         for (int64_t k0 = k_lo; k0 < k_hi; k0 += kb) {
           const int64_t kc = std::min(kb, k_hi - k0);
           if (keep_all) S = sbuf.data() + (k0 - k_lo) * rp;
@@ -313,7 +334,8 @@ std::vector<torch::Tensor> prefill(torch::Tensor q, torch::Tensor k, torch::Tens
             for (int64_t r = 0; r < rp; ++r) {
               const bool valid = s[r] > 0.5f * NEG;
               const float x = expf(s[r] - m[r]), e = valid ? x : 0.0f;
-              const bool pass = valid && e * inv[r] > th[r], keep = pass || (valid && e >= 1.0f);
+              const bool pass = valid && (skip ? s[r] >= th[r] : e * inv[r] > th[r]);
+              const bool keep = pass || (valid && e >= 1.0f);
               const float w = keep ? e : 0.0f;
               rs[r] += w; c[r] += keep ? 1 : 0; pc[r] += pass ? 1 : 0;
               s[r] = w;
