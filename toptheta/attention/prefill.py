@@ -132,10 +132,8 @@ def attention(
         if sparse:
             rows.kept_counts = rowstats[..., 0].long()  # (B, H, Q)
             rows.kept_mass = rowstats[..., 1:2]  # (B, H, Q, 1)
-            if skip:  # rows where λ > n: the cut is the maximum (SkipSoftmax: counted empty, as the plain kernel)
-                rows.empty = ((n > sparsifier.k_for(layer)) & (n > 0) & (n < sparsifier.lam)).expand(B, H, Q)
-            else:
-                rows.empty = rowstats[..., 2].bool() & (n > sparsifier.k_for(layer))
+            rows.empty = (sparsifier.empty_mask(rows) if skip  # λ > n: the cut is the maximum, as the plain kernel counts
+                          else rowstats[..., 2].bool() & (n > sparsifier.k_for(layer)))
         stats.update(rows)
     return out if out.dtype == query.dtype else out.to(query.dtype)
 

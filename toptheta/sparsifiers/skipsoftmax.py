@@ -82,11 +82,13 @@ class SkipSoftmax(ParameterRule):
         if rows.logits.shape[-1] <= k:  # every row has n ≤ K ≤ k: nothing to drop
             return None
         keep = rows.logits >= self.cut(rows)  # (B, H, Q, K); invalid keys are -inf, below any cut
-        rows.empty = self._empty(rows, k)
+        rows.empty = self.empty_mask(rows)
         return keep_whole_short_rows(keep, rows, k)
 
-    def _empty(self, rows: RowBlock, k: int) -> torch.Tensor:
-        """Rows where λ > n: the rule's cut is above the maximum, nothing would pass (kept: the maximum, and ties)."""
+    def empty_mask(self, rows: RowBlock) -> torch.Tensor:
+        """(B, H, Q) rows where λ > n: the rule's cut is above the maximum, nothing would pass (kept: the maximum, and
+        ties); rows kept whole are not counted. The CPU paths (plain, fused selection, one-pass prefill) count with it."""
+        k = self.k_for(rows.layer)
         return ((rows.n > k) & (rows.n > 0) & (rows.n < self.lam)).expand(rows.logits.shape[:3])
 
     def fused_rule(self, rows: RowBlock) -> FusedRule | None:
@@ -96,4 +98,4 @@ class SkipSoftmax(ParameterRule):
         whole = self.fused_whole(rows)
         if whole is None:
             return None
-        return FusedRule(whole=whole, cut=self.cut(rows)[..., 0], empty=self._empty(rows, self.k_for(rows.layer)))
+        return FusedRule(whole=whole, cut=self.cut(rows)[..., 0], empty=self.empty_mask(rows))
