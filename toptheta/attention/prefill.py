@@ -132,7 +132,7 @@ def attention(
         if sparse:
             rows.kept_counts = rowstats[..., 0].long()  # (B, H, Q)
             rows.kept_mass = rowstats[..., 1:2]  # (B, H, Q, 1)
-            rows.empty = (sparsifier.empty_mask(rows) if skip  # λ > n: the cut is the maximum, as the plain kernel counts
+            rows.empty = (sparsifier.empty_mask(rows) if skip  # λ > n: the cut is the maximum (as the plain kernel)
                           else rowstats[..., 2].bool() & (n > sparsifier.k_for(layer)))
         stats.update(rows)
     return out if out.dtype == query.dtype else out.to(query.dtype)

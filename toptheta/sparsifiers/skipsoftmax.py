@@ -87,7 +87,7 @@ class SkipSoftmax(ParameterRule):
 
     def empty_mask(self, rows: RowBlock) -> torch.Tensor:
         """(B, H, Q) rows where λ > n: the rule's cut is above the maximum, nothing would pass (kept: the maximum, and
-        ties); rows kept whole are not counted. The CPU paths (plain, fused selection, one-pass prefill) count with it."""
+        ties); rows kept whole are not counted. The CPU paths (plain, fused selection, one-pass prefill) use it."""
         k = self.k_for(rows.layer)
         return ((rows.n > k) & (rows.n > 0) & (rows.n < self.lam)).expand(rows.logits.shape[:3])
 
