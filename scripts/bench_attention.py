@@ -270,9 +270,11 @@ def make_calls(q, k, v, mask, thresholds, chunk_size, attention=toptheta.sparse_
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "post"),
             compensations=[toptheta.VMC()], chunk_size=chunk_size),
         "ours_skip_pre": lambda: attention(
-            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "pre"), chunk_size=chunk_size),
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "pre"),
+            chunk_size=chunk_size),
         "plain_skip_pre": lambda: plain(
-            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "pre"), chunk_size=chunk_size),
+            q, k, v, None, scaling=SCALING, layer=0, sparsifier=toptheta.SkipSoftmax(1.0, "pre"),
+            chunk_size=chunk_size),
         "ours_toptheta": lambda: attention(
             q, k, v, None, scaling=SCALING, layer=0, sparsifier=post, compensations=[toptheta.VMC()],
             chunk_size=chunk_size),
